@@ -1,0 +1,152 @@
+"""Build a backbone CNN from the config: torchvision name + weights name, local file, or random."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CUSTOM = "custom"
+
+OFFLINE_HELP = (
+    "Offline options: set backbone.weights to a local weights file (a .pth/.pt state dict "
+    "saved with torch.save(model.state_dict(), path), or a .safetensors file), pass any "
+    "nn.Module with Detector.from_config(cfg, backbone=module), or set backbone.weights=null "
+    "for a random init (poor results; for tests only)."
+)
+
+
+class BackboneError(ValueError):
+    """The backbone or its weights could not be built or loaded."""
+
+
+def looks_like_path(weights: str) -> bool:
+    """A weights value is a file path if it has a separator or a file suffix, or exists."""
+    return ("/" in weights or "\\" in weights or Path(weights).suffix != ""
+            or Path(weights).exists())
+
+
+def _torchvision_builder(name: str):
+    import torchvision.models as tvm
+
+    try:
+        return tvm.get_model_builder(name)
+    except ValueError:
+        names = ", ".join(sorted(tvm.list_models(module=tvm)))
+        raise BackboneError(
+            f"backbone.name={name!r} is not a torchvision classification model. "
+            f"Valid names: {names}; or use backbone.name=custom with your own nn.Module."
+        ) from None
+
+
+def _pretrained(name: str, weights: str) -> nn.Module:
+    import torchvision.models as tvm
+
+    enum = tvm.get_model_weights(name)
+    try:
+        weight_obj = enum[weights] if weights != "DEFAULT" else enum.DEFAULT
+    except KeyError:
+        valid = ["DEFAULT"] + [w.name for w in enum]
+        raise BackboneError(
+            f"backbone.weights={weights!r} is not a weights name of {name}; valid: {valid}, "
+            "a local file path, or null"
+        ) from None
+    try:
+        return _torchvision_builder(name)(weights=weight_obj)
+    except (OSError, RuntimeError) as exc:  # URLError is an OSError
+        raise BackboneError(
+            f"could not download the {name} weights {weight_obj} ({exc}). {OFFLINE_HELP}"
+        ) from None
+
+
+def load_state_file(path: Path) -> dict[str, torch.Tensor]:
+    """Read a state dict without unpickling arbitrary objects (``weights_only=True``)."""
+    if not path.is_file():
+        raise BackboneError(f"backbone weights file not found: {path}. {OFFLINE_HELP}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise BackboneError(f"cannot read backbone weights {path}: {exc}") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise BackboneError(f"{path} does not hold a state dict of tensors")
+    return state
+
+
+def _from_file(name: str, path: Path) -> nn.Module:
+    model = _torchvision_builder(name)(weights=None)
+    state = load_state_file(path)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys:
+        raise BackboneError(
+            f"{path} does not fit {name}: {len(result.missing_keys)} missing keys, e.g. "
+            f"{result.missing_keys[:3]}. Save it with torch.save(model.state_dict(), path)."
+        )
+    if result.unexpected_keys:
+        log.warning("%s: %d unexpected keys ignored, e.g. %s", path, len(result.unexpected_keys),
+                    result.unexpected_keys[:3])
+    return model
+
+
+def _random(name: str, seed: int) -> nn.Module:
+    msg = (f"backbone.weights is null: {name} is RANDOMLY initialised (seed {seed}). "
+           "Detection quality will be poor; use pretrained weights for real inspection.")
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    log.warning(msg)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return _torchvision_builder(name)(weights=None)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def build_backbone(name: str, weights: Optional[str], seed: int = 0) -> nn.Module:
+    """A torchvision classification model in eval mode.
+
+    Args:
+        name: a torchvision model name, e.g. ``wide_resnet50_2``, ``resnet18``.
+        weights: ``DEFAULT`` / ``IMAGENET1K_V1`` / ... (downloaded and cached by torchvision),
+            a local state-dict file, or None for a seeded random init.
+        seed: seed of the random init.
+    """
+    if name == CUSTOM:
+        raise BackboneError(
+            "backbone.name=custom needs the module: Detector.from_config(cfg, backbone=module) "
+            "or Detector.load(path, backbone=module)"
+        )
+    _torchvision_builder(name)
+    if weights is None:
+        model = _random(name, seed)
+    elif looks_like_path(weights):
+        model = _from_file(name, Path(weights).expanduser())
+    else:
+        model = _pretrained(name, weights)
+    return model.eval()
+
+
+def fingerprint(module: nn.Module) -> str:
+    """SHA-256 of a module's parameters and buffers (names, dtypes, shapes and bytes).
+
+    Stored with a model so that loading it onto a backbone with other weights is refused.
+    """
+    digest = hashlib.sha256()
+    for key, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            digest.update(t.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -1,0 +1,185 @@
+"""Command-line interface: ``anomaly-hooks fit|score ...`` (also ``scripts/fit.py`` etc.)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from anomaly_hooks.config import ConfigError, load_config
+from anomaly_hooks.data import DataError
+from anomaly_hooks.images import ImageReadError, is_image_file
+
+log = logging.getLogger("anomaly_hooks")
+
+USER_ERRORS = (ConfigError, DataError, ImageReadError, ValueError, FileNotFoundError)
+
+
+def _fit_parser(sub) -> None:
+    p = sub.add_parser("fit", help="fit a model on a folder of good images")
+    p.add_argument("--config", help="YAML config (configs/padim.yaml, configs/patchcore.yaml)")
+    p.add_argument("--data", help="training folder (overrides data.train)")
+    p.add_argument("--output", help="model path (overrides output)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def _score_parser(sub) -> None:
+    p = sub.add_parser("score", help="score images with a fitted model")
+    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("inputs", nargs="+", help="image files and/or folders")
+    p.add_argument("--out", default="results", help="output folder (default: results)")
+    p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
+    p.add_argument("--no-images", action="store_true", help="only the CSV and JSON")
+    p.add_argument("--batch-size", type=int, default=None)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    """Fit and save; print the model path."""
+    from anomaly_hooks.detector import Detector
+
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append(f"data.train={args.data}")
+    if args.output:
+        overrides.append(f"output={args.output}")
+    cfg = load_config(args.config, overrides)
+    if not cfg.data.train:
+        raise ConfigError("no training data: set data.train in the config or pass --data DIR")
+    det = Detector(cfg)
+    start = time.perf_counter()
+    det.fit(cfg.data.train, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    path = det.save(cfg.output)
+    info, thr = det.fit_info_, det.threshold_
+    print(f"fitted {cfg.method} on {info['n_train']} images in {seconds:.1f} s "
+          f"({info['n_train'] / max(seconds, 1e-9):.1f} img/s); threshold {thr.value:.4g} from "
+          f"{thr.n_images} good images")
+    if info["skipped"]:
+        print(f"skipped {len(info['skipped'])} unreadable image(s)")
+    print(path)
+    return 0
+
+
+def _expand_inputs(inputs: Sequence[str]) -> tuple[List[Path], List[str]]:
+    paths: List[Path] = []
+    errors: List[str] = []
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*") if q.is_file() and is_image_file(q))
+            if not found:
+                errors.append(f"{p}: no image files in this folder")
+            paths.extend(found)
+        else:
+            paths.append(p)
+    return paths, errors
+
+
+def _out_name(path: Path, used: set) -> str:
+    stem = "_".join(path.with_suffix("").parts[-3:]).replace(" ", "_")
+    name, i = stem, 1
+    while name in used:
+        i += 1
+        name = f"{stem}_{i}"
+    used.add(name)
+    return name
+
+
+def _write_images(pred, path: Path, out: Path, name: str) -> dict:
+    from anomaly_hooks.images import read_image
+    from anomaly_hooks.visualize import colorize, overlay, save_png, to_uint8_rgb
+
+    thr = pred.threshold
+    heat_rgb = colorize(pred.heatmap, vmin=0.0, vmax=max(2 * thr, float(pred.heatmap.max())))
+    original = to_uint8_rgb(read_image(path).numpy())
+    files = {"heatmap": out / "heatmaps" / f"{name}.png",
+             "overlay": out / "overlays" / f"{name}.png",
+             "mask": out / "masks" / f"{name}.png"}
+    save_png(heat_rgb, files["heatmap"])
+    save_png(overlay(original, heat_rgb, mask=pred.mask), files["overlay"])
+    save_png(pred.mask, files["mask"])
+    return {k: str(v) for k, v in files.items()}
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score images; write results.csv, results.json and PNGs; non-zero exit if any failed."""
+    from anomaly_hooks.detector import Detector
+
+    det = Detector.load(args.model, device=args.device)
+    paths, failures = _expand_inputs(args.inputs)
+    out = Path(args.out)
+    for sub in ("heatmaps", "overlays", "masks"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    rows, used = [], set()
+    for path in paths:
+        try:
+            pred = det.predict(path)
+        except ImageReadError as exc:
+            failures.append(str(exc))
+            print(f"FAILED {exc}", file=sys.stderr)
+            continue
+        row = {"path": str(path), "score": pred.score, "normalized_score": pred.normalized_score,
+               "is_anomalous": pred.is_anomalous, "threshold": pred.threshold,
+               "anomalous_pixels": int(pred.mask.sum())}
+        if not args.no_images:
+            row.update(_write_images(pred, path, out, _out_name(path, used)))
+        rows.append(row)
+    _write_results(out, rows, failures, args.model)
+    n_anom = sum(r["is_anomalous"] for r in rows)
+    print(f"scored {len(rows)} image(s): {n_anom} anomalous, {len(rows) - n_anom} normal; "
+          f"{len(failures)} failed. Results in {out}/results.csv and {out}/results.json")
+    return 1 if failures else 0
+
+
+def _write_results(out: Path, rows: List[dict], failures: List[str], model: str) -> None:
+    fields = ["path", "score", "normalized_score", "is_anomalous", "threshold",
+              "anomalous_pixels", "heatmap", "overlay", "mask"]
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(out / "results.json", "w") as fh:
+        json.dump({"model": str(model), "results": rows, "failures": failures}, fh, indent=2)
+
+
+COMMANDS = {"fit": cmd_fit, "score": cmd_score}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anomaly-hooks", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _fit_parser(sub)
+    _score_parser(sub)
+    for extra in EXTRA_PARSERS:
+        extra(sub)
+    return parser
+
+
+EXTRA_PARSERS: list = []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; user errors print one line (no traceback) and exit 2."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

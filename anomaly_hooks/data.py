@@ -1,0 +1,140 @@
+"""Training/scoring sources -> batches of preprocessed images, with bad files reported by name.
+
+Decoding and preprocessing run in DataLoader worker processes when the items are file paths, so
+decoding overlaps with the backbone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from anomaly_hooks.images import ImageReadError, describe, is_image_file, read_image
+from anomaly_hooks.preprocess import Preprocessor
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A source of images is empty, missing, or holds unreadable images."""
+
+
+def list_images(folder: Path) -> List[Path]:
+    """Image files directly inside ``folder`` (sorted by name); other files are reported.
+
+    Raises:
+        DataError: the folder is missing or holds no image file.
+    """
+    if not folder.is_dir():
+        raise DataError(f"{folder}: not a folder of images")
+    entries = sorted(folder.iterdir())
+    images = [p for p in entries if is_image_file(p)]
+    others = [p.name for p in entries if not is_image_file(p) and not p.name.startswith(".")]
+    if others:
+        log.warning("%s: ignoring %d non-image entries: %s", folder, len(others), others[:10])
+    if not images:
+        raise DataError(f"{folder}: no image files (looked for {sorted({'.png', '.jpg', '.bmp'})}"
+                        " and other common suffixes)")
+    return images
+
+
+def train_folder(path: Path) -> Path:
+    """An MVTec-style dataset root means its ``train/good`` folder; any other folder itself."""
+    mvtec = path / "train" / "good"
+    return mvtec if mvtec.is_dir() else path
+
+
+def resolve_items(source: Any, *, training: bool = False) -> List[Any]:
+    """A directory, a path, a list of paths/folders, or an iterable of images -> a list of items.
+
+    Folders are expanded to their image files; with ``training=True`` an MVTec root is read from
+    its ``train/good`` folder.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir():
+            return list_images(train_folder(path) if training else path)
+        if not path.exists():
+            raise DataError(f"{path}: no such file or folder")
+        return [path]
+    if isinstance(source, (bytes, bytearray)):
+        raise DataError("raw bytes are not a supported source: decode them or give a path")
+    try:
+        items = list(source)
+    except TypeError:
+        raise DataError(f"cannot read images from a {type(source).__name__}: give a folder, a "
+                        "list of paths, or an iterable of images") from None
+    out: List[Any] = []
+    for item in items:
+        if isinstance(item, (str, os.PathLike)) and Path(item).is_dir():
+            out.extend(list_images(Path(item)))
+        else:
+            out.append(item)
+    if not out:
+        raise DataError("no images given")
+    return out
+
+
+@dataclass
+class Batch:
+    """Preprocessed images ``[b, 3, h, w]``, their item indices and original (H, W) sizes."""
+
+    indices: List[int]
+    images: torch.Tensor
+    sizes: List[Tuple[int, int]]
+    errors: List[Tuple[int, str]]
+
+
+class _ItemDataset(Dataset):
+    def __init__(self, items: Sequence[Any], pre: Preprocessor, max_pixels: int) -> None:
+        self.items, self.pre, self.max_pixels = items, pre, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]:
+        try:
+            img = read_image(self.items[i], self.max_pixels)
+        except ImageReadError as exc:
+            return i, None, (0, 0), str(exc)
+        return i, self.pre(img), (int(img.shape[1]), int(img.shape[2])), ""
+
+
+def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]]) -> Batch:
+    ok = [s for s in samples if s[1] is not None]
+    images = torch.stack([s[1] for s in ok]) if ok else torch.empty(0)
+    return Batch([s[0] for s in ok], images, [s[2] for s in ok],
+                 [(s[0], s[3]) for s in samples if s[1] is None])
+
+
+def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,
+                 max_pixels: int) -> Iterator[Batch]:
+    """Batches of preprocessed images in item order; unreadable items come back in ``errors``.
+
+    Worker processes are used only when every item is a path (in-memory images are not worth
+    sending to another process).
+    """
+    all_paths = all(isinstance(it, (str, os.PathLike)) for it in items)
+    workers = min(num_workers, max(0, len(items) // batch_size)) if all_paths else 0
+    loader = DataLoader(_ItemDataset(items, pre, max_pixels), batch_size=batch_size,
+                        shuffle=False, num_workers=workers, collate_fn=_collate,
+                        persistent_workers=False)
+    yield from loader
+
+
+def format_errors(errors: Iterable[str], limit: int = 20) -> str:
+    """A bullet list of error messages (at most ``limit`` shown)."""
+    errs = list(errors)
+    lines = [f"  - {e}" for e in errs[:limit]]
+    if len(errs) > limit:
+        lines.append(f"  ... and {len(errs) - limit} more")
+    return "\n".join(lines)
+
+
+__all__ = ["Batch", "DataError", "describe", "format_errors", "iter_batches", "list_images",
+           "resolve_items", "train_folder"]

@@ -1,0 +1,330 @@
+"""The public entry point: fit on good images, predict scores, verdicts and heatmaps.
+
+Example (in a service: load once, predict from many threads)::
+
+    from anomaly_hooks import Detector
+    det = Detector.load("models/padim.safetensors")
+    pred = det.predict("part_0001.png")
+    pred.score, pred.is_anomalous, pred.heatmap.shape  # heatmap: H x W of the input image
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from tqdm.auto import tqdm
+
+from anomaly_hooks import __version__
+from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
+from anomaly_hooks.config import ConfigSource, load_config, to_container
+from anomaly_hooks.data import (DataError, describe, format_errors, iter_batches, list_images,
+                                resolve_items)
+from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
+from anomaly_hooks.heatmap import anomaly_maps
+from anomaly_hooks.images import ImageInput, read_image
+from anomaly_hooks.modelfile import ModelFileError, load_model, save_model
+from anomaly_hooks.preprocess import Preprocessor
+from anomaly_hooks.scorers import NotFittedError, Scorer, get_scorer
+from anomaly_hooks.threshold import Threshold
+
+log = logging.getLogger(__name__)
+
+SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
+SEED_SCORER = 2
+
+
+class FitError(ValueError):
+    """Fitting could not proceed (bad images, too few images); the message says what to do."""
+
+
+@dataclass
+class Prediction:
+    """The result for one image. Scores: higher = more anomalous.
+
+    Attributes:
+        score: raw image score (max of the heatmap).
+        normalized_score: in (0, 1); the threshold maps to 0.5.
+        is_anomalous: ``score > threshold``.
+        heatmap: float32 ``[H, W]`` patch-score map in the frame of the input image.
+        mask: bool ``[H, W]``, ``heatmap > threshold``.
+        threshold: the raw threshold used.
+    """
+
+    score: float
+    normalized_score: float
+    is_anomalous: bool
+    heatmap: np.ndarray
+    mask: np.ndarray
+    threshold: float
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available here: use device=auto or cpu")
+    return dev
+
+
+class Detector:
+    """Anomaly detector: a hooked backbone, a patch embedder and a scorer (PaDiM, PatchCore).
+
+    Build with :meth:`from_config` or :meth:`load`. Thread-safe for :meth:`predict`.
+    """
+
+    def __init__(self, cfg: DictConfig, *, backbone: Optional[nn.Module] = None,
+                 device: Optional[str] = None) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(device or cfg.device)
+        self.preprocessor = Preprocessor.from_config(cfg.preprocess)
+        self.backbone_name = CUSTOM if backbone is not None else cfg.backbone.name
+        scorer_cls = get_scorer(cfg.method)
+        self.layers: List[str] = list(cfg.backbone.layers or scorer_cls.default_layers)
+        model = backbone if backbone is not None else build_backbone(
+            cfg.backbone.name, cfg.backbone.weights, cfg.seed)
+        self.backbone_fingerprint = fingerprint(model)
+        self.extractor = HookFeatureExtractor(model, self.layers, self.device,
+                                              probe_size=self.preprocessor.input_size)
+        self.scorer: Optional[Scorer] = None
+        self.threshold_: Optional[Threshold] = None
+        self.fit_info_: Dict[str, Any] = {}
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, source: ConfigSource = None, *, backbone: Optional[nn.Module] = None,
+                    overrides: Sequence[str] = (), **kw_overrides: Any) -> "Detector":
+        """A new, unfitted detector.
+
+        Args:
+            source: YAML path, mapping or DictConfig (None = defaults).
+            backbone: any ``nn.Module`` to use instead of the config's torchvision model; its
+                layers are ``backbone.layers`` from the config.
+            overrides: ``key=value`` strings; kw_overrides: ``padim__n_features=100`` style.
+        """
+        if backbone is not None and not isinstance(backbone, nn.Module):
+            raise ValueError("backbone= takes an nn.Module; to override config keys of the "
+                             "backbone section use backbone__layers=[...] or overrides=[...]")
+        cfg = load_config(source, overrides, **kw_overrides)
+        if backbone is not None:
+            cfg = load_config(to_container(cfg), backbone={"name": CUSTOM})
+        return cls(cfg, backbone=backbone)
+
+    @property
+    def layer_info(self) -> List[LayerInfo]:
+        """Channels and stride of each tapped layer (from the extractor's dry run)."""
+        return self.extractor.info
+
+    @property
+    def is_fitted(self) -> bool:
+        return self.scorer is not None and self.scorer.fitted and self.threshold_ is not None
+
+    # -- fitting --------------------------------------------------------------------------
+    def fit(self, source: Any, *, progress: bool = True) -> "Detector":
+        """Fit on good images: a folder (an MVTec root uses ``train/good``), a list of paths,
+        or an iterable of images. Sets the threshold from held-out good images (or
+        ``threshold.folder``). Returns ``self``.
+        """
+        cfg = self.cfg
+        items = resolve_items(source, training=True)
+        train, held = self._split(items)
+        scorer_cls = get_scorer(cfg.method)
+        if len(train) < scorer_cls.min_train_images:
+            raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
+                           f"images after the threshold hold-out; got {len(train)} of "
+                           f"{len(items)}: add images or lower threshold.holdout_fraction")
+        scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
+                                   cfg.seed + SEED_SCORER)
+        start = time.perf_counter()
+        n_used, skipped = self._accumulate(scorer, train, progress)
+        fit_seconds = time.perf_counter() - start
+        scorer.finalize()
+        self.scorer = scorer
+        good_scores, held_errors = self._score_items(held, "threshold")
+        self.threshold_ = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
+                                                     cfg.threshold.margin)
+        self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
+                          "skipped": skipped + held_errors, "fit_seconds": round(fit_seconds, 3),
+                          "threshold_source": cfg.threshold.folder or "holdout"}
+        return self
+
+    def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
+        thr = self.cfg.threshold
+        if thr.folder:
+            return items, list_images(Path(thr.folder))
+        if thr.holdout_fraction <= 0:
+            raise FitError("no threshold images: set threshold.holdout_fraction > 0 or "
+                           "threshold.folder to a folder of good images")
+        n_held = max(1, int(round(thr.holdout_fraction * len(items))))
+        if n_held >= len(items):
+            raise FitError(f"{len(items)} image(s) cannot be split into training and threshold "
+                           "images: add good images")
+        gen = torch.Generator().manual_seed(self.cfg.seed + SEED_HOLDOUT)
+        perm = torch.randperm(len(items), generator=gen).tolist()
+        held = sorted(perm[:n_held])
+        held_set = set(held)
+        return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
+
+    def _accumulate(self, scorer: Scorer, items: List[Any], progress: bool) -> tuple[int, List[str]]:
+        data = self.cfg.data
+        errors: List[str] = []
+        n_used = 0
+        bar = tqdm(total=len(items), desc=f"fit {self.cfg.method}", unit="img",
+                   disable=not progress, dynamic_ncols=True)
+        for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
+                                  num_workers=data.num_workers, max_pixels=data.max_pixels):
+            errors.extend(msg for _, msg in batch.errors)
+            if batch.indices:
+                scorer.partial_fit(self._embed(scorer, batch.images))
+                n_used += len(batch.indices)
+            bar.update(len(batch.indices) + len(batch.errors))
+        bar.close()
+        self._handle_errors(errors, "training")
+        return n_used, errors
+
+    def _handle_errors(self, errors: List[str], what: str) -> None:
+        """Raise listing every unreadable image, or (``data.on_error=skip``) warn and go on."""
+        if errors and self.cfg.data.on_error == "raise":
+            raise FitError(f"{len(errors)} {what} image(s) could not be read:\n"
+                           f"{format_errors(errors)}\nFix or remove them, or set "
+                           "data.on_error=skip to fit without them")
+        if errors:
+            log.warning("skipped %d unreadable %s image(s):\n%s", len(errors), what,
+                        format_errors(errors))
+
+    def _score_items(self, items: List[Any], what: str) -> tuple[List[float], List[str]]:
+        data = self.cfg.data
+        scores: List[float] = []
+        errors: List[str] = []
+        for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
+                                  num_workers=0, max_pixels=data.max_pixels):
+            errors.extend(msg for _, msg in batch.errors)
+            if batch.indices:
+                img_scores, _ = self._infer(batch.images)
+                scores.extend(img_scores.tolist())
+        self._handle_errors(errors, what)
+        return scores, errors
+
+    # -- inference ------------------------------------------------------------------------
+    def _embed(self, scorer: Scorer, images: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings."""
+        with torch.inference_mode():
+            return scorer.embedder(self.extractor(images))
+
+    def _infer(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` at the network input size."""
+        scorer = self.scorer
+        with torch.inference_mode():
+            emb = self._embed(scorer, images)
+            patch = scorer.score(emb)
+            maps = anomaly_maps(patch, self.preprocessor.input_size)
+            scores = scorer.image_scores(emb, patch, maps)
+        return scores.float().cpu(), maps
+
+    def predict(self, images: Union[ImageInput, Sequence[ImageInput]], *,
+                batch_size: Optional[int] = None) -> Union[Prediction, List[Prediction]]:
+        """Score one image (-> :class:`Prediction`) or a list (-> list, batched internally).
+
+        An image is a path, a PIL image, a numpy array (HxW or HxWxC, uint8 or float in [0, 1])
+        or a ``[C, H, W]`` tensor. Safe to call from many threads at once.
+        """
+        if not self.is_fitted:
+            raise NotFittedError("this Detector is not fitted: call fit() first, or "
+                                 "Detector.load() a saved model")
+        single = not isinstance(images, (list, tuple))
+        items = [images] if single else list(images)
+        size = batch_size or self.cfg.data.batch_size
+        out: List[Prediction] = []
+        for start in range(0, len(items), size):
+            out.extend(self._predict_batch(items[start:start + size]))
+        return out[0] if single else out
+
+    def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
+        max_pixels = self.cfg.data.max_pixels
+        canon = [read_image(item, max_pixels) for item in items]
+        batch = torch.stack([self.preprocessor(img) for img in canon])
+        scores, maps = self._infer(batch)
+        return [self._prediction(float(s), m, (img.shape[1], img.shape[2]))
+                for s, m, img in zip(scores, maps, canon)]
+
+    def _prediction(self, score: float, heat: torch.Tensor, size: tuple[int, int]) -> Prediction:
+        thr = self.threshold_
+        heat = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
+        heatmap = heat.float().cpu().numpy()
+        return Prediction(score=score, normalized_score=thr.normalize(score),
+                          is_anomalous=bool(score > thr.value), heatmap=heatmap,
+                          mask=heatmap > thr.value, threshold=thr.value)
+
+    # -- persistence ----------------------------------------------------------------------
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the model atomically (safetensors + JSON metadata). Returns the path."""
+        if not self.is_fitted:
+            raise NotFittedError("nothing to save: call fit() first")
+        tensors, scorer_meta = self.scorer.state()
+        meta = {
+            "anomaly_hooks_version": __version__,
+            "method": self.cfg.method,
+            "config": to_container(self.cfg),
+            "preprocess": self.preprocessor.as_dict(),
+            "layers": [vars(info) for info in self.layer_info],
+            "backbone": {"name": self.backbone_name,
+                         "class": type(self.extractor.model).__name__,
+                         "fingerprint": self.backbone_fingerprint},
+            "threshold": self.threshold_.as_dict(),
+            "scorer": scorer_meta,
+            "fit": self.fit_info_,
+            "torch_version": torch.__version__.split("+")[0],
+        }
+        return save_model(path, tensors, meta)
+
+    @classmethod
+    def load(cls, path: Union[str, Path], *, device: Optional[str] = None,
+             backbone: Optional[nn.Module] = None) -> "Detector":
+        """Load a saved model; it restores its preprocessing, layers, scorer and threshold.
+
+        Args:
+            device: override the saved device (``cpu``, ``cuda``, ``auto``).
+            backbone: the ``nn.Module`` for a model fitted with a custom backbone.
+        """
+        tensors, meta = load_model(path)
+        cfg = load_config(meta["config"])
+        if meta["backbone"]["name"] == CUSTOM and backbone is None:
+            raise ModelFileError(f"{path} was fitted with a custom backbone "
+                                 f"({meta['backbone']['class']}): pass it again with "
+                                 "Detector.load(path, backbone=module)")
+        det = cls(cfg, backbone=backbone, device=device)
+        if det.backbone_fingerprint != meta["backbone"]["fingerprint"]:
+            raise ModelFileError(f"{path}: the backbone's weights differ from the ones the model "
+                                 "was fitted with (other weights file or version?); load it with "
+                                 "the same backbone weights, or refit")
+        saved_layers = [LayerInfo(**d) for d in meta["layers"]]
+        if saved_layers != det.layer_info:
+            raise ModelFileError(f"{path}: the backbone's layers {det.layer_info} differ from "
+                                 f"the saved {saved_layers}")
+        scorer_cls = get_scorer(meta["method"])
+        try:
+            det.scorer = scorer_cls.from_state(cfg[cfg.method], det.layer_info, tensors,
+                                               meta["scorer"], det.device)
+        except (KeyError, ValueError) as exc:
+            raise ModelFileError(f"{path}: inconsistent {meta['method']} model ({exc})") from None
+        det.threshold_ = Threshold.from_dict(meta["threshold"])
+        det.fit_info_ = dict(meta.get("fit", {}))
+        return det
+
+    def close(self) -> None:
+        """Remove the backbone hooks (the detector cannot predict afterwards)."""
+        self.extractor.close()
+
+    def __repr__(self) -> str:
+        state = "fitted" if self.is_fitted else "not fitted"
+        return (f"Detector(method={self.cfg.method}, backbone={self.backbone_name}, "
+                f"layers={self.layers}, device={self.device}, {state})")

@@ -1,0 +1,118 @@
+"""Patch embeddings: each tapped layer's map brought to one grid and concatenated."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from anomaly_hooks.extractor import LayerInfo
+
+
+class PatchEmbedder:
+    """Turn ``{layer: [B, C_l, h_l, w_l]}`` into one ``[B, D, h, w]`` patch-embedding map.
+
+    The grid (h, w) is the finest (largest) of the tapped layers' grids.
+
+    Args:
+        layers: the extractor's per-layer description, in the order of concatenation.
+        upsample: ``nearest`` (PaDiM) or ``bilinear`` (PatchCore).
+        local_pool: average each layer over a ``k x k`` neighbourhood first (stride 1, padding
+            k // 2; PatchCore uses 3); 1 = no pooling.
+        channel_idx: optional sorted indices into the concatenated channels (PaDiM's random
+            subset), ``[D]`` int64. Selected before upsampling, which gives the same result with
+            less memory.
+        projection: optional ``[C, D]`` matrix applied per patch after concatenation.
+        pool_dim: optional target dimension by adaptive average pooling over channels.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerInfo],
+        *,
+        upsample: str = "nearest",
+        local_pool: int = 1,
+        channel_idx: Optional[torch.Tensor] = None,
+        projection: Optional[torch.Tensor] = None,
+        pool_dim: Optional[int] = None,
+    ) -> None:
+        if upsample not in ("nearest", "bilinear"):
+            raise ValueError(f"upsample={upsample!r}: use nearest or bilinear")
+        self.layers: List[LayerInfo] = list(layers)
+        self.upsample = upsample
+        self.local_pool = local_pool
+        self.total_channels = sum(info.channels for info in self.layers)
+        self.channel_idx = channel_idx
+        self.projection = projection
+        self.pool_dim = pool_dim
+        self._per_layer = self._split_indices(channel_idx) if channel_idx is not None else None
+
+    def _split_indices(self, idx: torch.Tensor) -> List[torch.Tensor]:
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.total_channels):
+            raise ValueError(f"channel indices must lie in [0, {self.total_channels})")
+        parts, start = [], 0
+        for info in self.layers:
+            sel = idx[(idx >= start) & (idx < start + info.channels)] - start
+            parts.append(sel.to(torch.long))
+            start += info.channels
+        return parts
+
+    @property
+    def out_channels(self) -> int:
+        """D, the embedding dimension."""
+        if self.pool_dim is not None:
+            return self.pool_dim
+        if self.projection is not None:
+            return int(self.projection.shape[1])
+        if self.channel_idx is not None:
+            return int(self.channel_idx.numel())
+        return self.total_channels
+
+    def grid(self, input_size: Sequence[int]) -> tuple[int, int]:
+        """(h, w) of the embedding grid for an input of size (H, W)."""
+        stride = min(info.stride for info in self.layers)
+        return -(-int(input_size[0]) // stride), -(-int(input_size[1]) // stride)
+
+    def __call__(self, feats: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32."""
+        maps = [feats[info.name] for info in self.layers]
+        size = max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1])
+        parts = []
+        for i, fmap in enumerate(maps):
+            if self._per_layer is not None:
+                sel = self._per_layer[i].to(fmap.device)
+                if sel.numel() == 0:
+                    continue
+                fmap = fmap.index_select(1, sel)
+            if self.local_pool > 1:
+                fmap = F.avg_pool2d(fmap, self.local_pool, stride=1, padding=self.local_pool // 2)
+            if fmap.shape[-2:] != size:
+                kwargs = {"align_corners": False} if self.upsample == "bilinear" else {}
+                fmap = F.interpolate(fmap, size=tuple(size), mode=self.upsample, **kwargs)
+            parts.append(fmap.float())
+        emb = torch.cat(parts, dim=1)
+        if self.projection is not None:
+            emb = torch.einsum("bchw,cd->bdhw", emb, self.projection.to(emb.device))
+        if self.pool_dim is not None:
+            b, c, h, w = emb.shape
+            flat = emb.permute(0, 2, 3, 1).reshape(-1, 1, c)
+            emb = F.adaptive_avg_pool1d(flat, self.pool_dim).reshape(b, h, w, -1)
+            emb = emb.permute(0, 3, 1, 2)
+        return emb.contiguous()
+
+    def state_tensors(self) -> Dict[str, torch.Tensor]:
+        """Tensors that define this embedder (saved with the model)."""
+        out: Dict[str, torch.Tensor] = {}
+        if self.channel_idx is not None:
+            out["embed.channel_idx"] = self.channel_idx.cpu()
+        if self.projection is not None:
+            out["embed.projection"] = self.projection.cpu()
+        return out
+
+
+def random_channel_subset(total: int, n: int, seed: int) -> torch.Tensor:
+    """Sorted random subset of ``n`` of ``total`` channel indices, ``[n]`` int64 (seeded)."""
+    if not 1 <= n <= total:
+        raise ValueError(f"cannot pick {n} channels out of {total}: choose 1..{total}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=gen)[:n].sort().values

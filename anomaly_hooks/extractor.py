@@ -1,0 +1,171 @@
+"""Intermediate features of any ``nn.Module`` through forward hooks.
+
+The extractor registers ``register_forward_hook`` on the requested (dotted) module names, owns the
+hook handles and removes them on :meth:`HookFeatureExtractor.close` or on leaving a ``with`` block.
+The forward pass stops right after the last requested layer *in execution order* (found by a dry
+run), so later stages (layer4, pooling, classifier) never run. Captured outputs live in
+thread-local storage, so one extractor can serve many threads at once.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What one tapped layer gives: channels and stride relative to the input."""
+
+    name: str
+    channels: int
+    stride: int
+
+
+class _StopForward(Exception):
+    """Raised by the last hook to cut the forward pass short."""
+
+
+def layer_names(model: nn.Module) -> List[str]:
+    """All dotted module names that can be tapped (``layer1``, ``layer3.5``, ``_blocks.4``)."""
+    return [name for name, _ in model.named_modules() if name]
+
+
+def _describe_valid(model: nn.Module) -> str:
+    names = layer_names(model)
+    top = [n for n in names if "." not in n]
+    return f"top-level: {top}; all {len(names)} valid names: {names}"
+
+
+def resolve_layers(model: nn.Module, layers: Sequence[str]) -> Dict[str, nn.Module]:
+    """Map each requested name to its submodule.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid names), or an empty/duplicate list.
+    """
+    if not layers:
+        raise ValueError("no layers requested: give at least one module name, e.g. ['layer2']")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"duplicate layer names in {list(layers)}")
+    modules = dict(model.named_modules())
+    unknown = [name for name in layers if name not in modules or not name]
+    if unknown:
+        raise ValueError(
+            f"unknown layer name(s) {unknown} for {type(model).__name__}. Valid names: "
+            f"{_describe_valid(model)}"
+        )
+    return {name: modules[name] for name in layers}
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ValueError(f"layer output of type {type(output).__name__} is not a tensor")
+
+
+class HookFeatureExtractor:
+    """Capture the outputs of named layers of ``model``.
+
+    Args:
+        model: any ``nn.Module`` taking a ``[B, 3, H, W]`` tensor. Put in eval mode.
+        layers: dotted module names, in any order; outputs come back in this order.
+        device: where the model runs.
+        probe_size: ``(H, W)`` of the dry run that finds execution order, channels and strides.
+
+    Example:
+        >>> with HookFeatureExtractor(model, ["layer1", "layer2"]) as ext:
+        ...     feats = ext(images)  # {"layer1": [B, C1, H/4, W/4], "layer2": [B, C2, H/8, W/8]}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[str],
+        device: torch.device | str = "cpu",
+        probe_size: Tuple[int, int] = (224, 224),
+    ) -> None:
+        self.model = model.eval().to(device)
+        self.layers = list(layers)
+        self.device = torch.device(device)
+        self._modules = resolve_layers(model, self.layers)
+        self._local = threading.local()
+        self._last: str | None = None  # set by the dry run
+        self._handles = [
+            module.register_forward_hook(partial(self._hook, name))
+            for name, module in self._modules.items()
+        ]
+        self.info = self._dry_run(probe_size)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _hook(self, name: str, _module: nn.Module, _inputs: Any, output: Any) -> None:
+        store = getattr(self._local, "outputs", None)
+        if store is None:  # the model is being used outside the extractor: stay passive
+            return
+        if name not in store:
+            store[name] = _first_tensor(output)
+            store.setdefault("__order__", []).append(name)
+        if name == self._last and len(store) - 1 == len(self.layers):
+            raise _StopForward
+
+    def _run(self, images: torch.Tensor) -> Dict[str, torch.Tensor]:
+        self._local.outputs = {}
+        try:
+            with torch.inference_mode():
+                self.model(images)
+        except _StopForward:
+            pass
+        finally:
+            outputs, self._local.outputs = self._local.outputs, None
+        return outputs
+
+    def _dry_run(self, size: Tuple[int, int]) -> List[LayerInfo]:
+        probe = torch.zeros(1, 3, *size, device=self.device)
+        outputs = self._run(probe)
+        missing = [n for n in self.layers if n not in outputs]
+        if missing:
+            raise ValueError(f"layers {missing} did not run in a forward pass of "
+                             f"{type(self.model).__name__}: pick modules on the forward path")
+        self.order: List[str] = list(outputs["__order__"])  # requested layers, execution order
+        self._last = self.order[-1]
+        info = []
+        for name in self.layers:
+            feat = outputs[name]
+            if feat.dim() != 4:
+                raise ValueError(f"layer {name!r} gives a {feat.dim()}-d output {tuple(feat.shape)};"
+                                 " pick a convolutional layer with a [B, C, H, W] output")
+            info.append(LayerInfo(name, int(feat.shape[1]), max(1, round(size[0] / feat.shape[2]))))
+        return info
+
+    # -- public ---------------------------------------------------------------------------
+    def __call__(self, images: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Features of ``images`` ``[B, 3, H, W]``: ``{name: [B, C_l, H/s_l, W/s_l]}``."""
+        if not self._handles:
+            raise RuntimeError("the extractor is closed; create a new one")
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected images [B, 3, H, W], got {tuple(images.shape)}")
+        outputs = self._run(images.to(self.device, non_blocking=True))
+        return {name: outputs[name] for name in self.layers}
+
+    def close(self) -> None:
+        """Remove every hook this extractor placed; the backbone is left as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> "HookFeatureExtractor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass

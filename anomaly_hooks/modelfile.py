@@ -1,0 +1,137 @@
+"""Model files: safetensors (plain tensors, never pickle) + JSON metadata, versioned, checksummed,
+written atomically.
+
+Layout: a standard safetensors file whose string metadata holds
+``format`` ("anomaly_hooks"), ``format_version``, ``meta`` (JSON: config, preprocessing,
+threshold, ...) and ``checksum`` (SHA-256 over ``meta`` and every tensor's name, dtype, shape and
+bytes). A file that fails any check is refused with :class:`ModelFileError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+
+FORMAT_NAME = "anomaly_hooks"
+FORMAT_VERSION = 1
+
+
+class ModelFileError(ValueError):
+    """A model file is missing, damaged, of another format/version, or not what was expected."""
+
+
+def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the metadata JSON and every tensor (sorted by name)."""
+    digest = hashlib.sha256(meta_json.encode("utf-8"))
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"|{name}:{t.dtype}:{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Path:
+    """Write tensors + metadata atomically: a temporary file in the same folder, fsync, rename.
+
+    An interrupted save leaves at most a hidden ``.tmp`` file, never a file at ``path`` that
+    looks valid; a model already at ``path`` survives until the new one is complete.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    meta_json = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+    header = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": meta_json,
+              "checksum": checksum(meta_json, tensors)}
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _read_header(path: Path) -> Dict[str, str]:
+    """The safetensors metadata, read without trusting the file (size checks first)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelFileError(f"{path}: too short to be a model file ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or n > min(size - 8, 100_000_000):
+            raise ModelFileError(f"{path}: not an anomaly_hooks model file (bad header; is it a "
+                                 "pickle or another format?)")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelFileError(f"{path}: damaged or not a model file (header is not JSON)") from None
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+        raise ModelFileError(f"{path}: not an anomaly_hooks model file")
+    return metadata
+
+
+def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Read and verify a model file.
+
+    Returns:
+        (tensors on CPU, metadata dict).
+
+    Raises:
+        ModelFileError: missing, truncated, tampered (checksum), wrong format or newer version.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}")
+    header = _read_header(path)
+    try:
+        version = int(header.get("format_version", ""))
+    except ValueError:
+        raise ModelFileError(f"{path}: damaged header (format_version)") from None
+    if version > FORMAT_VERSION:
+        raise ModelFileError(f"{path} was written in model format {version} by a newer "
+                             f"anomaly_hooks; this version reads format <= {FORMAT_VERSION}: "
+                             "upgrade anomaly_hooks")
+    if version < 1:
+        raise ModelFileError(f"{path}: unknown model format version {version}")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
+    meta_json = header.get("meta", "")
+    if checksum(meta_json, tensors) != header.get("checksum"):
+        raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
+                             "after it was written; refit or restore it from a backup")
+    return tensors, json.loads(meta_json)

@@ -1,0 +1,78 @@
+"""The preprocessing stored with every model: resize, centre crop, normalise — and its inverse
+for heatmaps, so that a heatmap comes back in the frame of the image the caller gave."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """Resize to ``resize`` (H, W), centre crop to ``crop`` (H, W) or not at all, normalise.
+
+    Resizing is bilinear with antialiasing (as torchvision's ``Resize`` on tensors).
+    """
+
+    resize: Tuple[int, int] = (256, 256)
+    crop: Optional[Tuple[int, int]] = (224, 224)
+    mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    @classmethod
+    def from_config(cls, pre) -> "Preprocessor":
+        """From the ``preprocess`` section of a config."""
+        crop = tuple(pre.crop) if pre.crop is not None else None
+        return cls(tuple(pre.resize), crop, tuple(pre.mean), tuple(pre.std))  # type: ignore[arg-type]
+
+    @property
+    def input_size(self) -> Tuple[int, int]:
+        """(H, W) of the network input."""
+        return self.crop if self.crop is not None else self.resize
+
+    def crop_box(self) -> Tuple[int, int, int, int]:
+        """(top, left, height, width) of the crop inside the resized image (torchvision rule)."""
+        rh, rw = self.resize
+        ch, cw = self.input_size
+        return int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0)), ch, cw
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        """``[3, H, W]`` float in [0, 1] -> normalised ``[3, h, w]`` with (h, w) = input_size."""
+        out = F.interpolate(image.unsqueeze(0), size=self.resize, mode="bilinear",
+                            align_corners=False, antialias=True).squeeze(0)
+        top, left, ch, cw = self.crop_box()
+        out = out[:, top:top + ch, left:left + cw]
+        mean = torch.tensor(self.mean, dtype=out.dtype).view(3, 1, 1)
+        std = torch.tensor(self.std, dtype=out.dtype).view(3, 1, 1)
+        return ((out - mean) / std).contiguous()
+
+    def to_original(self, maps: torch.Tensor, size: Tuple[int, int], fill: float) -> torch.Tensor:
+        """Map heatmaps from the network frame back to an original image frame.
+
+        Args:
+            maps: ``[h, w]`` heatmap in the cropped frame (h, w = input_size).
+            size: (H, W) of the original image.
+            fill: value for the parts the crop cut off (they were not inspected).
+
+        Returns:
+            ``[H, W]`` heatmap aligned with the original image.
+        """
+        rh, rw = self.resize
+        top, left, ch, cw = self.crop_box()
+        canvas = maps.new_full((rh, rw), fill)
+        canvas[top:top + ch, left:left + cw] = maps
+        out = F.interpolate(canvas[None, None], size=tuple(size), mode="bilinear",
+                            align_corners=False)
+        return out[0, 0]
+
+    def as_dict(self) -> dict:
+        """JSON-serialisable description (stored with the model)."""
+        return {"resize": list(self.resize), "crop": list(self.crop) if self.crop else None,
+                "mean": list(self.mean), "std": list(self.std)}
+
+
+def stack_batch(images: Sequence[torch.Tensor], pre: Preprocessor) -> torch.Tensor:
+    """Preprocess and stack canonical images into ``[B, 3, h, w]``."""
+    return torch.stack([pre(img) for img in images])

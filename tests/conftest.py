@@ -1,0 +1,82 @@
+"""Shared fixtures: small seeded random-init backbones, the sample data, the shared real data."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "data" / "sample"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+warnings.filterwarnings("ignore", message="backbone.weights is null")
+
+
+def shared_dataset(name: str) -> Path:
+    """A dataset under ../shared/data, or skip the test where it is absent."""
+    path = SHARED_DATA / name
+    if not path.is_dir():
+        pytest.skip(f"{path} not available")
+    return path
+
+
+@pytest.fixture(scope="session")
+def resnet18() -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(weights=None).eval()
+
+
+@pytest.fixture(scope="session")
+def wrn50() -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.wide_resnet50_2(weights=None).eval()
+
+
+def textured_images(n: int, size=(96, 112), seed: int = 0) -> list[np.ndarray]:
+    """Good images: a smooth striped texture with mild noise, uint8 HxWx3."""
+    rng = np.random.default_rng(seed)
+    h, w = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    out = []
+    for _ in range(n):
+        phase = rng.uniform(0, 2 * np.pi)
+        base = 0.5 + 0.2 * np.sin(xx / 4.0 + phase)[..., None] * np.array([1.0, 0.9, 0.8])
+        img = base + rng.normal(0, 0.02, (h, w, 3))
+        out.append((np.clip(img, 0, 1) * 255).astype(np.uint8))
+    return out
+
+
+def with_defect(img: np.ndarray) -> np.ndarray:
+    """A bright square stain in the middle."""
+    bad = img.copy()
+    h, w = bad.shape[:2]
+    bad[h // 2 - 10:h // 2 + 10, w // 2 - 10:w // 2 + 10] = [250, 30, 30]
+    return bad
+
+
+@pytest.fixture(scope="session")
+def small_cfg() -> dict:
+    """A fast PaDiM config: random-init ResNet18, small input."""
+    return {"method": "padim", "seed": 0, "device": "cpu",
+            "backbone": {"name": "resnet18", "weights": None},
+            "preprocess": {"resize": [80, 96], "crop": [64, 80]},
+            "padim": {"n_features": 40},
+            "threshold": {"holdout_fraction": 0.25},
+            "data": {"batch_size": 4, "num_workers": 0}}
+
+
+@pytest.fixture(scope="session")
+def fitted(small_cfg):
+    """A PaDiM detector fitted on 16 textured images."""
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config(small_cfg)
+    det.fit(textured_images(16), progress=False)
+    return det

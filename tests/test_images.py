@@ -1,0 +1,100 @@
+"""Image inputs: every form of the same picture gives the same tensor and the same score."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from anomaly_hooks.images import ImageReadError, read_image
+from anomaly_hooks.preprocess import Preprocessor
+
+from conftest import textured_images, with_defect
+
+
+@pytest.fixture
+def picture(tmp_path):
+    arr = with_defect(textured_images(1, size=(90, 130), seed=5)[0])
+    path = tmp_path / "pic.png"
+    Image.fromarray(arr).save(path)
+    return arr, path
+
+
+def test_all_input_forms_agree(picture):
+    arr, path = picture
+    ref = read_image(path)
+    assert ref.shape == (3, 90, 130) and ref.dtype == torch.float32
+    forms = [str(path), Image.open(path), arr, arr.astype(np.float64) / 255.0,
+             torch.from_numpy(arr).permute(2, 0, 1), torch.from_numpy(arr).permute(2, 0, 1) / 255.0]
+    for form in forms:
+        torch.testing.assert_close(read_image(form), ref, rtol=0, atol=1e-6)
+
+
+def test_same_score_for_every_form(fitted, picture):
+    arr, path = picture
+    scores = [fitted.predict(x).score for x in
+              (path, Image.open(path), arr, arr / 255.0, torch.from_numpy(arr).permute(2, 0, 1))]
+    assert max(scores) - min(scores) <= 1e-4 * abs(scores[0])
+
+
+def test_modes_become_rgb(tmp_path):
+    gray = (np.arange(40 * 50).reshape(40, 50) % 256).astype(np.uint8)
+    Image.fromarray(gray).save(tmp_path / "g.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(tmp_path / "g16.png")
+    Image.fromarray(gray).convert("P").save(tmp_path / "p.png")
+    rgba = np.dstack([gray, gray, gray, np.full_like(gray, 128)])
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    Image.fromarray(np.dstack([gray] * 3)).convert("CMYK").save(tmp_path / "c.jpg", quality=100)
+    ref = read_image(tmp_path / "g.png")
+    assert torch.equal(ref[0], ref[2]) and ref.shape == (3, 40, 50)
+    torch.testing.assert_close(read_image(tmp_path / "g16.png"), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(read_image(tmp_path / "p.png"), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(read_image(tmp_path / "a.png"), ref, rtol=0, atol=1e-6)
+    assert (read_image(tmp_path / "c.jpg") - ref).abs().mean() < 0.03
+
+
+def test_exif_orientation_applied(tmp_path):
+    arr = np.zeros((20, 40, 3), np.uint8)
+    arr[:, :10] = 255  # white band on the left
+    img = Image.fromarray(arr)
+    exif = img.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    img.save(tmp_path / "rot.jpg", exif=exif, quality=100)
+    out = read_image(tmp_path / "rot.jpg")
+    assert out.shape == (3, 40, 20)  # displayed upright: portrait
+    assert out[:, :10, :].mean() > 0.9 and out[:, 30:, :].mean() < 0.1
+
+
+def test_bad_inputs_name_the_problem(tmp_path):
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "text.png").write_text("not an image")
+    (tmp_path / "dir.png").mkdir()
+    with pytest.raises(ImageReadError, match="empty.png: empty file"):
+        read_image(tmp_path / "empty.png")
+    with pytest.raises(ImageReadError, match="text.png: not a readable image"):
+        read_image(tmp_path / "text.png")
+    with pytest.raises(ImageReadError, match="dir.png: is a directory"):
+        read_image(tmp_path / "dir.png")
+    with pytest.raises(ImageReadError, match="missing.png: file not found"):
+        read_image(tmp_path / "missing.png")
+    with pytest.raises(ImageReadError, match=r"in \[0, 1\]"):
+        read_image(np.full((4, 4, 3), 2.0))
+    with pytest.raises(ImageReadError, match="shape"):
+        read_image(np.zeros((4, 4, 5), np.uint8))
+    with pytest.raises(ImageReadError, match="unsupported image input"):
+        read_image(12)
+    with pytest.raises(ImageReadError, match="decompression-bomb"):
+        read_image(np.zeros((100, 100, 3), np.uint8), max_pixels=5000)
+
+
+def test_preprocess_geometry_and_inverse():
+    pre = Preprocessor(resize=(64, 80), crop=(48, 60))
+    assert pre.crop_box() == (8, 10, 48, 60)
+    img = torch.rand(3, 130, 90)
+    assert pre(img).shape == (3, 48, 60)
+    # a heatmap that is 1 inside the crop maps back to the crop's region of the original
+    back = pre.to_original(torch.ones(48, 60), (130, 90), fill=0.0)
+    assert back.shape == (130, 90)
+    rows = back[:, 45] > 0.5
+    top, bottom = rows.nonzero().min().item(), rows.nonzero().max().item()
+    assert abs(top - 8 * 130 / 64) <= 2 and abs(bottom + 1 - 56 * 130 / 64) <= 2

@@ -1,0 +1,77 @@
+"""PaDiM statistics and distances against numpy/scipy float64 references."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.spatial.distance import mahalanobis
+
+from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
+from anomaly_hooks.extractor import LayerInfo
+from anomaly_hooks.scorers.padim import GaussianAccumulator, PadimScorer
+
+
+def _embeddings(n=23, d=6, h=3, w=2, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(d, d))
+    x = rng.normal(size=(n, h * w, d)) @ base + 50.0  # correlated, large offset
+    return torch.from_numpy(x.transpose(0, 2, 1).reshape(n, d, h, w))
+
+
+def test_streaming_mean_cov_equal_numpy():
+    emb = _embeddings()
+    acc = GaussianAccumulator()
+    for chunk in torch.split(emb, [5, 1, 9, 8]):
+        acc.update(chunk.flatten(2).permute(2, 0, 1))
+    x = emb.flatten(2).numpy()  # [N, D, P]
+    for p in range(x.shape[2]):
+        np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-12)
+        np.testing.assert_allclose(acc.covariance_chunk(p, p + 1)[0].numpy(),
+                                   np.cov(x[:, :, p], rowvar=False), rtol=1e-9, atol=1e-9)
+
+
+def test_mahalanobis_equals_scipy():
+    emb = _embeddings()
+    d = emb.shape[1]
+    layers = [LayerInfo("a", d, 4)]
+    scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(d)), epsilon=0.01)
+    scorer.partial_fit(emb[:12].float())
+    scorer.partial_fit(emb[12:].float())
+    scorer.finalize()
+    test = _embeddings(n=3, seed=1)
+    got = scorer.score(test.float()).numpy()
+    x = emb.flatten(2).numpy()
+    for p in range(x.shape[2]):
+        cov = np.cov(x[:, :, p], rowvar=False) + 0.01 * np.eye(d)
+        vi = np.linalg.inv(cov)
+        mu = x[:, :, p].mean(0)
+        for b in range(3):
+            ref = mahalanobis(test[b].flatten(1)[:, p].numpy(), mu, vi)
+            assert got[b].ravel()[p] == pytest.approx(ref, rel=2e-4)
+
+
+def test_needs_two_images():
+    scorer = PadimScorer(PatchEmbedder([LayerInfo("a", 4, 4)]), epsilon=0.01)
+    scorer.partial_fit(torch.rand(1, 4, 2, 2))
+    with pytest.raises(ValueError, match="at least 2"):
+        scorer.finalize()
+
+
+def test_channel_subset_seeded_and_checked():
+    a = random_channel_subset(1792, 550, seed=3)
+    assert torch.equal(a, random_channel_subset(1792, 550, seed=3))
+    assert not torch.equal(a, random_channel_subset(1792, 550, seed=4))
+    assert a.unique().numel() == 550 and bool((a[1:] > a[:-1]).all())
+    with pytest.raises(ValueError, match="cannot pick 600 channels out of 448"):
+        random_channel_subset(448, 600, seed=0)
+
+
+def test_subset_before_upsampling_equals_after():
+    layers = [LayerInfo("l1", 4, 4), LayerInfo("l2", 6, 8)]
+    feats = {"l1": torch.rand(2, 4, 8, 8), "l2": torch.rand(2, 6, 4, 4)}
+    idx = torch.tensor([1, 3, 4, 8, 9])
+    got = PatchEmbedder(layers, channel_idx=idx)(feats)
+    full = PatchEmbedder(layers)(feats)
+    assert torch.equal(got, full[:, idx])
+    up = torch.nn.functional.interpolate(feats["l2"], size=(8, 8), mode="nearest")
+    assert torch.equal(full, torch.cat([feats["l1"], up], dim=1))
