@@ -63,6 +63,11 @@ class PatchCoreConfig:
     knn_backend: str = "auto"  # auto | faiss-flat | faiss-ivf | faiss-hnsw | torch
     k: int = 1
     reweight: bool = False  # eq. 7 of the paper
+    reweight_neighbors: int = 9  # b in eq. 7
+    nlist: int = 1024  # faiss-ivf: number of lists (reduced for small banks)
+    nprobe: int = 16  # faiss-ivf: lists searched
+    hnsw_m: int = 32  # faiss-hnsw: graph degree
+    ef_search: int = 128  # faiss-hnsw: search breadth
     bank_dtype: str = "float32"  # float32 | float16
 
 
@@ -267,6 +272,8 @@ def _validate_patchcore(pc: DictConfig) -> None:
            "patchcore.knn_backend", "auto, faiss-flat, faiss-ivf, faiss-hnsw or torch",
            pc.knn_backend)
     _check(pc.k >= 1, "patchcore.k", ">= 1", pc.k)
+    _check(pc.reweight_neighbors >= 1, "patchcore.reweight_neighbors", ">= 1",
+           pc.reweight_neighbors)
     _check(pc.bank_dtype in ("float32", "float16"), "patchcore.bank_dtype", "float32 or float16",
            pc.bank_dtype)
 

@@ -98,6 +98,7 @@ class Detector:
         self.scorer: Optional[Scorer] = None
         self.threshold_: Optional[Threshold] = None
         self.fit_info_: Dict[str, Any] = {}
+        self.fit_seconds_: Optional[float] = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -153,8 +154,9 @@ class Detector:
         self.threshold_ = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                      cfg.threshold.margin)
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
-                          "skipped": skipped + held_errors, "fit_seconds": round(fit_seconds, 3),
+                          "skipped": skipped + held_errors,
                           "threshold_source": cfg.threshold.folder or "holdout"}
+        self.fit_seconds_ = fit_seconds  # not saved: model files are byte-identical across fits
         return self
 
     def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
