@@ -116,12 +116,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     for sub in ("heatmaps", "overlays", "masks"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     rows, used = [], set()
-    for path in paths:
-        try:
-            pred = det.predict(path)
-        except ImageReadError as exc:
-            failures.append(str(exc))
-            print(f"FAILED {exc}", file=sys.stderr)
+    for i, pred in det.iter_predict(paths, batch_size=args.batch_size):
+        path = paths[i]
+        if isinstance(pred, ImageReadError):
+            failures.append(str(pred))
+            print(f"FAILED {pred}", file=sys.stderr)
             continue
         row = {"path": str(path), "score": pred.score, "normalized_score": pred.normalized_score,
                "is_anomalous": pred.is_anomalous, "threshold": pred.threshold,

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from anomaly_hooks.data import (DataError, describe, format_errors, iter_batches
                                 resolve_items)
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
-from anomaly_hooks.images import ImageInput, read_image
+from anomaly_hooks.images import ImageInput, ImageReadError, read_image
 from anomaly_hooks.modelfile import ModelFileError, load_model, save_model
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.scorers import NotFittedError, Scorer, get_scorer
@@ -249,6 +249,29 @@ class Detector:
         for start in range(0, len(items), size):
             out.extend(self._predict_batch(items[start:start + size]))
         return out[0] if single else out
+
+    def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
+                     num_workers: Optional[int] = None
+                     ) -> Iterator[tuple[int, Union[Prediction, ImageReadError]]]:
+        """Predict many images, decoding in worker processes while the model runs.
+
+        Yields ``(index, Prediction)`` in input order, or ``(index, ImageReadError)`` for an
+        item that could not be read — one bad file never stops the rest.
+        """
+        if not self.is_fitted:
+            raise NotFittedError("this Detector is not fitted: call fit() first, or "
+                                 "Detector.load() a saved model")
+        data = self.cfg.data
+        for batch in iter_batches(list(items), self.preprocessor,
+                                  batch_size=batch_size or data.batch_size,
+                                  num_workers=data.num_workers if num_workers is None
+                                  else num_workers, max_pixels=data.max_pixels):
+            results: Dict[int, Any] = {i: ImageReadError(msg) for i, msg in batch.errors}
+            if batch.indices:
+                scores, maps = self._infer(batch.images)
+                for i, s, m, size in zip(batch.indices, scores, maps, batch.sizes):
+                    results[i] = self._prediction(float(s), m, size)
+            yield from sorted(results.items())
 
     def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
         max_pixels = self.cfg.data.max_pixels
