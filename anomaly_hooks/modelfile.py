@@ -100,6 +100,23 @@ def _read_header(path: Path) -> Dict[str, str]:
     return metadata
 
 
+def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
+    """The file's tensors as owned, freshly allocated CPU tensors, one at a time.
+
+    A copy of each tensor rather than a view of the memory-mapped file: the file's data offsets
+    are only 8-byte aligned, and BLAS kernels take different (differently rounded) paths on
+    unaligned memory, which made a loaded model's scores differ in the last bit from the fitted
+    one's. Owned memory also survives the file being replaced while the model is in use.
+    """
+    from safetensors import safe_open
+
+    tensors: Dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt") as handle:
+        for key in handle.keys():
+            tensors[key] = handle.get_tensor(key).clone()
+    return tensors
+
+
 def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Read and verify a model file.
 
@@ -110,7 +127,6 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
         ModelFileError: missing, truncated, tampered (checksum), wrong format or newer version.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
@@ -127,7 +143,7 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     if version < 1:
         raise ModelFileError(f"{path}: unknown model format version {version}")
     try:
-        tensors = load_file(str(path))
+        tensors = _read_tensors(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
     meta_json = header.get("meta", "")

@@ -2,10 +2,9 @@
 
 Fitting streams: per position it keeps shifted sums and sums of outer products in float64, so
 memory does not grow with the number of training images. The fitted state is the mean ``[P, D]``
-and the inverse Cholesky factor ``W = L^-1`` ``[P, D, D]`` (lower triangular, float32) of each
-position's covariance ``Sigma = L L^T`` (+ epsilon I), so that the squared Mahalanobis distance is
-``|| W (x - mu) ||^2`` — a batched matrix product, no per-position loop, no explicit inverse of
-``Sigma``.
+and the lower Cholesky factor ``L`` ``[P, D, D]`` (float32) of each position's covariance
+``Sigma + epsilon I = L L^T``. The Mahalanobis distance is ``|| L^-1 (x - mu) ||``, computed by one
+batched triangular solve over all positions — no explicit inverse, no per-position loop.
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.base import Scorer, register
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
-CHUNK_POSITIONS = 256  # positions per Cholesky chunk (bounds the float64 temporaries)
+CHUNK_POSITIONS = 128  # positions per chunk of float64 work (bounds the temporaries)
+BUFFER_SAMPLES = 128  # samples per position collected (float32) before a float64 flush
 
 
 def default_n_features(backbone_name: str, total: int) -> int:
@@ -27,54 +27,95 @@ def default_n_features(backbone_name: str, total: int) -> int:
 
 
 class GaussianAccumulator:
-    """Streaming per-position mean and covariance in float64.
+    """Streaming per-position mean and covariance, accumulated in float64.
 
-    Sums are taken around a shift ``K`` (the first batch's mean) for numerical stability:
-    ``mean = K + S1 / n``, ``cov = (S2 - S1 S1^T / n) / (n - 1)``.
+    Samples are centred on a shift ``K`` (the first batch's mean) for numerical stability and
+    collected in a float32 buffer ``[P, BUFFER_SAMPLES, D]``; when it is full, its outer products
+    (a float32 batched matrix product over ``BUFFER_SAMPLES`` samples) are added to the float64
+    sums. ``mean = K + S1 / n``, ``cov = (S2 - S1 S1^T / n) / (n - 1)``.
+    Memory: ``S2`` ``[P, D, D]`` float64 plus the buffer — independent of the number of images.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_samples: int = BUFFER_SAMPLES) -> None:
         self.n = 0
-        self.shift: Optional[torch.Tensor] = None  # [P, D]
-        self.s1: Optional[torch.Tensor] = None  # [P, D]
-        self.s2: Optional[torch.Tensor] = None  # [P, D, D]
+        self.buffer_samples = buffer_samples
+        self.shift: Optional[torch.Tensor] = None  # [P, D] float32
+        self.s1: Optional[torch.Tensor] = None  # [P, D] float64
+        self.s2: Optional[torch.Tensor] = None  # [P, D, D] float64
+        self._buf: Optional[torch.Tensor] = None  # [P, buffer, D] float32
+        self._fill = 0
+
+    def _start(self, x: torch.Tensor) -> None:
+        p, _, d = x.shape
+        self.shift = x.mean(dim=1, dtype=torch.float64).float()
+        self.s1 = torch.zeros(p, d, dtype=torch.float64, device=x.device)
+        self.s2 = torch.zeros(p, d, d, dtype=torch.float64, device=x.device)
+        self._buf = torch.empty(p, self.buffer_samples, d, dtype=torch.float32, device=x.device)
 
     def update(self, x: torch.Tensor) -> None:
         """Add samples ``x`` ``[P, B, D]`` (B samples at each of P positions)."""
-        x = x.to(torch.float64)
         if self.shift is None:
-            p, _, d = x.shape
-            self.shift = x.mean(dim=1)
-            self.s1 = torch.zeros(p, d, dtype=torch.float64, device=x.device)
-            self.s2 = torch.zeros(p, d, d, dtype=torch.float64, device=x.device)
+            self._start(x)
         elif x.shape[0] != self.shift.shape[0] or x.shape[2] != self.shift.shape[1]:
             raise ValueError(f"batch of shape {tuple(x.shape)} does not match the first batch "
                              f"[P={self.shift.shape[0]}, B, D={self.shift.shape[1]}]: all images "
                              "must give the same embedding grid")
-        xc = x - self.shift.unsqueeze(1)
-        self.s1 += xc.sum(dim=1)
-        self.s2.baddbmm_(xc.transpose(1, 2), xc)
+        start = 0
+        while start < x.shape[1]:
+            take = min(x.shape[1] - start, self.buffer_samples - self._fill)
+            chunk = self._buf[:, self._fill:self._fill + take]
+            torch.sub(x[:, start:start + take], self.shift.unsqueeze(1), out=chunk)
+            self.s1 += chunk.sum(dim=1, dtype=torch.float64)
+            self._fill += take
+            start += take
+            if self._fill == self.buffer_samples:
+                self._flush()
         self.n += x.shape[1]
+
+    def _flush(self) -> None:
+        """Add the buffered samples' outer products to ``S2`` (chunks of positions)."""
+        buf = self._buf[:, :self._fill]
+        for lo in range(0, buf.shape[0], CHUNK_POSITIONS):
+            part = buf[lo:lo + CHUNK_POSITIONS]
+            self.s2[lo:lo + CHUNK_POSITIONS] += torch.bmm(part.transpose(1, 2), part)
+        self._fill = 0
+
+    def finish(self) -> None:
+        """Flush what is buffered and free the buffer."""
+        if self._fill:
+            self._flush()
+        self._buf = None
 
     def mean(self) -> torch.Tensor:
         """``[P, D]`` float64."""
-        return self.shift + self.s1 / self.n
+        return self.shift.double() + self.s1 / self.n
 
     def covariance_chunk(self, start: int, stop: int) -> torch.Tensor:
         """Unbiased covariance ``[stop - start, D, D]`` float64 of a range of positions."""
+        if self._fill:
+            self._flush()
         s1 = self.s1[start:stop]
-        outer = s1.unsqueeze(2) * s1.unsqueeze(1) / self.n
-        return (self.s2[start:stop] - outer) / (self.n - 1)
+        cov = torch.baddbmm(self.s2[start:stop], s1.unsqueeze(2), s1.unsqueeze(1),
+                            alpha=-1.0 / self.n)
+        return cov.div_(self.n - 1)
 
 
-def inverse_cholesky(cov: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """``W = L^-1`` with ``L L^T = cov + epsilon I``, ``[P, D, D]`` (same dtype as ``cov``)."""
-    eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
-    chol, info = torch.linalg.cholesky_ex(cov + epsilon * eye)
+def cholesky_factor(cov: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Lower ``L`` with ``L L^T = cov + epsilon I``, ``[P, D, D]``; ``cov`` is modified in place."""
+    cov.diagonal(dim1=1, dim2=2).add_(epsilon)
+    chol, info = torch.linalg.cholesky_ex(cov)
     if bool((info > 0).any()):
         raise ValueError("a covariance is not positive definite even with epsilon added; "
                          "raise padim.epsilon")
-    return torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+    return chol
+
+
+def mahalanobis(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """Distances ``[P, B]`` of ``x`` ``[P, D, B]`` to Gaussians (``mean`` ``[P, D]``, lower
+    Cholesky factors ``chol`` ``[P, D, D]``): ``|| L^-1 (x - mu) ||`` per column."""
+    diff = x - mean.unsqueeze(2).to(x.dtype)
+    z = torch.linalg.solve_triangular(chol.to(x.dtype), diff, upper=False)
+    return z.square_().sum(dim=1).sqrt_()
 
 
 @register
@@ -90,7 +131,7 @@ class PadimScorer(Scorer):
         self.epsilon = epsilon
         self._acc: Optional[GaussianAccumulator] = GaussianAccumulator()
         self.mean: Optional[torch.Tensor] = None  # [P, D] float32
-        self.whitener: Optional[torch.Tensor] = None  # [P, D, D] float32, lower triangular
+        self.chol: Optional[torch.Tensor] = None  # [P, D, D] float32, lower Cholesky factors
         self.grid: Optional[tuple[int, int]] = None
         self.n_train = 0
 
@@ -112,7 +153,7 @@ class PadimScorer(Scorer):
         b, d, h, w = embeddings.shape
         if self.grid is None:
             self.grid = (h, w)
-        self._acc.update(embeddings.flatten(2).permute(2, 0, 1))
+        self._acc.update(embeddings.flatten(2).permute(2, 0, 1).float())
 
     def finalize(self) -> None:
         acc = self._acc
@@ -120,13 +161,14 @@ class PadimScorer(Scorer):
             n = 0 if acc is None else acc.n
             raise ValueError(f"PaDiM needs at least {self.min_train_images} training images "
                              f"for a covariance; got {n}")
+        acc.finish()
         p, d = acc.shift.shape
         self.mean = acc.mean().float()
-        self.whitener = torch.empty(p, d, d, dtype=torch.float32, device=acc.shift.device)
+        self.chol = torch.empty(p, d, d, dtype=torch.float32, device=acc.shift.device)
         for start in range(0, p, CHUNK_POSITIONS):
             stop = min(p, start + CHUNK_POSITIONS)
-            cov = acc.covariance_chunk(start, stop)
-            self.whitener[start:stop] = inverse_cholesky(cov, self.epsilon).float()
+            self.chol[start:stop] = cholesky_factor(acc.covariance_chunk(start, stop),
+                                                    self.epsilon)
         self.n_train = acc.n
         self._acc = None
         self.fitted = True
@@ -137,15 +179,12 @@ class PadimScorer(Scorer):
         if (h, w) != self.grid or d != self.mean.shape[1]:
             raise ValueError(f"embeddings {tuple(embeddings.shape)} do not match the fitted grid "
                              f"{self.grid} and dimension {self.mean.shape[1]}")
-        x = embeddings.flatten(2).permute(2, 0, 1).float()  # [P, B, D]
-        diff = x - self.mean.unsqueeze(1)
-        z = torch.bmm(diff, self.whitener.transpose(1, 2))  # [P, B, D]
-        dist = z.square_().sum(dim=2).sqrt_()  # [P, B]
-        return dist.t().reshape(b, h, w)
+        x = embeddings.flatten(2).permute(2, 1, 0).float()  # [P, D, B]
+        return mahalanobis(x, self.mean, self.chol).t().reshape(b, h, w)
 
     def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         self.check_fitted()
-        tensors = {"padim.mean": self.mean, "padim.whitener": self.whitener,
+        tensors = {"padim.mean": self.mean, "padim.chol": self.chol,
                    **self.embedder.state_tensors()}
         meta = {"grid": list(self.grid), "n_train": self.n_train, "epsilon": self.epsilon}
         return tensors, meta
@@ -153,14 +192,14 @@ class PadimScorer(Scorer):
     @classmethod
     def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],
                    meta: Dict[str, Any], device: torch.device) -> "PadimScorer":
-        need = ("padim.mean", "padim.whitener", "embed.channel_idx")
+        need = ("padim.mean", "padim.chol", "embed.channel_idx")
         missing = [k for k in need if k not in tensors]
         if missing:
             raise ValueError(f"not a PaDiM model: tensors {missing} are missing")
         embedder = PatchEmbedder(layers, upsample="nearest", channel_idx=tensors["embed.channel_idx"])
         scorer = cls(embedder, float(meta["epsilon"]))
         scorer.mean = tensors["padim.mean"].to(device)
-        scorer.whitener = tensors["padim.whitener"].to(device)
+        scorer.chol = tensors["padim.chol"].to(device)
         scorer.grid = tuple(meta["grid"])
         scorer.n_train = int(meta["n_train"])
         scorer._acc = None

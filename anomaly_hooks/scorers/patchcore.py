@@ -1,0 +1,183 @@
+"""PatchCore (Roth et al. 2022): a coreset memory bank of patch features, nearest-neighbour
+distance.
+
+Fit: every training patch embedding goes into a bank, reduced by the greedy k-center coreset
+(:mod:`anomaly_hooks.coreset`). With ``max_bank_points`` set, the fit is *bounded*: each batch's
+patches are reduced as they arrive and the kept set is re-reduced whenever it exceeds the budget
+(merge-reduce), so peak memory does not depend on the number of training images.
+Score: L2 distance (not squared) of each patch to its nearest bank feature.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from anomaly_hooks.coreset import StreamingCoreset, coreset_size, greedy_coreset
+from anomaly_hooks.embedding import PatchEmbedder
+from anomaly_hooks.extractor import LayerInfo
+from anomaly_hooks.knn import NearestNeighbors
+from anomaly_hooks.scorers.base import Scorer, register
+
+log = logging.getLogger(__name__)
+
+SEED_PROJECTION = 11
+SEED_CORESET = 12
+
+
+def _projection_matrix(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
+    """Seeded Gaussian projection ``[in_dim, out_dim]`` scaled by 1/sqrt(out_dim)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(in_dim, out_dim, generator=gen) / out_dim ** 0.5
+
+
+def build_embedder(cfg: Any, layers: Sequence[LayerInfo], seed: int,
+                   projection: Optional[torch.Tensor] = None) -> PatchEmbedder:
+    """PatchCore embedder: local 3x3 averaging, bilinear upsampling, optional reduction."""
+    total = sum(info.channels for info in layers)
+    pool_dim = None
+    if cfg.reduce_dim is not None and cfg.reduce_dim < total:
+        if cfg.reduce_method == "pool":
+            pool_dim = cfg.reduce_dim
+        elif projection is None:
+            projection = _projection_matrix(total, cfg.reduce_dim, seed + SEED_PROJECTION)
+    return PatchEmbedder(layers, upsample="bilinear", local_pool=cfg.local_pool,
+                         projection=projection, pool_dim=pool_dim)
+
+
+@register
+class PatchCoreScorer(Scorer):
+    """Coreset memory bank; patch score = distance to the nearest bank feature."""
+
+    method = "patchcore"
+    default_layers = ["layer2", "layer3"]
+    min_train_images = 1
+
+    def __init__(self, embedder: PatchEmbedder, cfg: Any, seed: int) -> None:
+        super().__init__(embedder)
+        self.cfg = cfg
+        self.seed = seed
+        self._chunks: List[torch.Tensor] = []
+        self._stream: Optional[StreamingCoreset] = None
+        if cfg.max_bank_points is not None:
+            self._stream = StreamingCoreset(
+                ratio=cfg.coreset_ratio if cfg.coreset_count is None else None,
+                count=cfg.coreset_count, max_points=cfg.max_bank_points,
+                projection_dim=cfg.projection_dim, seed=seed + SEED_CORESET)
+        self.bank: Optional[torch.Tensor] = None  # [M, D]
+        self.index: Optional[NearestNeighbors] = None
+        self.grid: Optional[tuple[int, int]] = None
+        self.n_train = 0
+        self.n_patches = 0
+
+    @classmethod
+    def create(cls, cfg: Any, layers: Sequence[LayerInfo], backbone_name: str,
+               seed: int) -> "PatchCoreScorer":
+        return cls(build_embedder(cfg, layers, seed), cfg, seed)
+
+    # -- fitting --------------------------------------------------------------------------
+    def partial_fit(self, embeddings: torch.Tensor) -> None:
+        b, d, h, w = embeddings.shape
+        if self.grid is None:
+            self.grid = (h, w)
+        elif self.grid != (h, w):
+            raise ValueError(f"embedding grid {(h, w)} differs from the first batch's {self.grid}")
+        patches = embeddings.permute(0, 2, 3, 1).reshape(-1, d).float()
+        self.n_train += b
+        self.n_patches += patches.shape[0]
+        if self._stream is not None:
+            self._stream.add(patches)
+        else:
+            self._chunks.append(patches)
+
+    def finalize(self) -> None:
+        if self.n_train < self.min_train_images:
+            raise ValueError("PatchCore needs at least one training image")
+        if self._stream is not None:
+            bank = self._stream.finalize()
+        else:
+            features = torch.cat(self._chunks)
+            self._chunks = []
+            k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
+                             is None else None, self.cfg.coreset_count)
+            idx = greedy_coreset(features, k, projection_dim=self.cfg.projection_dim,
+                                 seed=self.seed + SEED_CORESET, progress=True)
+            bank = features[idx].clone()
+            del features
+        self._set_bank(bank)
+        self._stream = None
+        self.fitted = True
+
+    def _set_bank(self, bank: torch.Tensor) -> None:
+        dtype = torch.float16 if self.cfg.bank_dtype == "float16" else torch.float32
+        self.bank = bank.to(dtype).contiguous()
+        self.index = NearestNeighbors(self.bank.float(), backend=self.cfg.knn_backend,
+                                      **self._index_params())
+
+    def _index_params(self) -> Dict[str, Any]:
+        c = self.cfg
+        return {"nlist": c.nlist, "nprobe": c.nprobe, "hnsw_m": c.hnsw_m, "ef_search": c.ef_search,
+                "seed": self.seed}
+
+    # -- scoring --------------------------------------------------------------------------
+    def _patches(self, embeddings: torch.Tensor) -> torch.Tensor:
+        b, d, h, w = embeddings.shape
+        if (h, w) != self.grid or d != self.bank.shape[1]:
+            raise ValueError(f"embeddings {tuple(embeddings.shape)} do not match the fitted grid "
+                             f"{self.grid} and dimension {self.bank.shape[1]}")
+        return embeddings.permute(0, 2, 3, 1).reshape(-1, d).float()
+
+    def score(self, embeddings: torch.Tensor) -> torch.Tensor:
+        self.check_fitted()
+        b, _, h, w = embeddings.shape
+        dist, _ = self.index.search(self._patches(embeddings), self.cfg.k)
+        return dist.mean(dim=1).reshape(b, h, w)
+
+    def image_scores(self, embeddings: torch.Tensor, patch_scores: torch.Tensor,
+                     heatmaps: torch.Tensor) -> torch.Tensor:
+        """Max of the heatmap; with ``reweight`` scaled by the paper's eq. 7 weight."""
+        scores = heatmaps.flatten(1).amax(dim=1)
+        if not self.cfg.reweight:
+            return scores
+        return scores * self.reweight_factors(embeddings, patch_scores)
+
+    def reweight_factors(self, embeddings: torch.Tensor, patch_scores: torch.Tensor) -> torch.Tensor:
+        """Eq. 7: ``1 - softmax`` weight of the most anomalous patch, ``[B]``.
+
+        For the patch ``m_test`` with the highest score and its nearest bank point ``m*``, take
+        the ``b`` nearest bank neighbours ``N_b(m*)`` (``m*`` itself first); the weight is
+        ``1 - exp(|m_test - m*|) / sum_{m in N_b(m*)} exp(|m_test - m|)``.
+        """
+        b = embeddings.shape[0]
+        patches = self._patches(embeddings).reshape(b, -1, embeddings.shape[1])
+        worst = patches[torch.arange(b), patch_scores.flatten(1).argmax(dim=1)]  # [B, D]
+        _, nearest = self.index.search(worst, 1)
+        bank = self.bank.float()
+        n_b = min(self.cfg.reweight_neighbors, bank.shape[0])
+        _, support = self.index.search(bank[nearest[:, 0]], n_b)  # [B, n_b]
+        dists = torch.linalg.vector_norm(bank[support] - worst.unsqueeze(1), dim=2)
+        return 1.0 - torch.softmax(dists, dim=1)[:, 0]
+
+    # -- persistence ----------------------------------------------------------------------
+    def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        self.check_fitted()
+        tensors = {"patchcore.bank": self.bank, **self.embedder.state_tensors()}
+        meta = {"grid": list(self.grid), "n_train": self.n_train, "n_patches": self.n_patches,
+                "bank_size": int(self.bank.shape[0]), "seed": self.seed}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],
+                   meta: Dict[str, Any], device: torch.device) -> "PatchCoreScorer":
+        if "patchcore.bank" not in tensors:
+            raise ValueError("not a PatchCore model: tensor patchcore.bank is missing")
+        seed = int(meta["seed"])
+        embedder = build_embedder(cfg, layers, seed, projection=tensors.get("embed.projection"))
+        scorer = cls(embedder, cfg, seed)
+        scorer._stream = None
+        scorer.grid = tuple(meta["grid"])
+        scorer.n_train, scorer.n_patches = int(meta["n_train"]), int(meta["n_patches"])
+        scorer._set_bank(tensors["patchcore.bank"].to(device))
+        scorer.fitted = True
+        return scorer
