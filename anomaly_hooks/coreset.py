@@ -231,20 +231,25 @@ def coverage_radius(features: torch.Tensor, bank: torch.Tensor, chunk: int = 409
 
 
 class StreamingCoreset:
-    """Bounded-memory coreset (merge-reduce): each added chunk is reduced to its own coreset as
-    it arrives; whenever the kept points exceed ``max_points`` they are reduced to half of it by
-    the same greedy rule. Peak memory: ``max_points`` kept features plus one chunk — whatever
-    the number of training images. The final bank has ``coreset_size(total, ratio, count)``
-    points, capped at ``max_points``.
+    """Bounded-memory coreset (merge-reduce). Added chunks are kept as they are until the kept
+    points exceed ``max_points``; then the union is reduced to ``max_points // 2`` points by the
+    same greedy rule, and so on. ``finalize`` reduces the kept points to the final size,
+    ``coreset_size(total, ratio, count)`` capped at what is kept.
+
+    Peak memory: ``max_points`` kept features plus one chunk, whatever the number of training
+    images. Quality: each reduction is a k-center cover of what it reduces, so by the triangle
+    inequality the final bank covers every training point within the sum of the radii of the
+    reductions (the README gives measured radii and AUROC against the one-shot coreset).
     """
 
     def __init__(self, ratio: Optional[float], count: Optional[int], max_points: int,
                  projection_dim: Optional[int] = 128, seed: int = 0) -> None:
-        if max_points < 1:
-            raise ValueError(f"max_points must be >= 1, got {max_points}")
-        if count is not None and count > max_points:
-            raise ValueError(f"coreset count {count} exceeds max_bank_points {max_points}: "
-                             "raise patchcore.max_bank_points or lower patchcore.coreset_count")
+        if max_points < 2:
+            raise ValueError(f"max_bank_points must be >= 2, got {max_points}")
+        if count is not None and count > max_points // 2:
+            raise ValueError(f"coreset count {count} exceeds half of max_bank_points "
+                             f"({max_points}): raise patchcore.max_bank_points to at least "
+                             f"{2 * count} or lower patchcore.coreset_count")
         self.ratio, self.count, self.max_points = ratio, count, max_points
         self.projection_dim, self.seed = projection_dim, seed
         self.kept: List[torch.Tensor] = []
@@ -252,26 +257,21 @@ class StreamingCoreset:
         self.total = 0
         self.reductions = 0
 
-    def _reduce(self, features: torch.Tensor, k: int) -> torch.Tensor:
-        self.reductions += 1
-        if k >= features.shape[0]:
-            return features
-        idx = greedy_coreset(features, k, self.projection_dim, self.seed + self.reductions)
-        return features[idx].clone()
-
     def add(self, features: torch.Tensor) -> None:
-        """Add a chunk ``[n, D]`` of patch features."""
-        n = features.shape[0]
-        if n == 0:
+        """Add a chunk ``[n, D]`` of patch features (reduced at once if it alone exceeds the
+        budget)."""
+        if features.shape[0] == 0:
             return
-        self.total += n
-        k = coreset_size(n, self.ratio, self.count) if self.count is None else min(n, self.count)
-        part = self._reduce(features.float(), min(k, self.max_points))
-        self.kept.append(part)
-        self.n_kept += part.shape[0]
+        self.total += features.shape[0]
+        self.kept.append(features.float())
+        self.n_kept += features.shape[0]
         if self.n_kept > self.max_points:
             merged = torch.cat(self.kept)
-            self.kept = [self._reduce(merged, max(1, self.max_points // 2))]
+            self.kept = []
+            self.reductions += 1
+            idx = greedy_coreset(merged, self.max_points // 2, self.projection_dim,
+                                 self.seed + self.reductions)
+            self.kept = [merged[idx].clone()]
             self.n_kept = self.kept[0].shape[0]
 
     def finalize(self) -> torch.Tensor:

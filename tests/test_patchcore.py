@@ -1,0 +1,231 @@
+"""PatchCore: coreset selection and kNN search against brute-force float64 references."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from anomaly_hooks import Detector
+from anomaly_hooks.config import load_config
+from anomaly_hooks.coreset import (StreamingCoreset, coreset_size, coverage_radius, first_index,
+                                   greedy_coreset, random_projection)
+from anomaly_hooks.extractor import LayerInfo
+from anomaly_hooks.knn import NearestNeighbors
+from anomaly_hooks.scorers.patchcore import PatchCoreScorer
+from conftest import textured_images, with_defect
+
+
+def clustered(n: int = 3000, d: int = 96, clusters: int = 40, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(clusters, d, generator=gen) * 4
+    pick = torch.randint(clusters, (n,), generator=gen)
+    return centres[pick] + torch.randn(n, d, generator=gen)
+
+
+def brute_force_greedy(features: torch.Tensor, k: int, projection_dim, seed: int) -> list[int]:
+    """The greedy k-center rule in float64, one full pass per selection."""
+    x = random_projection(features, projection_dim, seed).double()
+    selected = [first_index(len(x), seed)]
+    min_d = torch.linalg.vector_norm(x - x[selected[0]], dim=1)
+    min_d[selected] = -1
+    while len(selected) < k:
+        idx = int(torch.argmax(min_d))
+        selected.append(idx)
+        min_d = torch.minimum(min_d, torch.linalg.vector_norm(x - x[idx], dim=1))
+        min_d[selected] = -1
+    return selected
+
+
+# -- coreset ------------------------------------------------------------------------------
+@pytest.mark.parametrize("projection_dim", [None, 32])
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_fast_selection_equals_brute_force(projection_dim, k):
+    x = clustered()
+    ref = brute_force_greedy(x, k, projection_dim, seed=5)
+    for method in ("pruned", "dense"):
+        got = greedy_coreset(x, k, projection_dim, seed=5, method=method)
+        assert got.tolist() == ref, method
+
+
+def test_selection_is_seeded_and_includes_the_first_point():
+    x = clustered(n=2000)
+    a = greedy_coreset(x, 100, 16, seed=3)
+    assert torch.equal(a, greedy_coreset(x, 100, 16, seed=3))
+    assert not torch.equal(a, greedy_coreset(x, 100, 16, seed=4))
+    assert int(a[0]) == first_index(2000, 3)
+    assert a.unique().numel() == 100
+
+
+def test_all_points_selectable_without_repeats():
+    x = clustered(n=50, d=8)
+    idx = greedy_coreset(x, 50, None, seed=0)
+    assert sorted(idx.tolist()) == list(range(50))
+
+
+def test_coverage_radius_far_below_a_random_subset():
+    # patch-like data: low intrinsic dimension, a few large modes and many rare ones
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1500, 1000, 800] + [10] * 70
+    centres = torch.randn(len(sizes), 4, generator=gen) * 6
+    latent = torch.cat([c + torch.randn(n, 4, generator=gen) for c, n in zip(centres, sizes)])
+    x = latent @ torch.randn(4, 96, generator=gen)
+    k = 200
+    core = greedy_coreset(x, k, 32, seed=0)
+    rand = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:k]
+    r_core, r_rand = coverage_radius(x, x[core]), coverage_radius(x, x[rand])
+    ref = torch.cdist(x.double(), x[core].double()).min(dim=1).values.max().item()
+    assert r_core == pytest.approx(ref, rel=1e-5)
+    assert r_core < 0.75 * r_rand, (r_core, r_rand)
+
+
+def test_coreset_size_and_errors():
+    assert coreset_size(1000, 0.1, None) == 100
+    assert coreset_size(1001, 0.1, None) == 101
+    assert coreset_size(5, 0.01, None) == 1
+    assert coreset_size(1000, 0.1, 30) == 30
+    assert coreset_size(10, None, 30) == 10
+    with pytest.raises(ValueError, match="ratio"):
+        coreset_size(10, 0.0, None)
+    with pytest.raises(ValueError, match="empty"):
+        coreset_size(0, 0.1, None)
+    with pytest.raises(ValueError, match="k=0"):
+        greedy_coreset(torch.rand(5, 3), 0)
+
+
+def test_streaming_coreset_bounded_and_close_to_one_shot():
+    x = clustered(n=6000, d=64)
+    stream = StreamingCoreset(ratio=0.05, count=None, max_points=600, projection_dim=None, seed=0)
+    peak = 0
+    for chunk in torch.split(x, 500):
+        stream.add(chunk)
+        peak = max(peak, stream.n_kept)
+    bank = stream.finalize()
+    assert peak <= 600 and stream.reductions >= 5
+    assert bank.shape == (300, 64)
+    # every bank row is a training row
+    assert float(NearestNeighbors(x).search(bank, 1)[0].max()) == 0.0
+    one_shot = x[greedy_coreset(x, 300, None, seed=0)]
+    r_stream, r_once = coverage_radius(x, bank), coverage_radius(x, one_shot)
+    r_rand = coverage_radius(x, x[torch.randperm(6000, generator=torch.Generator()
+                                                  .manual_seed(1))[:300]])
+    assert r_stream < 1.5 * r_once and r_stream < r_rand
+
+
+def test_streaming_count_larger_than_budget_is_refused():
+    with pytest.raises(ValueError, match="max_bank_points"):
+        StreamingCoreset(ratio=None, count=60, max_points=100)
+
+
+# -- nearest neighbours -------------------------------------------------------------------
+def _brute_knn(q: torch.Tensor, bank: torch.Tensor, k: int):
+    d = torch.cdist(q.double(), bank.double())
+    return d.topk(k, dim=1, largest=False)
+
+
+@pytest.mark.parametrize("backend", ["faiss-flat", "torch", "auto"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_exact_knn_equals_brute_force_float64(backend, k):
+    bank, q = clustered(n=1500, seed=1), clustered(n=200, seed=2)
+    dist, idx = NearestNeighbors(bank, backend=backend).search(q, k)
+    ref_d, ref_i = _brute_knn(q, bank, k)
+    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5)
+    assert torch.equal(idx, ref_i)
+
+
+@pytest.mark.parametrize("backend", ["faiss-ivf", "faiss-hnsw"])
+def test_approximate_indexes_have_high_recall(backend):
+    bank, q = clustered(n=4000, seed=1), clustered(n=300, seed=2)
+    dist, idx = NearestNeighbors(bank, backend=backend, nlist=16, nprobe=8).search(q, 1)
+    ref_d, ref_i = _brute_knn(q, bank, 1)
+    assert (idx == ref_i).float().mean() > 0.9
+    assert bool((dist.double() >= ref_d - 1e-4).all())  # never closer than the true nearest
+
+
+def test_float16_bank_is_searched_on_its_own_values():
+    bank, q = clustered(n=800, seed=1), clustered(n=50, seed=2)
+    half = bank.half()
+    dist, idx = NearestNeighbors(half).search(q, 1)
+    ref_d, ref_i = _brute_knn(q, half.float(), 1)
+    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5)
+    assert torch.equal(idx, ref_i)
+
+
+def test_self_distance_is_zero_and_errors():
+    bank = clustered(n=500)
+    index = NearestNeighbors(bank)
+    dist, idx = index.search(bank[:50], 1)
+    assert torch.equal(idx[:, 0], torch.arange(50))
+    assert float(dist.max()) == 0.0
+    with pytest.raises(ValueError, match="queries must be"):
+        index.search(torch.rand(3, 5), 1)
+    with pytest.raises(ValueError, match="k=501"):
+        index.search(bank[:2], 501)
+    with pytest.raises(ValueError, match="unknown knn backend"):
+        NearestNeighbors(bank, backend="annoy")
+
+
+# -- scorer -------------------------------------------------------------------------------
+def _scorer(**overrides) -> PatchCoreScorer:
+    cfg = load_config({"method": "patchcore", "patchcore": overrides}).patchcore
+    return PatchCoreScorer.create(cfg, [LayerInfo("a", 16, 8)], "custom", seed=0)
+
+
+def test_training_patches_score_zero_and_an_outlier_scores_highest():
+    gen = torch.Generator().manual_seed(0)
+    train = torch.rand(6, 16, 5, 5, generator=gen)
+    scorer = _scorer(coreset_ratio=1.0)
+    scorer.partial_fit(train[:3])
+    scorer.partial_fit(train[3:])
+    scorer.finalize()
+    assert float(scorer.score(train).max()) < 1e-5
+    test = train[:2].clone()
+    test[1, :, 2, 3] += 3.0
+    scores = scorer.score(test)
+    assert scores.flatten().argmax().item() == 1 * 25 + 2 * 5 + 3
+
+
+def test_reweighting_is_a_factor_between_zero_and_one():
+    gen = torch.Generator().manual_seed(1)
+    train = torch.rand(8, 16, 4, 4, generator=gen)
+    scorer = _scorer(coreset_ratio=0.5, reweight=True, reweight_neighbors=5)
+    scorer.partial_fit(train)
+    scorer.finalize()
+    test = torch.rand(3, 16, 4, 4, generator=gen) * 2
+    patch = scorer.score(test)
+    factors = scorer.reweight_factors(test, patch)
+    assert factors.shape == (3,) and bool(((factors > 0) & (factors < 1)).all())
+
+
+@pytest.fixture(scope="module")
+def patchcore_cfg(small_cfg):
+    return {**small_cfg, "method": "patchcore", "backbone": {"name": "resnet18", "weights": None},
+            "patchcore": {"coreset_ratio": 0.25}}
+
+
+def test_detector_save_load_identical_and_detects(patchcore_cfg, tmp_path):
+    det = Detector.from_config(patchcore_cfg)
+    det.fit(textured_images(12), progress=False)
+    good = textured_images(3, seed=31)
+    bad = [with_defect(img) for img in textured_images(3, seed=32)]
+    before = det.predict(good + bad)
+    assert min(p.score for p in bad and before[3:]) > max(p.score for p in before[:3])
+    loaded = Detector.load(det.save(tmp_path / "pc.safetensors"))
+    after = loaded.predict(good + bad)
+    assert [p.score for p in after] == [p.score for p in before]
+    assert loaded.scorer.bank.shape == det.scorer.bank.shape
+
+
+def test_bounded_fit_and_float16_bank(patchcore_cfg, tmp_path):
+    imgs = textured_images(12)
+    full = Detector.from_config(patchcore_cfg).fit(imgs, progress=False)
+    bounded = Detector.from_config(patchcore_cfg, patchcore__max_bank_points=150,
+                                   patchcore__bank_dtype="float16").fit(imgs, progress=False)
+    assert bounded.scorer.bank.dtype == torch.float16
+    assert bounded.scorer.bank.shape[0] <= 150
+    test = textured_images(2, seed=40) + [with_defect(textured_images(1, seed=41)[0])]
+    a, b = full.predict(test), bounded.predict(test)
+    assert b[2].score > max(b[0].score, b[1].score)
+    loaded = Detector.load(bounded.save(tmp_path / "half.safetensors"))
+    assert loaded.scorer.bank.dtype == torch.float16
+    assert [p.score for p in loaded.predict(test)] == [p.score for p in b]
+    assert a[2].score > max(a[0].score, a[1].score)
