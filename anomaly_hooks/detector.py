@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from anomaly_hooks import __version__
-from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
+from anomaly_hooks.backbones import CUSTOM, build_backbone, default_layers, fingerprint
 from anomaly_hooks.config import ConfigSource, load_config, to_container
 from anomaly_hooks.data import (DataError, describe, format_errors, iter_batches, list_images,
                                 resolve_items)
@@ -89,7 +89,8 @@ class Detector:
         self.preprocessor = Preprocessor.from_config(cfg.preprocess)
         self.backbone_name = CUSTOM if backbone is not None else cfg.backbone.name
         scorer_cls = get_scorer(cfg.method)
-        self.layers: List[str] = list(cfg.backbone.layers or scorer_cls.default_layers)
+        self.layers: List[str] = list(cfg.backbone.layers or default_layers(cfg.backbone.name, cfg.method)
+                                     or scorer_cls.default_layers)
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self.backbone_fingerprint = fingerprint(model)
