@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|score ...`` (also ``scripts/fit.py`` etc.)."""
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate ...`` (also ``scripts/fit.py`` etc.)."""
 from __future__ import annotations
 
 import argparse
@@ -146,7 +146,59 @@ def _write_results(out: Path, rows: List[dict], failures: List[str], model: str)
         json.dump({"model": str(model), "results": rows, "failures": failures}, fh, indent=2)
 
 
-COMMANDS = {"fit": cmd_fit, "score": cmd_score}
+def _evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="fit on train/good, score the test set, print metrics")
+    p.add_argument("--config", help="YAML config")
+    p.add_argument("--data", action="append", default=[],
+                   help="an MVTec AD layout root (repeat for several datasets)")
+    p.add_argument("--good", help="generic layout: folder of good images (split into train/test)")
+    p.add_argument("--defect", action="append", default=[],
+                   help="generic layout: folder of defective images (repeatable)")
+    p.add_argument("--masks", help="generic layout: folder of masks (optional)")
+    p.add_argument("--out", default="eval_results", help="output folder (default: eval_results)")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report pictures")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def _eval_datasets(args: argparse.Namespace) -> list:
+    from anomaly_hooks.datasets import folders, open_dataset
+
+    found = [open_dataset(d) for d in args.data]
+    if args.good:
+        found.append(folders(args.good, args.defect, args.masks))
+    elif args.defect or args.masks:
+        raise DataError("--defect/--masks need --good (the generic folder layout)")
+    if not found:
+        raise DataError("no dataset: give --data MVTEC_ROOT (repeatable) or --good DIR --defect DIR")
+    names = [d.name for d in found]
+    if len(set(names)) != len(names):
+        raise DataError(f"two datasets share a name {names}: rename a folder")
+    return found
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Evaluate each dataset; print a table; write results.json/csv and the HTML reports."""
+    from anomaly_hooks.evaluate import evaluate, format_table, write_results
+
+    datasets = _eval_datasets(args)
+    load_config(args.config, list(args.overrides))  # fail fast on a bad config
+    out = Path(args.out)
+    results = []
+    for ds in datasets:
+        report = None if args.no_report else out / ds.name / "report"
+        res = evaluate(args.config, ds, args.overrides, report_dir=report,
+                       progress=not args.quiet)
+        results.append(res)
+        if report is not None:
+            print(f"{ds.name}: report {report / 'index.html'}")
+    write_results(results, out)
+    print(format_table(results))
+    print(f"results in {out}/results.json and {out}/results.csv")
+    return 0
+
+
+COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _fit_parser(sub)
     _score_parser(sub)
+    _evaluate_parser(sub)
     for extra in EXTRA_PARSERS:
         extra(sub)
     return parser

@@ -74,9 +74,14 @@ class PatchEmbedder:
         return -(-int(input_size[0]) // stride), -(-int(input_size[1]) // stride)
 
     def __call__(self, feats: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32."""
+        """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32.
+
+        Each layer is written straight into one preallocated output (no concatenation copy);
+        nearest upsampling by an integer factor is a broadcast copy, exact and far faster
+        than ``F.interpolate`` on the CPU.
+        """
         maps = [feats[info.name] for info in self.layers]
-        size = max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1])
+        size = tuple(max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1]))
         parts = []
         for i, fmap in enumerate(maps):
             if self._per_layer is not None:
@@ -86,15 +91,19 @@ class PatchEmbedder:
                 fmap = fmap.index_select(1, sel)
             if self.local_pool > 1:
                 fmap = F.avg_pool2d(fmap, self.local_pool, stride=1, padding=self.local_pool // 2)
-            if fmap.shape[-2:] != size:
-                kwargs = {"align_corners": False} if self.upsample == "bilinear" else {}
-                fmap = F.interpolate(fmap, size=tuple(size), mode=self.upsample, **kwargs)
-            parts.append(fmap.float())
-        emb = torch.cat(parts, dim=1)
+            parts.append(fmap)
+        b = parts[0].shape[0]
+        emb = torch.empty(b, sum(p.shape[1] for p in parts), *size, dtype=torch.float32,
+                          device=parts[0].device)
+        start = 0
+        for fmap in parts:
+            stop = start + fmap.shape[1]
+            _resize_into(fmap, emb[:, start:stop], self.upsample)
+            start = stop
         if self.projection is not None:
             emb = torch.einsum("bchw,cd->bdhw", emb, self.projection.to(emb.device))
         if self.pool_dim is not None:
-            b, c, h, w = emb.shape
+            c, h, w = emb.shape[1:]
             flat = emb.permute(0, 2, 3, 1).reshape(-1, 1, c)
             emb = F.adaptive_avg_pool1d(flat, self.pool_dim).reshape(b, h, w, -1)
             emb = emb.permute(0, 3, 1, 2)
@@ -108,6 +117,21 @@ class PatchEmbedder:
         if self.projection is not None:
             out["embed.projection"] = self.projection.cpu()
         return out
+
+
+def _resize_into(src: torch.Tensor, dst: torch.Tensor, mode: str) -> None:
+    """Write ``src`` ``[B, C, h, w]`` resized to ``dst``'s ``[B, C, H, W]`` into ``dst``."""
+    (h, w), (big_h, big_w) = src.shape[-2:], dst.shape[-2:]
+    if (h, w) == (big_h, big_w):
+        dst.copy_(src)
+    elif mode == "nearest" and big_h % h == 0 and big_w % w == 0:
+        sh, sw = big_h // h, big_w // w
+        bsz, c = src.shape[:2]
+        dst.view(bsz, c, h, sh, w, sw).copy_(src[:, :, :, None, :, None].expand(
+            bsz, c, h, sh, w, sw))
+    else:
+        kwargs = {"align_corners": False} if mode == "bilinear" else {}
+        dst.copy_(F.interpolate(src.float(), size=(big_h, big_w), mode=mode, **kwargs))
 
 
 def random_channel_subset(total: int, n: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Benchmark runner: fit on a dataset's good training images, score its test set, compute the
+image and pixel metrics, and write JSON, CSV and a visual report.
+
+Pixel metrics are computed at each mask's own resolution (heatmaps come back in the frame of
+the original image).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from anomaly_hooks import metrics
+from anomaly_hooks.config import load_config, to_container
+from anomaly_hooks.datasets import AnomalyDataset
+from anomaly_hooks.images import ImageReadError
+
+log = logging.getLogger(__name__)
+
+SUMMARY_KEYS = ("image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
+                "fit_seconds", "ms_per_image")
+
+
+@dataclass
+class EvalResult:
+    """Everything one evaluation measured (``summary`` is JSON-ready)."""
+
+    summary: Dict[str, Any]
+    images: List[Dict[str, Any]]
+    curves: Dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {**self.summary, "images": self.images}
+
+
+def _pixel_metrics(masks: List[np.ndarray], maps: List[np.ndarray]) -> Dict[str, Any]:
+    if not any(m.any() for m in masks):
+        return {}
+    fpr, pro = metrics.pro_curve(masks, maps)
+    return {"pixel_auroc": metrics.pixel_auroc(masks, maps),
+            "aupro": metrics.aupro(masks, maps, fpr_limit=0.3),
+            "pixel_f1_max": metrics.pixel_f1_max(masks, maps)[0],
+            "_pro_curve": (fpr, pro)}
+
+
+def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = (),
+             report_dir: Optional[Path] = None, progress: bool = True,
+             backbone: Any = None) -> EvalResult:
+    """Fit ``config`` on ``dataset.train``, score ``dataset.test`` and compute the metrics.
+
+    ``report_dir``: where to write the per-image report pictures (None = no pictures).
+    """
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.report import ReportWriter
+
+    cfg = load_config(config, list(overrides))
+    det = Detector(cfg, backbone=backbone)
+    start = time.perf_counter()
+    det.fit(dataset.train, progress=progress)
+    fit_seconds = time.perf_counter() - start
+
+    writer = ReportWriter(report_dir) if report_dir is not None else None
+    paths = [s.path for s in dataset.test]
+    records: List[Dict[str, Any]] = []
+    masks: List[np.ndarray] = []
+    maps: List[np.ndarray] = []
+    failures: List[str] = []
+    start = time.perf_counter()
+    for i, pred in det.iter_predict(paths):
+        sample = dataset.test[i]
+        if isinstance(pred, ImageReadError):
+            failures.append(str(pred))
+            continue
+        h, w = pred.heatmap.shape
+        gt = dataset.load_mask(sample, (w, h)) if dataset.has_masks else None
+        if gt is not None:
+            masks.append(gt)
+            maps.append(pred.heatmap)
+        rec = {"path": str(sample.path), "label": sample.label, "defect": sample.defect,
+               "score": pred.score, "normalized_score": pred.normalized_score,
+               "is_anomalous": pred.is_anomalous}
+        if writer is not None:
+            rec.update(writer.add(sample, pred, gt))
+        records.append(rec)
+    predict_seconds = time.perf_counter() - start
+    if failures:
+        raise ImageReadError(f"{len(failures)} test image(s) could not be read:\n"
+                             + "\n".join(failures[:20]))
+    labels = np.array([r["label"] for r in records])
+    scores = np.array([r["score"] for r in records])
+    verdicts = np.array([r["is_anomalous"] for r in records])
+    precision, recall = _precision_recall(labels, verdicts)
+    summary: Dict[str, Any] = {
+        "dataset": dataset.name, "method": cfg.method, "backbone": det.backbone_name,
+        "layers": det.layers, "n_train": det.fit_info_.get("n_train"),
+        "n_test": len(records), "n_defective": int(labels.sum()),
+        "image_auroc": metrics.image_auroc(labels, scores),
+        "image_f1_max": metrics.f1_max(labels, scores)[0],
+        "threshold": det.threshold_.value,
+        "threshold_precision": precision, "threshold_recall": recall,
+        "fit_seconds": fit_seconds,
+        "ms_per_image": 1000.0 * predict_seconds / max(len(records), 1),
+        "config": to_container(cfg),
+    }
+    curves: Dict[str, Any] = {"roc": metrics.roc_curve_points(labels, scores)[:2]}
+    pixel = _pixel_metrics(masks, maps) if masks else {}
+    if "_pro_curve" in pixel:
+        curves["pro"] = pixel.pop("_pro_curve")
+    summary.update(pixel)
+    result = EvalResult(summary, records, curves)
+    if writer is not None:
+        writer.finish(result)
+    return result
+
+
+def _precision_recall(labels: np.ndarray, verdicts: np.ndarray) -> tuple[float, float]:
+    """Precision and recall of the stored threshold's verdicts (precision 0 if none flagged)."""
+    tp = int((verdicts & (labels == 1)).sum())
+    flagged, positives = int(verdicts.sum()), int((labels == 1).sum())
+    return (tp / flagged if flagged else 0.0), (tp / positives if positives else 0.0)
+
+
+def write_results(results: List[EvalResult], out: Path) -> None:
+    """``results.json`` (every image) and ``results.csv`` (one row per dataset + mean)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.json", "w") as fh:
+        json.dump({"datasets": [r.as_dict() for r in results],
+                   "mean": mean_row(results)}, fh, indent=2, default=_json_default)
+    cols = ["dataset", "method", *SUMMARY_KEYS, "threshold_precision", "threshold_recall"]
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        for row in [r.summary for r in results] + [mean_row(results)]:
+            writer.writerow(row)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def mean_row(results: List[EvalResult]) -> Dict[str, Any]:
+    """Mean of each metric over the datasets that have it."""
+    row: Dict[str, Any] = {"dataset": "mean", "method": results[0].summary["method"]
+                           if results else ""}
+    for key in (*SUMMARY_KEYS, "threshold_precision", "threshold_recall"):
+        vals = [r.summary[key] for r in results if r.summary.get(key) is not None]
+        row[key] = float(np.mean(vals)) if vals else None
+    return row
+
+
+def format_table(results: List[EvalResult]) -> str:
+    """A fixed-width table: one row per dataset, then the mean."""
+    head = ["dataset", "img AUROC", "pix AUROC", "AUPRO", "img F1", "pix F1", "fit s", "ms/img",
+            "thr P", "thr R"]
+    keys = ["image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
+            "fit_seconds", "ms_per_image", "threshold_precision", "threshold_recall"]
+    rows = [[r.summary["dataset"]] + [r.summary.get(k) for k in keys] for r in results]
+    if len(results) > 1:
+        mean = mean_row(results)
+        rows.append(["mean"] + [mean.get(k) for k in keys])
+    lines = ["  ".join(f"{h:>10}" for h in head)]
+    for row in rows:
+        cells = [f"{row[0]:>10}"] + [f"{'-':>10}" if v is None else
+                                      (f"{v:10.1f}" if k in ("fit_seconds", "ms_per_image")
+                                       else f"{v:10.4f}") for k, v in zip(keys, row[1:])]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""A static HTML report of an evaluation: per test image the image, its ground truth, the
+heatmap overlay and the predicted mask side by side; ROC and PRO curves as PNGs."""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import numpy as np
+from PIL import Image
+
+from anomaly_hooks.images import read_image
+from anomaly_hooks.visualize import colorize, overlay, to_uint8_rgb
+
+if TYPE_CHECKING:  # pragma: no cover
+    from anomaly_hooks.datasets import Sample
+    from anomaly_hooks.detector import Prediction
+    from anomaly_hooks.evaluate import EvalResult
+
+THUMB = 256  # longest side of the report pictures, in pixels
+
+
+def _thumb(array: np.ndarray, path: Path) -> None:
+    img = Image.fromarray(array)
+    scale = THUMB / max(img.size)
+    if scale < 1:
+        size = (max(1, round(img.size[0] * scale)), max(1, round(img.size[1] * scale)))
+        img = img.resize(size, Image.NEAREST if array.dtype == bool else Image.BILINEAR)
+    img.save(path)
+
+
+class ReportWriter:
+    """Collects pictures while the test set is scored, then writes ``index.html``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        (self.out / "img").mkdir(parents=True, exist_ok=True)
+        self.rows: List[Dict[str, Any]] = []
+
+    def add(self, sample: "Sample", pred: "Prediction",
+            gt: Optional[np.ndarray]) -> Dict[str, str]:
+        """Write the four pictures of one test image; returns their paths (relative)."""
+        n = len(self.rows)
+        image = to_uint8_rgb(read_image(sample.path).numpy())
+        heat = colorize(pred.heatmap, vmin=0.0, vmax=2.0 * pred.threshold)
+        pics = {"image": image, "overlay": overlay(image, heat, mask=pred.mask),
+                "predicted_mask": pred.mask.astype(np.uint8) * 255}
+        if gt is not None:
+            pics["ground_truth"] = gt.astype(np.uint8) * 255
+        files: Dict[str, str] = {}
+        for kind, array in pics.items():
+            rel = f"img/{n:04d}_{kind}.png"
+            _thumb(array, self.out / rel)
+            files[kind] = rel
+        self.rows.append({"sample": sample, "score": pred.score, "verdict": pred.is_anomalous,
+                          "files": files})
+        return {"report_" + k: str(self.out / v) for k, v in files.items()}
+
+    def finish(self, result: "EvalResult") -> Path:
+        """Curves and the HTML page; returns the page's path."""
+        curves = self._plot_curves(result.curves)
+        page = self.out / "index.html"
+        page.write_text(self._html(result.summary, curves), encoding="utf-8")
+        return page
+
+    def _plot_curves(self, curves: Dict[str, Any]) -> List[str]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        written = []
+        specs = {"roc": ("false positive rate", "true positive rate", "image ROC", None),
+                 "pro": ("false positive rate", "per-region overlap", "PRO curve", 0.3)}
+        for name, (xlabel, ylabel, title, limit) in specs.items():
+            if name not in curves:
+                continue
+            x, y = curves[name]
+            fig, ax = plt.subplots(figsize=(4, 4), dpi=100)
+            ax.plot(x, y, lw=1.5)
+            if limit is not None:
+                ax.axvline(limit, color="grey", ls="--", lw=1)
+            ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xlim=(0, 1), ylim=(0, 1.02))
+            fig.tight_layout()
+            fig.savefig(self.out / f"{name}.png")
+            plt.close(fig)
+            written.append(f"{name}.png")
+        return written
+
+    def _html(self, summary: Dict[str, Any], curves: List[str]) -> str:
+        esc = html.escape
+        metrics = "".join(
+            f"<tr><th>{esc(k)}</th><td>{v:.4f}</td></tr>" if isinstance(v, float)
+            else f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>"
+            for k, v in summary.items() if k != "config")
+        imgs = "".join(f'<img src="{c}" alt="{c}">' for c in curves)
+        body = []
+        for row in sorted(self.rows, key=lambda r: -r["score"]):
+            s, files = row["sample"], row["files"]
+            cells = []
+            for kind in ("image", "ground_truth", "overlay", "predicted_mask"):
+                cells.append(f'<td><img src="{files[kind]}" loading="lazy"></td>' if kind in files
+                             else "<td>no mask</td>")
+            verdict = "anomalous" if row["verdict"] else "normal"
+            body.append(f"<tr><td>{esc(s.path.name)}<br>{esc(s.defect)}<br>score "
+                        f"{row['score']:.4g}<br><b>{verdict}</b></td>{''.join(cells)}</tr>")
+        return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{esc(str(summary.get('dataset')))} report</title>
+<style>body{{font-family:sans-serif}} td,th{{padding:4px;vertical-align:top;text-align:left}}
+img{{max-width:256px}} table.m td{{font-family:monospace}}</style></head>
+<body><h1>{esc(str(summary.get('dataset')))}: {esc(str(summary.get('method')))}</h1>
+<table class="m">{metrics}</table>
+<p>{imgs}</p>
+<h2>Test images (highest score first)</h2>
+<table><tr><th>image</th><th>input</th><th>ground truth</th><th>heatmap overlay</th>
+<th>predicted mask</th></tr>
+{''.join(body)}
+</table></body></html>
+"""
