@@ -100,6 +100,7 @@ class Detector:
         self.threshold_: Optional[Threshold] = None
         self.fit_info_: Dict[str, Any] = {}
         self.fit_seconds_: Optional[float] = None
+        self.fit_timings_: Dict[str, float] = {}
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -146,18 +147,27 @@ class Detector:
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
         scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
                                    cfg.seed + SEED_SCORER)
-        start = time.perf_counter()
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
         n_used, skipped = self._accumulate(scorer, train, progress)
-        fit_seconds = time.perf_counter() - start
+        timings = {"accumulate": lap()}
         scorer.finalize()
+        timings["finalize"] = lap()
         self.scorer = scorer
         good_scores, held_errors = self._score_items(held, "threshold")
+        timings["threshold"] = lap()
         self.threshold_ = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                      cfg.threshold.margin)
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
                           "skipped": skipped + held_errors,
                           "threshold_source": cfg.threshold.folder or "holdout"}
-        self.fit_seconds_ = fit_seconds  # not saved: model files are byte-identical across fits
+        # Timings are not saved: model files are byte-identical across fits.
+        self.fit_timings_ = {**timings, "total": clock[-1] - clock[0]}
+        self.fit_seconds_ = self.fit_timings_["total"]
         return self
 
     def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:

@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""Thin wrapper: `python scripts/bench.py ...` runs anomaly_hooks.bench (see its docstring)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from anomaly_hooks.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
