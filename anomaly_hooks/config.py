@@ -93,6 +93,14 @@ class DataConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """Memory guard checked before fitting."""
+
+    memory_limit_gb: Optional[float] = None  # null = memory_fraction of the available memory
+    memory_fraction: float = 0.8  # of available RAM (or free GPU memory on CUDA)
+
+
+@dataclass
 class Config:
     """Everything that defines a model; saved with it."""
 
@@ -106,6 +114,7 @@ class Config:
     patchcore: PatchCoreConfig = field(default_factory=PatchCoreConfig)
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any], DictConfig, None]
@@ -247,6 +256,12 @@ def validate_config(cfg: DictConfig) -> None:
     _check(data.num_workers >= 0, "data.num_workers", ">= 0", data.num_workers)
     _check(data.on_error in ("raise", "skip"), "data.on_error", "raise or skip", data.on_error)
     _check(data.max_pixels >= 1, "data.max_pixels", ">= 1", data.max_pixels)
+    res = cfg.resources
+    if res.memory_limit_gb is not None:
+        _check(res.memory_limit_gb > 0, "resources.memory_limit_gb", "> 0 or null",
+               res.memory_limit_gb)
+    _check(0.0 < res.memory_fraction <= 1.0, "resources.memory_fraction", "0 < f <= 1",
+           res.memory_fraction)
 
 
 def _validate_patchcore(pc: DictConfig) -> None:

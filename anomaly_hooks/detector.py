@@ -32,6 +32,7 @@ from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, read_image
 from anomaly_hooks.modelfile import ModelFileError, load_model, save_model
 from anomaly_hooks.preprocess import Preprocessor
+from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import NotFittedError, Scorer, get_scorer
 from anomaly_hooks.threshold import Threshold
 
@@ -145,6 +146,9 @@ class Detector:
             raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
                            f"images after the threshold hold-out; got {len(train)} of "
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
+        self.memory_estimate_ = check_fit_memory(cfg, self.layer_info,
+                                                 self.preprocessor.input_size, len(train),
+                                                 self.device)
         scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
                                    cfg.seed + SEED_SCORER)
         clock = [time.perf_counter()]
@@ -324,14 +328,19 @@ class Detector:
 
     @classmethod
     def load(cls, path: Union[str, Path], *, device: Optional[str] = None,
-             backbone: Optional[nn.Module] = None) -> "Detector":
+             backbone: Optional[nn.Module] = None, method: Optional[str] = None) -> "Detector":
         """Load a saved model; it restores its preprocessing, layers, scorer and threshold.
 
         Args:
             device: override the saved device (``cpu``, ``cuda``, ``auto``).
             backbone: the ``nn.Module`` for a model fitted with a custom backbone.
+            method: the method the caller expects (``padim``, ``patchcore``); a file of
+                another method is refused.
         """
         tensors, meta = load_model(path)
+        if method is not None and meta.get("method") != method:
+            raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
+                                 "was expected: check the path")
         cfg = load_config(meta["config"])
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "

@@ -97,8 +97,7 @@ class PatchCoreScorer(Scorer):
         if self._stream is not None:
             bank = self._stream.finalize()
         else:
-            features = torch.cat(self._chunks)
-            self._chunks = []
+            features = self._concatenate()
             k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
                              is None else None, self.cfg.coreset_count)
             idx = greedy_coreset(features, k, projection_dim=self.cfg.projection_dim,
@@ -108,6 +107,20 @@ class PatchCoreScorer(Scorer):
         self._set_bank(bank)
         self._stream = None
         self.fitted = True
+
+    def _concatenate(self) -> torch.Tensor:
+        """All buffered patches ``[N, D]``, freeing each chunk as it is copied (the output's
+        pages are only touched as they are written, so resident memory stays ~1x)."""
+        n = sum(c.shape[0] for c in self._chunks)
+        out = torch.empty(n, self._chunks[0].shape[1], dtype=torch.float32,
+                          device=self._chunks[0].device)
+        start = 0
+        while self._chunks:
+            chunk = self._chunks.pop(0)
+            out[start:start + chunk.shape[0]] = chunk
+            start += chunk.shape[0]
+            del chunk
+        return out
 
     def _set_bank(self, bank: torch.Tensor) -> None:
         dtype = torch.float16 if self.cfg.bank_dtype == "float16" else torch.float32

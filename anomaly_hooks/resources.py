@@ -1,0 +1,102 @@
+"""Memory guard: estimate what a fit and its model need before fitting, and refuse early (with
+the estimate and the keys to change) rather than run out of memory an hour in."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Sequence
+
+import torch
+
+from anomaly_hooks.extractor import LayerInfo
+
+GB = 1024 ** 3
+PADIM_BUFFER = 128  # samples per position buffered by the PaDiM accumulator
+
+
+class ResourceError(ValueError):
+    """The fit would need more memory than allowed."""
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes available now: free GPU memory on CUDA, else available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _grid(layers: Sequence[LayerInfo], input_size: Sequence[int]) -> int:
+    stride = min(info.stride for info in layers)
+    return math.ceil(input_size[0] / stride) * math.ceil(input_size[1] / stride)
+
+
+def _batch_bytes(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
+                 dim: int) -> int:
+    """One batch's layer outputs and embeddings (float32), with room for one copy each."""
+    h, w = input_size
+    feats = sum(info.channels * math.ceil(h / info.stride) * math.ceil(w / info.stride)
+                for info in layers)
+    return 2 * 4 * cfg.data.batch_size * (feats + dim * _grid(layers, input_size))
+
+
+def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
+                        n_train: int) -> Dict[str, int]:
+    """Peak bytes of the fit by part, and ``model`` (what the fitted model holds)."""
+    positions = _grid(layers, input_size)
+    total_channels = sum(info.channels for info in layers)
+    if cfg.method == "padim":
+        d = cfg.padim.n_features or min(550, total_channels)
+        sums = positions * d * d * 8 + positions * PADIM_BUFFER * d * 4
+        model = positions * d * d * 4 + positions * d * 4
+        parts = {"statistics (float64 sums)": sums, "model (Cholesky factors)": model,
+                 "batch": _batch_bytes(cfg, layers, input_size, d)}
+        return {**parts, "total": sum(parts.values()), "model": model}
+    pc = cfg.patchcore
+    d = pc.reduce_dim if pc.reduce_dim and pc.reduce_dim < total_channels else total_channels
+    patches = n_train * positions
+    kept = patches if pc.max_bank_points is None else min(patches, pc.max_bank_points)
+    kept += 0 if pc.max_bank_points is None else cfg.data.batch_size * positions
+    if pc.coreset_count is not None:
+        bank_rows = min(patches, pc.coreset_count)
+    else:
+        bank_rows = math.ceil(pc.coreset_ratio * patches)
+    bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
+    parts = {"patch features before the coreset": kept * d * 4,
+             "coreset selection (projection, distances)": kept * ((pc.projection_dim or d) + 4) * 4,
+             "model (memory bank + index)": 2 * bank,
+             "batch": _batch_bytes(cfg, layers, input_size, d)}
+    return {**parts, "total": sum(parts.values()), "model": bank}
+
+
+def memory_limit(cfg: Any, device: torch.device) -> int:
+    """The configured limit in bytes."""
+    res = cfg.resources
+    if res.memory_limit_gb is not None:
+        return int(res.memory_limit_gb * GB)
+    return int(res.memory_fraction * available_memory(device))
+
+
+def _advice(cfg: Any) -> str:
+    if cfg.method == "padim":
+        return ("lower padim.n_features (memory grows with its square), or preprocess.crop / "
+                "resize, or use layers with a coarser grid")
+    return ("set patchcore.max_bank_points (bounded-memory fit, e.g. 200000), lower "
+            "patchcore.reduce_dim, or fit on fewer or smaller images")
+
+
+def check_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
+                     n_train: int, device: torch.device) -> Dict[str, int]:
+    """Raise :class:`ResourceError` when the estimate exceeds the limit; else the estimate."""
+    est = estimate_fit_memory(cfg, layers, input_size, n_train)
+    limit = memory_limit(cfg, device)
+    if est["total"] > limit:
+        parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items()
+                          if k not in ("total", "model"))
+        raise ResourceError(
+            f"this {cfg.method} fit on {n_train} images needs about {est['total'] / GB:.1f} GB "
+            f"({parts}) but the limit is {limit / GB:.1f} GB (resources.memory_limit_gb, or "
+            f"resources.memory_fraction={cfg.resources.memory_fraction} of the available "
+            f"memory): {_advice(cfg)}; or raise resources.memory_limit_gb")
+    return est
