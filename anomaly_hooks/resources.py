@@ -48,9 +48,10 @@ def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Seque
     total_channels = sum(info.channels for info in layers)
     if cfg.method == "padim":
         d = cfg.padim.n_features or min(550, total_channels)
-        sums = positions * d * d * 8 + positions * PADIM_BUFFER * d * 4
         model = positions * d * d * 4 + positions * d * 4
-        parts = {"statistics (float64 sums)": sums, "model (Cholesky factors)": model,
+        # the float32 factors replace the float64 sums chunk by chunk: the sums are the peak
+        parts = {"statistics (float64 sums)": positions * d * d * 8,
+                 "sample buffer": positions * PADIM_BUFFER * d * 4,
                  "batch": _batch_bytes(cfg, layers, input_size, d)}
         return {**parts, "total": sum(parts.values()), "model": model}
     pc = cfg.patchcore

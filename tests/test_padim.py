@@ -28,11 +28,14 @@ def test_streaming_mean_cov_equal_numpy(buffer_samples):
     for chunk in torch.split(emb, [5, 1, 9, 8]):
         acc.update(chunk.flatten(2).permute(2, 0, 1))
     x = emb.double().flatten(2).numpy()  # [N, D, P]
+    cov = acc.covariance_chunk(0)  # all 6 positions are in the first chunk
     for p in range(x.shape[2]):
         np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-10)
         ref = np.cov(x[:, :, p], rowvar=False)
-        np.testing.assert_allclose(acc.covariance_chunk(p, p + 1)[0].numpy(), ref,
-                                   rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    acc.covariance_chunk(0, release=True)
+    with pytest.raises(RuntimeError, match="released"):
+        acc.covariance_chunk(0)
 
 
 def test_accumulator_rejects_a_different_grid():

@@ -8,7 +8,7 @@ batched triangular solve over all positions — no explicit inverse, no per-posi
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class GaussianAccumulator:
         self.buffer_samples = buffer_samples
         self.shift: Optional[torch.Tensor] = None  # [P, D] float32
         self.s1: Optional[torch.Tensor] = None  # [P, D] float64
-        self.s2: Optional[torch.Tensor] = None  # [P, D, D] float64
+        self.s2: List[Optional[torch.Tensor]] = []  # per chunk of positions: [c, D, D] float64
         self._buf: Optional[torch.Tensor] = None  # [P, buffer, D] float32
         self._fill = 0
 
@@ -49,7 +49,8 @@ class GaussianAccumulator:
         p, _, d = x.shape
         self.shift = x.mean(dim=1, dtype=torch.float64).float()
         self.s1 = torch.zeros(p, d, dtype=torch.float64, device=x.device)
-        self.s2 = torch.zeros(p, d, d, dtype=torch.float64, device=x.device)
+        self.s2 = [torch.zeros(min(CHUNK_POSITIONS, p - lo), d, d, dtype=torch.float64,
+                               device=x.device) for lo in range(0, p, CHUNK_POSITIONS)]
         self._buf = torch.empty(p, self.buffer_samples, d, dtype=torch.float32, device=x.device)
 
     def update(self, x: torch.Tensor) -> None:
@@ -75,9 +76,9 @@ class GaussianAccumulator:
     def _flush(self) -> None:
         """Add the buffered samples' outer products to ``S2`` (chunks of positions)."""
         buf = self._buf[:, :self._fill]
-        for lo in range(0, buf.shape[0], CHUNK_POSITIONS):
-            part = buf[lo:lo + CHUNK_POSITIONS]
-            self.s2[lo:lo + CHUNK_POSITIONS] += torch.bmm(part.transpose(1, 2), part)
+        for i, s2 in enumerate(self.s2):
+            part = buf[i * CHUNK_POSITIONS:(i + 1) * CHUNK_POSITIONS]
+            s2 += torch.bmm(part.transpose(1, 2), part)
         self._fill = 0
 
     def finish(self) -> None:
@@ -90,31 +91,46 @@ class GaussianAccumulator:
         """``[P, D]`` float64."""
         return self.shift.double() + self.s1 / self.n
 
-    def covariance_chunk(self, start: int, stop: int) -> torch.Tensor:
-        """Unbiased covariance ``[stop - start, D, D]`` float64 of a range of positions."""
+    def covariance_chunk(self, i: int, release: bool = False) -> torch.Tensor:
+        """Unbiased covariance ``[c, D, D]`` float64 of the ``i``-th chunk of positions
+        (positions ``i * CHUNK_POSITIONS`` onwards). ``release`` frees that chunk's sums (the
+        accumulator cannot give it again), so that finalising does not hold two copies."""
         if self._fill:
             self._flush()
-        s1 = self.s1[start:stop]
-        cov = torch.baddbmm(self.s2[start:stop], s1.unsqueeze(2), s1.unsqueeze(1),
-                            alpha=-1.0 / self.n)
+        s2 = self.s2[i]
+        if s2 is None:
+            raise RuntimeError(f"covariance chunk {i} was already released")
+        s1 = self.s1[i * CHUNK_POSITIONS:i * CHUNK_POSITIONS + s2.shape[0]]
+        if release:
+            self.s2[i] = None
+            cov = s2.baddbmm_(s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
+        else:
+            cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
         return cov.div_(self.n - 1)
 
 
 def cholesky_factor(cov: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Lower ``L`` with ``L L^T = cov + epsilon I``, ``[P, D, D]``; ``cov`` is modified in place."""
+    """Lower float32 ``L`` with ``L L^T = cov + epsilon I``, ``[P, D, D]``; ``cov`` (float64) is
+    modified in place. Factorised in float32 (twice as fast; ``epsilon I`` bounds the condition
+    number), falling back to float64 for any matrix where float32 fails."""
     cov.diagonal(dim1=1, dim2=2).add_(epsilon)
-    chol, info = torch.linalg.cholesky_ex(cov)
-    if bool((info > 0).any()):
-        raise ValueError("a covariance is not positive definite even with epsilon added; "
-                         "raise padim.epsilon")
+    chol, info = torch.linalg.cholesky_ex(cov.float())
+    bad = torch.nonzero(info > 0).flatten()
+    if bad.numel():
+        chol64, info64 = torch.linalg.cholesky_ex(cov[bad])
+        if bool((info64 > 0).any()):
+            raise ValueError("a covariance is not positive definite even with epsilon added; "
+                             "raise padim.epsilon")
+        chol[bad] = chol64.float()
     return chol
 
 
 def mahalanobis(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
     """Distances ``[P, B]`` of ``x`` ``[P, D, B]`` to Gaussians (``mean`` ``[P, D]``, lower
     Cholesky factors ``chol`` ``[P, D, D]``): ``|| L^-1 (x - mu) ||`` per column."""
-    diff = x - mean.unsqueeze(2).to(x.dtype)
-    z = torch.linalg.solve_triangular(chol.to(x.dtype), diff, upper=False)
+    diff = torch.empty(x.shape, dtype=chol.dtype, device=x.device)  # contiguous [P, D, B]
+    torch.sub(x, mean.unsqueeze(2), out=diff)
+    z = torch.linalg.solve_triangular(chol, diff, upper=False)
     return z.square_().sum(dim=1).sqrt_()
 
 
@@ -164,11 +180,13 @@ class PadimScorer(Scorer):
         acc.finish()
         p, d = acc.shift.shape
         self.mean = acc.mean().float()
+        # torch.empty touches no pages: resident memory grows as the float64 sums are freed
         self.chol = torch.empty(p, d, d, dtype=torch.float32, device=acc.shift.device)
-        for start in range(0, p, CHUNK_POSITIONS):
-            stop = min(p, start + CHUNK_POSITIONS)
-            self.chol[start:stop] = cholesky_factor(acc.covariance_chunk(start, stop),
-                                                    self.epsilon)
+        for i in range(len(acc.s2)):
+            start = i * CHUNK_POSITIONS
+            cov = acc.covariance_chunk(i, release=True)
+            self.chol[start:start + cov.shape[0]] = cholesky_factor(cov, self.epsilon)
+            del cov
         self.n_train = acc.n
         self._acc = None
         self.fitted = True
