@@ -1,0 +1,115 @@
+"""Evaluation runner: dataset readers, metrics wiring, results files and the HTML report."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from sklearn.metrics import roc_auc_score
+
+from anomaly_hooks.cli import main
+from anomaly_hooks.data import DataError
+from anomaly_hooks.datasets import folders, mvtec, open_dataset
+from anomaly_hooks.evaluate import evaluate, format_table, write_results
+from conftest import SAMPLE
+
+
+def _small_overrides() -> list[str]:
+    return ["backbone.name=resnet18", "backbone.weights=null", "preprocess.resize=96",
+            "preprocess.crop=null", "padim.n_features=60", "data.num_workers=0", "device=cpu"]
+
+
+def _sample_subset(tmp_path: Path, n_train: int = 12) -> Path:
+    """A copy of the sample data with fewer images (fast)."""
+    root = tmp_path / "sample"
+    for folder in ("train/good", "test/good", "test/scratch", "test/stain"):
+        files = sorted((SAMPLE / folder).glob("*.png"))
+        files = files[:n_train] if folder == "train/good" else files[:4]
+        (root / folder).mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / folder / f.name)
+            defect = folder.split("/")[1]
+            mask = SAMPLE / "ground_truth" / defect / f"{f.stem}_mask.png"
+            if defect != "good":
+                (root / "ground_truth" / defect).mkdir(parents=True, exist_ok=True)
+                shutil.copy(mask, root / "ground_truth" / defect / mask.name)
+    return root
+
+
+def test_mvtec_reader_labels_and_masks():
+    ds = open_dataset(SAMPLE)
+    assert len(ds.train) == 60 and len(ds.test) == 12 + 4 * 8
+    assert int(ds.labels.sum()) == 32 and ds.has_masks
+    bad = next(s for s in ds.test if s.label)
+    mask = ds.load_mask(bad, (256, 256))
+    assert mask.dtype == bool and mask.any()
+    good = next(s for s in ds.test if not s.label)
+    assert not ds.load_mask(good, (256, 256)).any()
+    with pytest.raises(DataError, match="masks must match their images"):
+        ds.load_mask(bad, (300, 256))
+
+
+def test_reader_errors(tmp_path):
+    root = _sample_subset(tmp_path)
+    victim = next((root / "ground_truth" / "scratch").glob("*.png"))
+    victim.unlink()
+    with pytest.raises(DataError, match="without a mask"):
+        mvtec(root)
+    with pytest.raises(DataError, match="not an MVTec AD layout"):
+        mvtec(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no image files"):
+        folders(tmp_path / "empty", [root / "test" / "stain"])
+    with pytest.raises(DataError, match="no mask named"):
+        folders(root / "train" / "good", [root / "test" / "scratch"], masks=root / "ground_truth")
+
+
+def test_generic_folders_split_and_masks(tmp_path):
+    root = _sample_subset(tmp_path)
+    ds = folders(root / "train" / "good", [root / "test" / "stain"], masks=root / "ground_truth",
+                 test_fraction=0.25, seed=3)
+    assert len(ds.train) == 9 and sum(1 for s in ds.test if not s.label) == 3
+    assert all(s.mask_path is not None for s in ds.test if s.label)
+    again = folders(root / "train" / "good", [root / "test" / "stain"], test_fraction=0.25, seed=3)
+    assert again.train == ds.train and not again.has_masks
+
+
+def test_evaluate_metrics_agree_with_sklearn_and_report(tmp_path):
+    ds = mvtec(_sample_subset(tmp_path))
+    res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "report", progress=False)
+    labels = [r["label"] for r in res.images]
+    scores = [r["score"] for r in res.images]
+    assert res.summary["image_auroc"] == pytest.approx(roc_auc_score(labels, scores))
+    for key in ("pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max", "ms_per_image"):
+        assert res.summary[key] is not None
+    assert 0.0 <= res.summary["aupro"] <= 1.0
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert page.count("<tr><td>") == len(ds.test)
+    assert (tmp_path / "report" / "roc.png").is_file() and (tmp_path / "report" / "pro.png").is_file()
+    write_results([res], tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(saved["datasets"][0]["images"]) == len(ds.test)
+    assert "mean" in format_table([res, res])
+
+
+def test_report_without_masks(tmp_path):
+    root = _sample_subset(tmp_path)
+    ds = folders(root / "train" / "good", [root / "test" / "scratch"], seed=0)
+    res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "r", progress=False)
+    assert "pixel_auroc" not in res.summary and "aupro" not in res.summary
+    assert "no mask" in (tmp_path / "r" / "index.html").read_text()
+
+
+def test_evaluate_cli(tmp_path, capsys):
+    root = _sample_subset(tmp_path)
+    code = main(["evaluate", "--data", str(root), "--out", str(tmp_path / "ev"), "--quiet",
+                 *_small_overrides()])
+    out = capsys.readouterr().out
+    assert code == 0 and "img AUROC" in out
+    assert (tmp_path / "ev" / "results.csv").read_text().count("\n") == 3  # header, row, mean
+    assert (tmp_path / "ev" / "sample" / "report" / "index.html").is_file()
+    assert main(["evaluate", "--out", str(tmp_path / "x")]) == 2
+    assert "no dataset" in capsys.readouterr().err
