@@ -47,6 +47,7 @@ class PadimConfig:
 
     n_features: Optional[int] = None  # random channel subset; null = 550 (WRN50) / 100 (ResNet18)
     epsilon: float = 0.01  # added to the covariance diagonal
+    factor_dtype: str = "float32"  # float32 | float16 (half the memory; scored in float32)
 
 
 @dataclass
@@ -245,6 +246,8 @@ def validate_config(cfg: DictConfig) -> None:
     if pad.n_features is not None:
         _check(pad.n_features >= 1, "padim.n_features", "a positive int or null", pad.n_features)
     _check(pad.epsilon > 0, "padim.epsilon", "a positive float", pad.epsilon)
+    _check(pad.factor_dtype in ("float32", "float16"), "padim.factor_dtype",
+           "float32 or float16", pad.factor_dtype)
     _validate_patchcore(cfg.patchcore)
     thr = cfg.threshold
     _check(0.0 <= thr.holdout_fraction < 1.0, "threshold.holdout_fraction", "0 <= f < 1",

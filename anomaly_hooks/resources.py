@@ -48,7 +48,8 @@ def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Seque
     total_channels = sum(info.channels for info in layers)
     if cfg.method == "padim":
         d = cfg.padim.n_features or min(550, total_channels)
-        model = positions * d * d * 4 + positions * d * 4
+        factor_bytes = 2 if cfg.padim.factor_dtype == "float16" else 4
+        model = positions * d * d * factor_bytes + positions * d * 4
         # the float32 factors replace the float64 sums chunk by chunk: the sums are the peak
         parts = {"statistics (float64 sums)": positions * d * d * 8,
                  "sample buffer": positions * PADIM_BUFFER * d * 4,

@@ -90,3 +90,16 @@ def test_subset_before_upsampling_equals_after():
     assert torch.equal(got, full[:, idx])
     up = torch.nn.functional.interpolate(feats["l2"], size=(8, 8), mode="nearest")
     assert torch.equal(full, torch.cat([feats["l1"], up], dim=1))
+
+
+def test_float16_factors_score_close_to_float32():
+    emb = _embeddings(n=40, d=8, h=4, w=4).float()
+    layers = [LayerInfo("a", 8, 4)]
+    scores = {}
+    for dtype in ("float32", "float16"):
+        scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(8)), 0.01, dtype)
+        scorer.partial_fit(emb)
+        scorer.finalize()
+        assert scorer.chol.dtype == getattr(torch, dtype)
+        scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float())
+    torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)

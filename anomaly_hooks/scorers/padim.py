@@ -125,13 +125,24 @@ def cholesky_factor(cov: torch.Tensor, epsilon: float) -> torch.Tensor:
     return chol
 
 
-def mahalanobis(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+def mahalanobis(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor,
+                chunk: int = 256) -> torch.Tensor:
     """Distances ``[P, B]`` of ``x`` ``[P, D, B]`` to Gaussians (``mean`` ``[P, D]``, lower
-    Cholesky factors ``chol`` ``[P, D, D]``): ``|| L^-1 (x - mu) ||`` per column."""
-    diff = torch.empty(x.shape, dtype=chol.dtype, device=x.device)  # contiguous [P, D, B]
-    torch.sub(x, mean.unsqueeze(2), out=diff)
-    z = torch.linalg.solve_triangular(chol, diff, upper=False)
-    return z.square_().sum(dim=1).sqrt_()
+    Cholesky factors ``chol`` ``[P, D, D]``): ``|| L^-1 (x - mu) ||`` per column.
+
+    float32 factors are used in place (never copied); float16 factors are widened to float32
+    ``chunk`` positions at a time.
+    """
+    if chol.dtype == torch.float32:
+        diff = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # contiguous [P, D, B]
+        torch.sub(x, mean.unsqueeze(2), out=diff)
+        z = torch.linalg.solve_triangular(chol, diff, upper=False)
+        return z.square_().sum(dim=1).sqrt_()
+    out = torch.empty(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
+    for lo in range(0, x.shape[0], chunk):
+        hi = min(lo + chunk, x.shape[0])
+        out[lo:hi] = mahalanobis(x[lo:hi], mean[lo:hi], chol[lo:hi].float())
+    return out
 
 
 @register
@@ -142,9 +153,11 @@ class PadimScorer(Scorer):
     default_layers = ["layer1", "layer2", "layer3"]
     min_train_images = 2
 
-    def __init__(self, embedder: PatchEmbedder, epsilon: float) -> None:
+    def __init__(self, embedder: PatchEmbedder, epsilon: float,
+                 factor_dtype: str = "float32") -> None:
         super().__init__(embedder)
         self.epsilon = epsilon
+        self.factor_dtype = torch.float16 if factor_dtype == "float16" else torch.float32
         self._acc: Optional[GaussianAccumulator] = GaussianAccumulator()
         self.mean: Optional[torch.Tensor] = None  # [P, D] float32
         self.chol: Optional[torch.Tensor] = None  # [P, D, D] float32, lower Cholesky factors
@@ -161,7 +174,8 @@ class PadimScorer(Scorer):
             raise ValueError(f"padim.n_features={n} is larger than the {total} channels the "
                              f"layers {[i.name for i in layers]} give: choose 1..{total}")
         idx = random_channel_subset(total, n, seed)
-        return cls(PatchEmbedder(layers, upsample="nearest", channel_idx=idx), cfg.epsilon)
+        return cls(PatchEmbedder(layers, upsample="nearest", channel_idx=idx), cfg.epsilon,
+                   cfg.factor_dtype)
 
     def partial_fit(self, embeddings: torch.Tensor) -> None:
         if self._acc is None:
@@ -181,7 +195,7 @@ class PadimScorer(Scorer):
         p, d = acc.shift.shape
         self.mean = acc.mean().float()
         # torch.empty touches no pages: resident memory grows as the float64 sums are freed
-        self.chol = torch.empty(p, d, d, dtype=torch.float32, device=acc.shift.device)
+        self.chol = torch.empty(p, d, d, dtype=self.factor_dtype, device=acc.shift.device)
         for i in range(len(acc.s2)):
             start = i * CHUNK_POSITIONS
             cov = acc.covariance_chunk(i, release=True)
@@ -215,9 +229,11 @@ class PadimScorer(Scorer):
         if missing:
             raise ValueError(f"not a PaDiM model: tensors {missing} are missing")
         embedder = PatchEmbedder(layers, upsample="nearest", channel_idx=tensors["embed.channel_idx"])
-        scorer = cls(embedder, float(meta["epsilon"]))
+        scorer = cls(embedder, float(meta["epsilon"]), cfg.factor_dtype)
         scorer.mean = tensors["padim.mean"].to(device)
         scorer.chol = tensors["padim.chol"].to(device)
+        if scorer.chol.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"padim.chol has dtype {scorer.chol.dtype}")
         scorer.grid = tuple(meta["grid"])
         scorer.n_train = int(meta["n_train"])
         scorer._acc = None
