@@ -132,6 +132,7 @@ def write_results(results: List[EvalResult], out: Path) -> None:
     with open(out / "results.json", "w") as fh:
         json.dump({"datasets": [r.as_dict() for r in results],
                    "mean": mean_row(results)}, fh, indent=2, default=_json_default)
+    (out / "results.md").write_text(format_markdown(results) + "\n")
     cols = ["dataset", "method", *SUMMARY_KEYS, "threshold_precision", "threshold_recall"]
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
@@ -156,6 +157,27 @@ def mean_row(results: List[EvalResult]) -> Dict[str, Any]:
         vals = [r.summary[key] for r in results if r.summary.get(key) is not None]
         row[key] = float(np.mean(vals)) if vals else None
     return row
+
+
+def format_markdown(results: List[EvalResult]) -> str:
+    """The results as a Markdown table (what BENCHMARKS.md is made of)."""
+    keys = ["image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
+            "fit_seconds", "ms_per_image"]
+    head = "| dataset | method | backbone | image AUROC | pixel AUROC | AUPRO | image F1-max | " \
+           "pixel F1-max | fit s | ms / image |"
+    lines = [head, "|" + "---|" * 10]
+    rows = [r.summary for r in results]
+    if len(results) > 1:
+        rows.append({**mean_row(results), "backbone": results[0].summary["backbone"]})
+    for row in rows:
+        cells = []
+        for k in keys:
+            v = row.get(k)
+            cells.append("–" if v is None else (f"{v:.1f}" if k in ("fit_seconds", "ms_per_image")
+                                                else f"{100 * v:.1f}"))
+        lines.append(f"| {row['dataset']} | {row['method']} | {row.get('backbone', '')} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_table(results: List[EvalResult]) -> str:
