@@ -29,6 +29,8 @@ class BackboneConfig:
     name: str = "wide_resnet50_2"  # torchvision model name, or "custom" for a user nn.Module
     weights: Optional[str] = "DEFAULT"  # torchvision weights name, a local file, or null (random)
     layers: Optional[List[str]] = None  # dotted module names; null = the method's default
+    precision: str = "float32"  # float32 | bfloat16 | float16 (autocast of the forward; GPU)
+    channels_last: bool = False  # channels-last memory format (faster convolutions on GPU)
 
 
 @dataclass
@@ -240,6 +242,8 @@ def validate_config(cfg: DictConfig) -> None:
                f"at most the resize {list(pre.resize)} in each dimension", list(pre.crop))
     _check(len(pre.mean) == 3 and len(pre.std) == 3 and min(pre.std) > 0, "preprocess.mean/std",
            "three values each, std > 0", (list(pre.mean), list(pre.std)))
+    _check(cfg.backbone.precision in ("float32", "bfloat16", "float16"), "backbone.precision",
+           "float32, bfloat16 or float16", cfg.backbone.precision)
     if cfg.backbone.layers is not None:
         _check(len(cfg.backbone.layers) >= 1, "backbone.layers", "at least one layer name", [])
     pad = cfg.padim

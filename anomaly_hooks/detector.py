@@ -96,7 +96,9 @@ class Detector:
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self.backbone_fingerprint = fingerprint(model)
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
-                                              probe_size=self.preprocessor.input_size)
+                                              probe_size=self.preprocessor.input_size,
+                                              precision=cfg.backbone.precision,
+                                              channels_last=cfg.backbone.channels_last)
         self.scorer: Optional[Scorer] = None
         self.threshold_: Optional[Threshold] = None
         self.fit_info_: Dict[str, Any] = {}

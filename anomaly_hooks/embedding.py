@@ -91,7 +91,7 @@ class PatchEmbedder:
                 fmap = fmap.index_select(1, sel)
             if self.local_pool > 1:
                 fmap = F.avg_pool2d(fmap, self.local_pool, stride=1, padding=self.local_pool // 2)
-            parts.append(fmap)
+            parts.append(fmap.float())  # mixed-precision backbones give bf16/fp16 maps
         b = parts[0].shape[0]
         emb = torch.empty(b, sum(p.shape[1] for p in parts), *size, dtype=torch.float32,
                           device=parts[0].device)

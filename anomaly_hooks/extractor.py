@@ -8,6 +8,7 @@ thread-local storage, so one extractor can serve many threads at once.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -69,6 +70,10 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise ValueError(f"layer output of type {type(output).__name__} is not a tensor")
 
 
+# Optional mixed precision of the backbone forward (features are used in float32 afterwards).
+PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class HookFeatureExtractor:
     """Capture the outputs of named layers of ``model``.
 
@@ -89,8 +94,16 @@ class HookFeatureExtractor:
         layers: Sequence[str],
         device: torch.device | str = "cpu",
         probe_size: Tuple[int, int] = (224, 224),
+        precision: str = "float32",
+        channels_last: bool = False,
     ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
+        self.precision = PRECISIONS[precision]
+        self.channels_last = channels_last
         self.model = model.eval().to(device)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
         self.layers = list(layers)
         self.device = torch.device(device)
         self._modules = resolve_layers(model, self.layers)
@@ -115,8 +128,12 @@ class HookFeatureExtractor:
 
     def _run(self, images: torch.Tensor) -> Dict[str, torch.Tensor]:
         self._local.outputs = {}
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        autocast = (torch.autocast(images.device.type, dtype=self.precision)
+                    if self.precision is not None else contextlib.nullcontext())
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast:
                 self.model(images)
         except _StopForward:
             pass

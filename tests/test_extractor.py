@@ -128,3 +128,25 @@ def test_threads_get_their_own_outputs(resnet18):
             t.join()
     for a, b in zip(serial, results):
         assert torch.equal(a, b)
+
+
+def test_channels_last_and_bfloat16_autocast_close_to_float32(resnet18):
+    import copy
+
+    x = torch.rand(2, 3, 96, 96)
+    with HookFeatureExtractor(resnet18, ["layer2", "layer3"], probe_size=(96, 96)) as ext:
+        ref = ext(x)
+    model = copy.deepcopy(resnet18)
+    with HookFeatureExtractor(model, ["layer2", "layer3"], probe_size=(96, 96),
+                              channels_last=True) as ext:
+        cl = ext(x)
+    with HookFeatureExtractor(copy.deepcopy(resnet18), ["layer2", "layer3"], probe_size=(96, 96),
+                              precision="bfloat16") as ext:
+        bf = ext(x)
+    for name in ref:
+        torch.testing.assert_close(cl[name], ref[name], rtol=1e-4, atol=1e-4)
+        assert bf[name].dtype == torch.bfloat16
+        rel = (bf[name].float() - ref[name]).norm() / ref[name].norm()
+        assert rel < 0.05, (name, float(rel))
+    with pytest.raises(ValueError, match="precision"):
+        HookFeatureExtractor(copy.deepcopy(resnet18), ["layer2"], precision="int8")
