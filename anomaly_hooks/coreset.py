@@ -274,12 +274,12 @@ class StreamingCoreset:
             self.kept = [merged[idx].clone()]
             self.n_kept = self.kept[0].shape[0]
 
-    def finalize(self) -> torch.Tensor:
+    def finalize(self, progress: bool = False) -> torch.Tensor:
         """The final bank ``[M, D]``."""
         if not self.kept:
             raise ValueError("no features were added to the coreset")
         merged = torch.cat(self.kept)
         self.kept = []
         k = min(coreset_size(self.total, self.ratio, self.count), merged.shape[0])
-        idx = greedy_coreset(merged, k, self.projection_dim, self.seed, progress=True)
+        idx = greedy_coreset(merged, k, self.projection_dim, self.seed, progress=progress)
         return merged[idx].clone()

@@ -161,7 +161,7 @@ class Detector:
 
         n_used, skipped = self._accumulate(scorer, train, progress)
         timings = {"accumulate": lap()}
-        scorer.finalize()
+        scorer.finalize(progress=progress)
         timings["finalize"] = lap()
         self.scorer = scorer
         good_scores, held_errors = self._score_items(held, "threshold")

@@ -53,8 +53,9 @@ class Scorer(ABC):
         """Accumulate a batch of training embeddings ``[B, D, h, w]``."""
 
     @abstractmethod
-    def finalize(self) -> None:
-        """Turn the accumulated statistics into the fitted state."""
+    def finalize(self, progress: bool = False) -> None:
+        """Turn the accumulated statistics into the fitted state (``progress``: show a progress
+        bar for long steps such as the coreset selection)."""
 
     # -- scoring --------------------------------------------------------------------------
     @abstractmethod

@@ -185,7 +185,7 @@ class PadimScorer(Scorer):
             self.grid = (h, w)
         self._acc.update(embeddings.flatten(2).permute(2, 0, 1).float())
 
-    def finalize(self) -> None:
+    def finalize(self, progress: bool = False) -> None:
         acc = self._acc
         if acc is None or acc.n < self.min_train_images:
             n = 0 if acc is None else acc.n

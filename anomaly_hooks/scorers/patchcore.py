@@ -91,17 +91,17 @@ class PatchCoreScorer(Scorer):
         else:
             self._chunks.append(patches)
 
-    def finalize(self) -> None:
+    def finalize(self, progress: bool = False) -> None:
         if self.n_train < self.min_train_images:
             raise ValueError("PatchCore needs at least one training image")
         if self._stream is not None:
-            bank = self._stream.finalize()
+            bank = self._stream.finalize(progress)
         else:
             features = self._concatenate()
             k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
                              is None else None, self.cfg.coreset_count)
             idx = greedy_coreset(features, k, projection_dim=self.cfg.projection_dim,
-                                 seed=self.seed + SEED_CORESET, progress=True)
+                                 seed=self.seed + SEED_CORESET, progress=progress)
             bank = features[idx].clone()
             del features
         self._set_bank(bank)
