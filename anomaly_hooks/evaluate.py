@@ -71,6 +71,7 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     masks: List[np.ndarray] = []
     maps: List[np.ndarray] = []
     failures: List[str] = []
+    report_seconds = 0.0
     start = time.perf_counter()
     for i, pred in det.iter_predict(paths):
         sample = dataset.test[i]
@@ -86,9 +87,11 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
                "score": pred.score, "normalized_score": pred.normalized_score,
                "is_anomalous": pred.is_anomalous}
         if writer is not None:
+            t_report = time.perf_counter()
             rec.update(writer.add(sample, pred, gt))
+            report_seconds += time.perf_counter() - t_report
         records.append(rec)
-    predict_seconds = time.perf_counter() - start
+    predict_seconds = time.perf_counter() - start - report_seconds  # decode + predict only
     if failures:
         raise ImageReadError(f"{len(failures)} test image(s) could not be read:\n"
                              + "\n".join(failures[:20]))
@@ -139,6 +142,16 @@ def write_results(results: List[EvalResult], out: Path) -> None:
         writer.writeheader()
         for row in [r.summary for r in results] + [mean_row(results)]:
             writer.writerow(row)
+
+
+def load_results(path: Path | str) -> List[EvalResult]:
+    """Read back a ``results.json`` written by :func:`write_results`."""
+    data = json.loads(Path(path).read_text())
+    out = []
+    for entry in data["datasets"]:
+        images = entry.pop("images", [])
+        out.append(EvalResult(entry, images))
+    return out
 
 
 def _json_default(obj: Any) -> Any:
