@@ -103,3 +103,13 @@ def test_float16_factors_score_close_to_float32():
         assert scorer.chol.dtype == getattr(torch, dtype)
         scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float())
     torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)
+
+
+def test_fit_under_inference_mode_then_finalize_outside():
+    """A service may feed embeddings produced (and accumulated) under inference_mode."""
+    layers = [LayerInfo("a", 6, 4)]
+    scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(6)), 0.01)
+    with torch.inference_mode():
+        scorer.partial_fit(_embeddings().float())
+    scorer.finalize()
+    assert scorer.score(_embeddings(n=2, seed=3).float()).shape == (2, 3, 2)

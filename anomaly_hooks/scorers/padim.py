@@ -53,6 +53,7 @@ class GaussianAccumulator:
                                device=x.device) for lo in range(0, p, CHUNK_POSITIONS)]
         self._buf = torch.empty(p, self.buffer_samples, d, dtype=torch.float32, device=x.device)
 
+    @torch.inference_mode()  # state is only ever touched in inference mode
     def update(self, x: torch.Tensor) -> None:
         """Add samples ``x`` ``[P, B, D]`` (B samples at each of P positions)."""
         if self.shift is None:
@@ -73,14 +74,16 @@ class GaussianAccumulator:
                 self._flush()
         self.n += x.shape[1]
 
+    @torch.inference_mode()  # state is only ever touched in inference mode
     def _flush(self) -> None:
         """Add the buffered samples' outer products to ``S2`` (chunks of positions)."""
         buf = self._buf[:, :self._fill]
         for i, s2 in enumerate(self.s2):
             part = buf[i * CHUNK_POSITIONS:(i + 1) * CHUNK_POSITIONS]
-            s2 += torch.bmm(part.transpose(1, 2), part)
+            s2 += torch.bmm(part.transpose(1, 2), part).double()  # same-dtype add: ~6x faster
         self._fill = 0
 
+    @torch.inference_mode()  # state is only ever touched in inference mode
     def finish(self) -> None:
         """Flush what is buffered and free the buffer."""
         if self._fill:
@@ -91,6 +94,7 @@ class GaussianAccumulator:
         """``[P, D]`` float64."""
         return self.shift.double() + self.s1 / self.n
 
+    @torch.inference_mode()  # state is only ever touched in inference mode
     def covariance_chunk(self, i: int, release: bool = False) -> torch.Tensor:
         """Unbiased covariance ``[c, D, D]`` float64 of the ``i``-th chunk of positions
         (positions ``i * CHUNK_POSITIONS`` onwards). ``release`` frees that chunk's sums (the
@@ -103,9 +107,9 @@ class GaussianAccumulator:
         s1 = self.s1[i * CHUNK_POSITIONS:i * CHUNK_POSITIONS + s2.shape[0]]
         if release:
             self.s2[i] = None
-            cov = s2.baddbmm_(s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
-        else:
-            cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
+        # out of place: the sums may be inference tensors (accumulated under inference_mode)
+        cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
+        del s2
         return cov.div_(self.n - 1)
 
 
@@ -185,6 +189,7 @@ class PadimScorer(Scorer):
             self.grid = (h, w)
         self._acc.update(embeddings.flatten(2).permute(2, 0, 1).float())
 
+    @torch.inference_mode()  # state is only ever touched in inference mode
     def finalize(self, progress: bool = False) -> None:
         acc = self._acc
         if acc is None or acc.n < self.min_train_images:
