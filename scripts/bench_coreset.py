@@ -48,14 +48,17 @@ def training_features(cfg, data: Path) -> tuple[torch.Tensor, int]:
 
 def fit_peak_memory(config: str, data: Path, overrides: list[str]) -> dict:
     """Fit in a subprocess; its peak RSS (ru_maxrss) and fit seconds."""
+    # psutil sampling in the child: ru_maxrss would include the parent's peak (kept across exec)
     code = (
-        "import json, resource, sys, time\n"
+        "import json, sys, time\n"
         "from anomaly_hooks import Detector\n"
+        "from anomaly_hooks.bench import PeakMemory\n"
         "det = Detector.from_config(sys.argv[1], overrides=sys.argv[3:])\n"
-        "t = time.perf_counter(); det.fit(sys.argv[2], progress=False)\n"
-        "print(json.dumps({'fit_seconds': time.perf_counter() - t, 'bank': int(det.scorer.bank.shape[0]),"
-        " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
-        " 'timings': det.fit_timings_}))\n")
+        "with PeakMemory(det.device) as mem:\n"
+        "    t = time.perf_counter(); det.fit(sys.argv[2], progress=False)\n"
+        "    secs = time.perf_counter() - t\n"
+        "print(json.dumps({'fit_seconds': secs, 'bank': int(det.scorer.bank.shape[0]),"
+        " 'peak_rss_above_start_mb': mem.peak_mb, 'timings': det.fit_timings_}))\n")
     out = subprocess.run([sys.executable, "-c", code, config, str(data), *overrides],
                          capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
@@ -69,12 +72,21 @@ def main() -> int:
     parser.add_argument("--max-bank-points", type=int, default=50000)
     parser.add_argument("--json", default="coreset.json")
     parser.add_argument("--skip-fits", action="store_true", help="no subprocess fits")
+    parser.add_argument("--only-fits", action="store_true", help="only the subprocess fits")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     pc = cfg.patchcore
     report: dict = {"data": str(args.data), "config": args.config}
 
+    if args.only_fits:
+        for name, extra in (("one_shot", []),
+                            ("bounded", [f"patchcore.max_bank_points={args.max_bank_points}"])):
+            report[f"fit_{name}"] = fit_peak_memory(args.config, args.data,
+                                                    list(args.overrides) + extra)
+            print(f"fit {name}: {report[f'fit_{name}']}")
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
     start = time.perf_counter()
     feats, per_image = training_features(cfg, args.data)
     report["features"] = {"n": feats.shape[0], "dim": feats.shape[1],
