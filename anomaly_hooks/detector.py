@@ -148,11 +148,11 @@ class Detector:
             raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
                            f"images after the threshold hold-out; got {len(train)} of "
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
+        scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
+                                   cfg.seed + SEED_SCORER)
         self.memory_estimate_ = check_fit_memory(cfg, self.layer_info,
                                                  self.preprocessor.input_size, len(train),
                                                  self.device)
-        scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
-                                   cfg.seed + SEED_SCORER)
         clock = [time.perf_counter()]
 
         def lap() -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -68,6 +69,7 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     tmp = Path(tmp_name)
     try:
         save_file(tensors, str(tmp), metadata=header)
+        _canonicalise_header(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -76,6 +78,36 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _canonicalise_header(path: Path) -> None:
+    """Rewrite the safetensors JSON header with sorted keys, in place.
+
+    safetensors writes its header from hash maps, so key order (and so the file's bytes) varies
+    between runs; sorted keys make two saves of the same model byte-identical. The compact JSON
+    has the same length whatever the key order, so only the header bytes are rewritten; if the
+    length ever differed, the file is rewritten whole.
+    """
+    with open(path, "rb+") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        raw = fh.read(n)
+        header = json.loads(raw.decode("utf-8"))
+        blob = json.dumps(header, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode("utf-8")
+        if len(blob) <= n:
+            fh.seek(8)
+            fh.write(blob + b" " * (n - len(blob)))
+            return
+    padded = blob + b" " * (-len(blob) % 8)
+    fallback = path.with_name(path.name + ".hdr")
+    try:
+        with open(path, "rb") as src, open(fallback, "wb") as dst:
+            src.seek(8 + n)
+            dst.write(len(padded).to_bytes(8, "little") + padded)
+            shutil.copyfileobj(src, dst, 16 << 20)
+        os.replace(fallback, path)
+    finally:
+        fallback.unlink(missing_ok=True)
 
 
 def _read_header(path: Path) -> Dict[str, str]:
