@@ -98,3 +98,48 @@ def test_preprocess_geometry_and_inverse():
     rows = back[:, 45] > 0.5
     top, bottom = rows.nonzero().min().item(), rows.nonzero().max().item()
     assert abs(top - 8 * 130 / 64) <= 2 and abs(bottom + 1 - 56 * 130 / 64) <= 2
+
+
+def test_more_bad_and_odd_files(tmp_path):
+    rng = np.random.default_rng(0)
+    arr = (rng.random((64, 64, 3)) * 255).astype(np.uint8)
+    Image.fromarray(arr).save(tmp_path / "ok.png")
+    Image.fromarray(arr).save(tmp_path / "ok.jpg", quality=90)
+    for name in ("ok.png", "ok.jpg"):
+        raw = (tmp_path / name).read_bytes()
+        (tmp_path / f"trunc_{name}").write_bytes(raw[: len(raw) // 2])
+        with pytest.raises(ImageReadError, match=f"trunc_{name}"):
+            read_image(tmp_path / f"trunc_{name}")
+    # a 20000 x 20000 image (1-bit, so the file is small): refused before decoding
+    Image.new("1", (20000, 20000)).save(tmp_path / "bomb.png")
+    with pytest.raises(ImageReadError, match="bomb.png.*decompression-bomb"):
+        read_image(tmp_path / "bomb.png", max_pixels=100_000_000)
+    # a 1x1 image is a valid picture
+    Image.new("RGB", (1, 1), (10, 20, 30)).save(tmp_path / "one.png")
+    assert read_image(tmp_path / "one.png").shape == (3, 1, 1)
+    # palette with transparency, animated GIF (first frame)
+    pal = Image.fromarray(arr).convert("P")
+    pal.info["transparency"] = 0
+    pal.save(tmp_path / "pal.png", transparency=0)
+    assert read_image(tmp_path / "pal.png").shape == (3, 64, 64)
+    frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    first = read_image(tmp_path / "anim.gif")
+    assert first[0].mean() > 0.9 and first[2].mean() < 0.1
+
+
+def test_fit_lists_every_bad_file_or_skips_them(tmp_path, small_cfg):
+    from anomaly_hooks import Detector
+    from anomaly_hooks.detector import FitError
+    from conftest import textured_images
+
+    for i, img in enumerate(textured_images(8)):
+        Image.fromarray(img).save(tmp_path / f"{i}.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    (tmp_path / "zero.png").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("a non-image file in the training folder")
+    with pytest.raises(FitError) as err:
+        Detector.from_config(small_cfg).fit(tmp_path, progress=False)
+    assert "broken.png" in str(err.value) and "zero.png" in str(err.value)
+    det = Detector.from_config(small_cfg, data__on_error="skip").fit(tmp_path, progress=False)
+    assert len(det.fit_info_["skipped"]) == 2 and det.is_fitted
