@@ -130,17 +130,21 @@ def test_threads_get_their_own_outputs(resnet18):
         assert torch.equal(a, b)
 
 
-def test_channels_last_and_bfloat16_autocast_close_to_float32(resnet18):
-    import copy
+def _fresh_resnet18() -> nn.Module:
+    import torchvision
 
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(weights=None).eval()
+
+
+def test_channels_last_and_bfloat16_autocast_close_to_float32():
     x = torch.rand(2, 3, 96, 96)
-    with HookFeatureExtractor(resnet18, ["layer2", "layer3"], probe_size=(96, 96)) as ext:
+    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96)) as ext:
         ref = ext(x)
-    model = copy.deepcopy(resnet18)
-    with HookFeatureExtractor(model, ["layer2", "layer3"], probe_size=(96, 96),
+    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96),
                               channels_last=True) as ext:
         cl = ext(x)
-    with HookFeatureExtractor(copy.deepcopy(resnet18), ["layer2", "layer3"], probe_size=(96, 96),
+    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96),
                               precision="bfloat16") as ext:
         bf = ext(x)
     for name in ref:
@@ -149,4 +153,4 @@ def test_channels_last_and_bfloat16_autocast_close_to_float32(resnet18):
         rel = (bf[name].float() - ref[name]).norm() / ref[name].norm()
         assert rel < 0.05, (name, float(rel))
     with pytest.raises(ValueError, match="precision"):
-        HookFeatureExtractor(copy.deepcopy(resnet18), ["layer2"], precision="int8")
+        HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")
