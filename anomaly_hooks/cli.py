@@ -116,6 +116,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     for sub in ("heatmaps", "overlays", "masks"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     rows, used = [], set()
+    start = time.perf_counter()
     for i, pred in det.iter_predict(paths, batch_size=args.batch_size):
         path = paths[i]
         if isinstance(pred, ImageReadError):
@@ -129,9 +130,12 @@ def cmd_score(args: argparse.Namespace) -> int:
             row.update(_write_images(pred, path, out, _out_name(path, used)))
         rows.append(row)
     _write_results(out, rows, failures, args.model)
+    seconds = time.perf_counter() - start
     n_anom = sum(r["is_anomalous"] for r in rows)
-    print(f"scored {len(rows)} image(s): {n_anom} anomalous, {len(rows) - n_anom} normal; "
-          f"{len(failures)} failed. Results in {out}/results.csv and {out}/results.json")
+    print(f"scored {len(rows)} image(s) in {seconds:.1f} s "
+          f"({1000 * seconds / max(len(rows), 1):.0f} ms/image incl. writing PNGs): {n_anom} "
+          f"anomalous, {len(rows) - n_anom} normal; {len(failures)} failed. Results in "
+          f"{out}/results.csv and {out}/results.json")
     return 1 if failures else 0
 
 
