@@ -44,6 +44,7 @@ class GaussianAccumulator:
         self.s2: List[Optional[torch.Tensor]] = []  # per chunk of positions: [c, D, D] float64
         self._buf: Optional[torch.Tensor] = None  # [P, buffer, D] float32
         self._fill = 0
+        self._prod: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _start(self, x: torch.Tensor) -> None:
         p, _, d = x.shape
@@ -78,10 +79,22 @@ class GaussianAccumulator:
     def _flush(self) -> None:
         """Add the buffered samples' outer products to ``S2`` (chunks of positions)."""
         buf = self._buf[:, :self._fill]
+        prod32, prod64 = self._scratch(buf.shape[2], buf.device)
         for i, s2 in enumerate(self.s2):
             part = buf[i * CHUNK_POSITIONS:(i + 1) * CHUNK_POSITIONS]
-            s2 += torch.bmm(part.transpose(1, 2), part).double()  # same-dtype add: ~6x faster
+            c = part.shape[0]
+            torch.bmm(part.transpose(1, 2), part, out=prod32[:c])
+            prod64[:c].copy_(prod32[:c])
+            s2 += prod64[:c]  # a same-dtype add: several times faster than a mixed one
         self._fill = 0
+
+    def _scratch(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused float32/float64 ``[CHUNK_POSITIONS, D, D]`` product buffers: fresh large
+        allocations each flush would page-fault gigabytes of new memory every time."""
+        if self._prod is None:
+            self._prod = (torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float32, device=device),
+                          torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float64, device=device))
+        return self._prod
 
     @torch.inference_mode()  # state is only ever touched in inference mode
     def finish(self) -> None:
@@ -89,13 +102,15 @@ class GaussianAccumulator:
         if self._fill:
             self._flush()
         self._buf = None
+        self._prod = None
 
     def mean(self) -> torch.Tensor:
         """``[P, D]`` float64."""
         return self.shift.double() + self.s1 / self.n
 
     @torch.inference_mode()  # state is only ever touched in inference mode
-    def covariance_chunk(self, i: int, release: bool = False) -> torch.Tensor:
+    def covariance_chunk(self, i: int, release: bool = False,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Unbiased covariance ``[c, D, D]`` float64 of the ``i``-th chunk of positions
         (positions ``i * CHUNK_POSITIONS`` onwards). ``release`` frees that chunk's sums (the
         accumulator cannot give it again), so that finalising does not hold two copies."""
@@ -108,17 +123,27 @@ class GaussianAccumulator:
         if release:
             self.s2[i] = None
         # out of place: the sums may be inference tensors (accumulated under inference_mode)
-        cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
+        if out is not None:
+            out = out[:s2.shape[0]]
+        cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n, out=out)
         del s2
         return cov.div_(self.n - 1)
 
 
-def cholesky_factor(cov: torch.Tensor, epsilon: float) -> torch.Tensor:
+def cholesky_factor(cov: torch.Tensor, epsilon: float, work: Optional[torch.Tensor] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Lower float32 ``L`` with ``L L^T = cov + epsilon I``, ``[P, D, D]``; ``cov`` (float64) is
     modified in place. Factorised in float32 (twice as fast; ``epsilon I`` bounds the condition
-    number), falling back to float64 for any matrix where float32 fails."""
+    number), falling back to float64 for any matrix where float32 fails. ``work``: an optional
+    float32 buffer of ``cov``'s shape, reused (and overwritten) instead of a fresh copy; ``out``:
+    an optional contiguous float32 tensor of that shape to write ``L`` into."""
     cov.diagonal(dim1=1, dim2=2).add_(epsilon)
-    chol, info = torch.linalg.cholesky_ex(cov.float())
+    cov32 = work.copy_(cov) if work is not None else cov.float()
+    if out is not None:
+        info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
+        chol, info = torch.linalg.cholesky_ex(cov32, out=(out, info))
+    else:
+        chol, info = torch.linalg.cholesky_ex(cov32)
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
         chol64, info64 = torch.linalg.cholesky_ex(cov[bad])
@@ -201,10 +226,17 @@ class PadimScorer(Scorer):
         self.mean = acc.mean().float()
         # torch.empty touches no pages: resident memory grows as the float64 sums are freed
         self.chol = torch.empty(p, d, d, dtype=self.factor_dtype, device=acc.shift.device)
+        # work buffers reused for every chunk (fresh ones would page-fault each time)
+        cov64 = torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float64, device=acc.shift.device)
+        cov32 = torch.empty(CHUNK_POSITIONS, d, d, device=acc.shift.device)
         for i in range(len(acc.s2)):
             start = i * CHUNK_POSITIONS
-            cov = acc.covariance_chunk(i, release=True)
-            self.chol[start:start + cov.shape[0]] = cholesky_factor(cov, self.epsilon)
+            cov = acc.covariance_chunk(i, release=True, out=cov64)
+            c = cov.shape[0]
+            if self.chol.dtype == torch.float32:  # factorise straight into the model tensor
+                cholesky_factor(cov, self.epsilon, cov32[:c], out=self.chol[start:start + c])
+            else:
+                self.chol[start:start + c] = cholesky_factor(cov, self.epsilon, cov32[:c])
             del cov
         self.n_train = acc.n
         self._acc = None
