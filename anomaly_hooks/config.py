@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -175,6 +175,16 @@ def _merge(base: DictConfig, other: Any, what: str) -> DictConfig:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = str(exc).splitlines()[0]
+        parent = getattr(exc, "parent_node", None)
+        if isinstance(exc, ConfigKeyError) and isinstance(parent, DictConfig):
+            msg += f"; valid keys: {', '.join(parent.keys())}"
+        elif key == "?" and isinstance(other, Mapping):  # a section given as a scalar
+            for name, value in other.items():
+                if isinstance(base.get(name), DictConfig) and not isinstance(value, Mapping):
+                    key = name
+                    msg = (f"{name} is a section: give a mapping of its keys "
+                           f"({', '.join(base[name].keys())}), not {value!r}")
+                    break
         raise ConfigError(f"{what}: bad key {key!r}: {msg}") from None
 
 

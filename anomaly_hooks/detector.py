@@ -343,6 +343,19 @@ class Detector:
         if method is not None and meta.get("method") != method:
             raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
                                  "was expected: check the path")
+        try:
+            return cls._from_saved(path, tensors, meta, device, backbone)
+        except ModelFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # the checksum proves integrity, not authorship: content that does not fit together
+            raise ModelFileError(f"{path}: inconsistent model file ({type(exc).__name__}: "
+                                 f"{exc}); refit or restore it from a backup") from None
+
+    @classmethod
+    def _from_saved(cls, path: Union[str, Path], tensors: Dict[str, torch.Tensor],
+                    meta: Dict[str, Any], device: Optional[str],
+                    backbone: Optional[nn.Module]) -> "Detector":
         cfg = load_config(meta["config"])
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "
@@ -358,11 +371,8 @@ class Detector:
             raise ModelFileError(f"{path}: the backbone's layers {det.layer_info} differ from "
                                  f"the saved {saved_layers}")
         scorer_cls = get_scorer(meta["method"])
-        try:
-            det.scorer = scorer_cls.from_state(cfg[cfg.method], det.layer_info, tensors,
-                                               meta["scorer"], det.device)
-        except (KeyError, ValueError) as exc:
-            raise ModelFileError(f"{path}: inconsistent {meta['method']} model ({exc})") from None
+        det.scorer = scorer_cls.from_state(cfg[cfg.method], det.layer_info, tensors,
+                                           meta["scorer"], det.device)
         det.threshold_ = Threshold.from_dict(meta["threshold"])
         det.fit_info_ = dict(meta.get("fit", {}))
         return det

@@ -52,9 +52,10 @@ def _open_path(path: Path, max_pixels: int) -> Image.Image:
             img.load()
     except ImageReadError:
         raise
-    except Image.DecompressionBombError:
-        raise ImageReadError(f"{path}: too many pixels (decompression-bomb guard); raise "
-                             "data.max_pixels if it is genuine") from None
+    except Image.DecompressionBombError as exc:  # Pillow's own guard, before data.max_pixels
+        raise ImageReadError(f"{path}: too many pixels (decompression-bomb guard: {exc}); if "
+                             "it is genuine, raise data.max_pixels and Pillow's limit "
+                             "PIL.Image.MAX_IMAGE_PIXELS") from None
     except Exception as exc:  # PIL raises many types for broken files
         reason = str(exc) or type(exc).__name__
         raise ImageReadError(f"{path}: not a readable image ({reason})") from None
@@ -63,7 +64,10 @@ def _open_path(path: Path, max_pixels: int) -> Image.Image:
 
 def _pil_to_array(img: Image.Image) -> np.ndarray:
     """HxWx3 array (uint8, or float32 in [0, 1] for 16/32-bit images)."""
-    img = ImageOps.exif_transpose(img) if img.getexif() else img
+    try:
+        img = ImageOps.exif_transpose(img) if img.getexif() else img
+    except Exception:  # a broken EXIF block: the pixels are fine, keep them as stored
+        pass
     if getattr(img, "is_animated", False):
         img.seek(0)
     mode = img.mode
@@ -91,10 +95,16 @@ def _array_to_tensor(arr: np.ndarray, label: str) -> torch.Tensor:
         arr = arr[:, :, :3]
     if arr.shape[2] == 1:
         arr = np.repeat(arr, 3, axis=2)
+    if not arr.dtype.isnative:  # e.g. big-endian uint16 from np.frombuffer(..., ">u2")
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     arr = np.ascontiguousarray(arr)
     if not arr.flags.writeable:
         arr = arr.copy()
-    tensor = torch.from_numpy(arr).permute(2, 0, 1)
+    try:
+        tensor = torch.from_numpy(arr).permute(2, 0, 1)
+    except TypeError:  # object, string, ... arrays
+        raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or "
+                             "float") from None
     return _scale(tensor, label)
 
 
@@ -102,7 +112,10 @@ def _scale(tensor: torch.Tensor, label: str) -> torch.Tensor:
     if tensor.dtype == torch.uint8:
         return tensor.to(torch.float32).div_(255.0)
     if tensor.dtype == torch.uint16 or tensor.dtype == torch.int32:
-        return tensor.to(torch.float32).div_(65535.0)
+        out = tensor.to(torch.float32)
+        if out.numel() and (out.min() < 0 or out.max() > 65535):
+            raise ImageReadError(f"{label}: {tensor.dtype} image values must be in [0, 65535]")
+        return out.div_(65535.0)
     if tensor.is_floating_point():
         out = tensor.to(torch.float32)
         if out.numel() and (not torch.isfinite(out).all() or out.min() < 0 or out.max() > 1):
@@ -133,7 +146,12 @@ def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch
     """
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
-        arr = _pil_to_array(_open_path(path, max_pixels))
+        img = _open_path(path, max_pixels)
+        try:
+            arr = _pil_to_array(img)
+        except Exception as exc:  # a decodable header but unconvertible pixels
+            reason = str(exc) or type(exc).__name__
+            raise ImageReadError(f"{path}: not a readable image ({reason})") from None
         label = str(path)
     elif isinstance(image, Image.Image):
         label = "PIL image"

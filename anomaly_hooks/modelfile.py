@@ -20,6 +20,7 @@ import torch
 
 FORMAT_NAME = "anomaly_hooks"
 FORMAT_VERSION = 1
+HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
 
 
 class ModelFileError(ValueError):
@@ -166,7 +167,7 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     header = _read_header(path)
     try:
         version = int(header.get("format_version", ""))
-    except ValueError:
+    except (TypeError, ValueError):
         raise ModelFileError(f"{path}: damaged header (format_version)") from None
     if version > FORMAT_VERSION:
         raise ModelFileError(f"{path} was written in model format {version} by a newer "
@@ -174,6 +175,10 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
                              "upgrade anomaly_hooks")
     if version < 1:
         raise ModelFileError(f"{path}: unknown model format version {version}")
+    extra = sorted(set(header) - HEADER_KEYS)
+    if extra:
+        raise ModelFileError(f"{path}: unexpected header metadata {extra}: the file was modified "
+                             "after it was written, or was not written by anomaly_hooks")
     try:
         tensors = _read_tensors(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -182,4 +187,11 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     if checksum(meta_json, tensors) != header.get("checksum"):
         raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
                              "after it was written; refit or restore it from a backup")
-    return tensors, json.loads(meta_json)
+    try:
+        meta = json.loads(meta_json)
+    except (TypeError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
+                             "object)")
+    return tensors, meta

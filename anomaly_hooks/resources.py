@@ -94,11 +94,11 @@ def check_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence
     est = estimate_fit_memory(cfg, layers, input_size, n_train)
     limit = memory_limit(cfg, device)
     if est["total"] > limit:
-        parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items()
+        parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in est.items()
                           if k not in ("total", "model"))
         raise ResourceError(
-            f"this {cfg.method} fit on {n_train} images needs about {est['total'] / GB:.1f} GB "
-            f"({parts}) but the limit is {limit / GB:.1f} GB (resources.memory_limit_gb, or "
+            f"this {cfg.method} fit on {n_train} images needs about {est['total'] / GB:.3g} GB "
+            f"({parts}) but the limit is {limit / GB:.3g} GB (resources.memory_limit_gb, or "
             f"resources.memory_fraction={cfg.resources.memory_fraction} of the available "
             f"memory): {_advice(cfg)}; or raise resources.memory_limit_gb")
     return est

@@ -80,3 +80,26 @@ def fitted(small_cfg):
     det = Detector.from_config(small_cfg)
     det.fit(textured_images(16), progress=False)
     return det
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(header length, parsed JSON header) of a safetensors file."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return n, json.loads(raw[8:8 + n])
+
+
+def rewrite_safetensors_header(src: Path, dst: Path, edit) -> None:
+    """Copy a safetensors file, editing its JSON header (length prefix recomputed)."""
+    import json
+    import struct
+
+    raw = src.read_bytes()
+    n, header = safetensors_header(src)
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])

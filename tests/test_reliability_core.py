@@ -25,7 +25,8 @@ from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.images import ImageReadError, read_image
 from anomaly_hooks.modelfile import ModelFileError, load_model
 from anomaly_hooks.resources import ResourceError, estimate_fit_memory
-from conftest import ROOT, textured_images
+from conftest import (ROOT, rewrite_safetensors_header, safetensors_header,
+                      textured_images)
 
 FAST = {"backbone__name": "resnet18", "backbone__weights": None, "device": "cpu",
         "preprocess__resize": [64, 64], "preprocess__crop": None, "data__num_workers": 0,
@@ -39,19 +40,8 @@ def model_file(tmp_path_factory) -> Path:
     return det.save(tmp_path_factory.mktemp("m") / "padim.safetensors")
 
 
-def _header(path: Path) -> tuple[int, dict]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    return n, json.loads(raw[8:8 + n])
-
-
-def _rewrite_header(src: Path, dst: Path, edit) -> None:
-    raw = src.read_bytes()
-    n, header = _header(src)
-    edit(header)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+_header = safetensors_header
+_rewrite_header = rewrite_safetensors_header
 
 
 # -- model files --------------------------------------------------------------------------

@@ -267,8 +267,14 @@ class PadimScorer(Scorer):
             raise ValueError(f"not a PaDiM model: tensors {missing} are missing")
         embedder = PatchEmbedder(layers, upsample="nearest", channel_idx=tensors["embed.channel_idx"])
         scorer = cls(embedder, float(meta["epsilon"]), cfg.factor_dtype)
-        scorer.mean = tensors["padim.mean"].to(device)
-        scorer.chol = tensors["padim.chol"].to(device)
+        p = int(meta["grid"][0]) * int(meta["grid"][1])
+        d = int(embedder.out_channels)
+        mean, chol = tensors["padim.mean"], tensors["padim.chol"]
+        if tuple(mean.shape) != (p, d) or tuple(chol.shape) != (p, d, d):
+            raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(chol.shape)} do not fit "
+                             f"the grid {meta['grid']} and {d} channels")
+        scorer.mean = mean.to(device)
+        scorer.chol = chol.to(device)
         if scorer.chol.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"padim.chol has dtype {scorer.chol.dtype}")
         scorer.grid = tuple(meta["grid"])

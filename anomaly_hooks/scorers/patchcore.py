@@ -191,6 +191,10 @@ class PatchCoreScorer(Scorer):
         scorer._stream = None
         scorer.grid = tuple(meta["grid"])
         scorer.n_train, scorer.n_patches = int(meta["n_train"]), int(meta["n_patches"])
-        scorer._set_bank(tensors["patchcore.bank"].to(device))
+        bank = tensors["patchcore.bank"]
+        if bank.ndim != 2 or bank.shape[1] != embedder.out_channels or bank.shape[0] < 1:
+            raise ValueError(f"patchcore.bank {tuple(bank.shape)} does not fit "
+                             f"{embedder.out_channels} channels")
+        scorer._set_bank(bank.to(device))
         scorer.fitted = True
         return scorer

@@ -1,0 +1,1060 @@
+"""Reliability suite: bad images, damaged/hostile model files, atomic saves under SIGKILL,
+thread-safe prediction, determinism, config errors, the memory guard, and fuzzing of the image
+and model-file readers.
+
+Everything runs on CPU with a random-init ResNet18 and small inputs (see conftest.small_cfg);
+every file lives under tmp_path.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import pickle
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from PIL import Image
+
+from anomaly_hooks import Detector
+from anomaly_hooks.cli import main
+from anomaly_hooks.config import ConfigError, load_config
+from anomaly_hooks.images import ImageReadError, read_image
+from anomaly_hooks.modelfile import FORMAT_VERSION, ModelFileError, checksum, load_model
+from anomaly_hooks.resources import GB, ResourceError, estimate_fit_memory
+from conftest import (ROOT, rewrite_safetensors_header, safetensors_header, textured_images,
+                      with_defect)
+
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+# =========================================================================================
+# helpers
+# =========================================================================================
+def _png(arr_or_img, **kw) -> bytes:
+    img = arr_or_img if isinstance(arr_or_img, Image.Image) else Image.fromarray(arr_or_img)
+    buf = io.BytesIO()
+    img.save(buf, "PNG", **kw)
+    return buf.getvalue()
+
+
+def _jpeg(arr: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _png_chunk(tag: bytes, data: bytes) -> bytes:
+    return (struct.pack(">I", len(data)) + tag + data
+            + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+
+@functools.lru_cache(maxsize=None)
+def _bomb_png(width: int = 20_000, height: int = 20_000) -> bytes:
+    """A complete, valid 1-bit PNG of one colour, width x height, built without ever holding
+    the decoded image (the compressed stream is ~50 KB for 20000x20000)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1-bit grayscale
+    row = b"\x00" * (1 + (width + 7) // 8)  # filter byte + packed bits
+    comp = zlib.compressobj(9)
+    rows_per_chunk = 1000
+    parts = []
+    for start in range(0, height, rows_per_chunk):
+        parts.append(comp.compress(row * min(rows_per_chunk, height - start)))
+    parts.append(comp.flush())
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr)
+            + _png_chunk(b"IDAT", b"".join(parts)) + _png_chunk(b"IEND", b""))
+
+
+def _good_rgb(h: int = 40, w: int = 48, seed: int = 0) -> np.ndarray:
+    return textured_images(1, size=(h, w), seed=seed)[0]
+
+
+def make_bad_files(folder: Path) -> dict[str, Path]:
+    """Unreadable 'images', each a different way of being broken."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good_png = _png(_good_rgb())
+    good_jpg = _jpeg(_good_rgb())
+    bad = {
+        "zero": folder / "zero_bytes.png",
+        "trunc_png": folder / "truncated.png",
+        "trunc_jpg": folder / "truncated.jpg",
+        "text_png": folder / "text_file.png",
+        "dir_png": folder / "a_directory.png",
+        "bomb": folder / "bomb_20000x20000.png",
+    }
+    bad["zero"].write_bytes(b"")
+    bad["trunc_png"].write_bytes(good_png[: len(good_png) // 2])
+    bad["trunc_jpg"].write_bytes(good_jpg[: len(good_jpg) // 2])
+    bad["text_png"].write_text("this is a text file, not a PNG\n")
+    bad["dir_png"].mkdir()
+    bad["bomb"].write_bytes(_bomb_png())
+    return bad
+
+
+def write_good(folder: Path, n: int, size=(96, 112), seed: int = 0) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, arr in enumerate(textured_images(n, size=size, seed=seed)):
+        p = folder / f"good_{i:03d}.png"
+        p.write_bytes(_png(arr))
+        out.append(p)
+    return out
+
+
+_header = safetensors_header
+rewrite_header = rewrite_safetensors_header
+
+
+@pytest.fixture(scope="module")
+def padim_file(fitted, tmp_path_factory) -> Path:
+    return fitted.save(tmp_path_factory.mktemp("padim") / "padim.safetensors")
+
+
+@pytest.fixture(scope="module")
+def patchcore_file(small_cfg, tmp_path_factory) -> Path:
+    det = Detector.from_config(small_cfg, method="patchcore", patchcore__coreset_ratio=0.5,
+                               patchcore__knn_backend="torch")
+    det.fit(textured_images(8), progress=False)
+    return det.save(tmp_path_factory.mktemp("patchcore") / "patchcore.safetensors")
+
+
+# =========================================================================================
+# 1. bad images
+# =========================================================================================
+BAD_REASON = {
+    "zero": r"empty file \(0 bytes\)",
+    "trunc_png": r"not a readable image",
+    "trunc_jpg": r"not a readable image",
+    "text_png": r"not a readable image",
+    "dir_png": r"is a directory",
+    "bomb": r"decompression-bomb guard.*data\.max_pixels",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_REASON))
+def test_bad_image_file_gives_clear_error_naming_the_file(kind, tmp_path):
+    path = make_bad_files(tmp_path)[kind]
+    with pytest.raises(ImageReadError) as err:
+        read_image(path)
+    msg = str(err.value)
+    assert str(path) in msg
+    assert re.search(BAD_REASON[kind], msg), msg
+    assert "\n" not in msg
+
+
+def test_bomb_guard_is_configurable_and_cheap(tmp_path):
+    big = tmp_path / "bomb.png"
+    big.write_bytes(_bomb_png())
+    assert big.stat().st_size < 1_000_000  # built cheaply
+    with pytest.raises(ImageReadError) as err:  # past data.max_pixels, Pillow's guard remains
+        read_image(big, max_pixels=10**12)
+    assert "400000000 pixels" in str(err.value) and "PIL.Image.MAX_IMAGE_PIXELS" in str(err.value)
+    # between data.max_pixels (default 100M) and Pillow's limit: our guard, with the size
+    mid = tmp_path / "mid.png"
+    mid.write_bytes(_bomb_png(12_000, 12_000))
+    with pytest.raises(ImageReadError) as err:
+        read_image(mid)
+    assert str(mid) in str(err.value)
+    assert "12000x12000" in str(err.value) and "data.max_pixels" in str(err.value)
+    # the configurable limit: a small, genuine image is refused under a tiny limit
+    small = tmp_path / "small.png"
+    small.write_bytes(_png(_good_rgb(40, 48)))
+    with pytest.raises(ImageReadError, match=r"40x48|48x40"):
+        read_image(small, max_pixels=1000)
+    assert read_image(small, max_pixels=40 * 48).shape == (3, 40, 48)
+
+
+def test_one_pixel_image_is_scored(tmp_path, fitted):
+    path = tmp_path / "one.png"
+    path.write_bytes(_png(np.array([[[120, 130, 140]]], dtype=np.uint8)))
+    img = read_image(path)
+    assert img.shape == (3, 1, 1) and img.dtype == torch.float32
+    pred = fitted.predict(path)
+    assert np.isfinite(pred.score)
+    assert pred.heatmap.shape == (1, 1) and pred.mask.shape == (1, 1)
+
+
+def test_sixteen_bit_png_keeps_its_range(tmp_path):
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 65536, size=(20, 24), dtype=np.uint16)
+    path = tmp_path / "16bit.png"
+    path.write_bytes(_png(Image.fromarray(arr)))
+    img = read_image(path)
+    assert img.shape == (3, 20, 24) and img.dtype == torch.float32
+    expected = torch.from_numpy(arr.astype(np.float32) / 65535.0)
+    assert torch.allclose(img[0], expected, atol=1e-6)
+    assert torch.equal(img[0], img[1]) and torch.equal(img[1], img[2])
+    # a dark 16-bit image stays dark (no guessing the bit depth from the values)
+    dark = np.full((8, 8), 200, dtype=np.uint16)
+    path2 = tmp_path / "dark16.png"
+    path2.write_bytes(_png(Image.fromarray(dark)))
+    assert float(read_image(path2).max()) == pytest.approx(200 / 65535, abs=1e-6)
+
+
+def test_cmyk_jpeg_becomes_rgb(tmp_path):
+    cmyk = Image.new("CMYK", (24, 16), (255, 0, 0, 0))  # pure cyan
+    path = tmp_path / "cmyk.jpg"
+    cmyk.save(path, "JPEG", quality=95)
+    img = read_image(path)
+    assert img.shape == (3, 16, 24)
+    ref = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255.0
+    assert np.allclose(img.permute(1, 2, 0).numpy(), ref, atol=1e-6)
+    mean = img.mean(dim=(1, 2))
+    assert mean[0] < 0.15 and mean[1] > 0.85 and mean[2] > 0.85  # cyan, not garbage
+
+
+def test_palette_png_with_transparency(tmp_path):
+    pal = Image.new("P", (10, 6))
+    pal.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * (256 * 3 - 9))
+    pixels = np.zeros((6, 10), dtype=np.uint8)
+    pixels[:, 5:] = 1
+    pixels[0, 0] = 2
+    pal.putdata(pixels.flatten().tolist())
+    path = tmp_path / "palette.png"
+    pal.save(path, transparency=1)
+    assert Image.open(path).mode == "P" and "transparency" in Image.open(path).info
+    img = read_image(path)
+    assert img.shape == (3, 6, 10)
+    assert img[:, 3, 1].tolist() == [1.0, 0.0, 0.0]
+    assert img[:, 3, 7].tolist() == [0.0, 1.0, 0.0]  # the transparent colour keeps its RGB
+    assert img[:, 0, 0].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_animated_gif_uses_first_frame(tmp_path):
+    red, green, blue = (Image.new("RGB", (12, 8), c) for c in
+                        ((255, 0, 0), (0, 255, 0), (0, 0, 255)))
+    path = tmp_path / "anim.gif"
+    red.save(path, save_all=True, append_images=[green, blue], duration=50, loop=0)
+    assert getattr(Image.open(path), "n_frames", 1) == 3
+    img = read_image(path)
+    assert img.shape == (3, 8, 12)
+    assert torch.allclose(img.mean(dim=(1, 2)), torch.tensor([1.0, 0.0, 0.0]), atol=0.02)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow: "Corrupt EXIF data"
+@pytest.mark.parametrize("exif", [b"garbage!!", b"MM\x00*\xff\xff\xff\xff",
+                                  b"II*\x00\x08\x00\x00\x00\xff\xff"])
+def test_broken_exif_is_ignored_not_a_raw_exception(tmp_path, exif):
+    """Pillow raises SyntaxError & co. on a malformed EXIF block; the pixels are fine."""
+    arr = _good_rgb(8, 8)
+    raw = _png(arr)
+    path = tmp_path / "bad_exif.png"
+    path.write_bytes(raw[:33] + _png_chunk(b"eXIf", exif) + raw[33:])  # after the IHDR chunk
+    img = read_image(path)
+    assert torch.equal(img, torch.from_numpy(arr).permute(2, 0, 1).float() / 255.0)
+    pil = Image.open(path)  # a PIL input with the same EXIF
+    assert torch.equal(read_image(pil), img)
+
+
+def _bad_training_folder(tmp_path: Path) -> tuple[Path, list[Path]]:
+    folder = tmp_path / "train"
+    write_good(folder, 10)
+    bad = make_bad_files(folder)
+    (folder / "notes.txt").write_text("not an image, and not named like one: ignored")
+    return folder, sorted(bad.values())
+
+
+def test_fit_raise_stops_naming_bad_files(tmp_path, small_cfg):
+    folder, bad = _bad_training_folder(tmp_path)
+    det = Detector.from_config(small_cfg)
+    with pytest.raises(ValueError) as err:
+        det.fit(folder, progress=False)
+    msg = str(err.value)
+    named = [p.name for p in bad if p.name in msg]
+    assert len(named) >= 4, msg
+    assert "good_" not in msg and "notes.txt" not in msg  # only the bad ones are listed
+    assert "data.on_error=skip" in msg
+    assert not det.is_fitted
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Detector.fit (detector.py) raises for unreadable training images before the threshold "
+    "hold-out is read, so a bad file that the split put in the hold-out (here zero_bytes.png) is "
+    "missing from the list; fix: read/validate the hold-out too (or all items) and raise once "
+    "with the training and hold-out errors together"))
+def test_fit_raise_lists_every_bad_file(tmp_path, small_cfg):
+    folder, bad = _bad_training_folder(tmp_path)
+    det = Detector.from_config(small_cfg)
+    with pytest.raises(ValueError) as err:
+        det.fit(folder, progress=False)
+    msg = str(err.value)
+    missing = [p.name for p in bad if p.name not in msg]
+    assert not missing, f"bad files not named in the error: {missing}\n{msg}"
+
+
+def test_fit_skip_reports_how_many(tmp_path, small_cfg):
+    folder, bad = _bad_training_folder(tmp_path)
+    det = Detector.from_config(small_cfg, data__on_error="skip")
+    det.fit(folder, progress=False)
+    skipped = det.fit_info_["skipped"]
+    assert len(skipped) == len(bad)
+    for p in bad:
+        assert any(p.name in s for s in skipped), p
+    assert det.fit_info_["n_train"] + det.fit_info_["n_threshold"] == 10
+
+
+def test_cli_score_scores_the_rest_and_reports_failures(tmp_path, padim_file, capsys):
+    good = write_good(tmp_path / "good", 3)
+    one = tmp_path / "good" / "one_pixel.png"
+    one.write_bytes(_png(np.array([[[10, 20, 30]]], dtype=np.uint8)))
+    bad = make_bad_files(tmp_path / "bad")
+    out = tmp_path / "results"
+    inputs = [str(p) for p in good + [one]] + [str(p) for p in bad.values()]
+    inputs.append(str(tmp_path / "does_not_exist.png"))
+    code = main(["score", "--model", str(padim_file), *inputs, "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "Traceback" not in captured.err + captured.out
+    result = json.loads((out / "results.json").read_text())
+    scored = {Path(r["path"]).name for r in result["results"]}
+    assert scored == {p.name for p in good + [one]}
+    failures = "\n".join(result["failures"])
+    for p in list(bad.values()) + [tmp_path / "does_not_exist.png"]:
+        assert p.name in failures, p
+    assert len(result["failures"]) == len(bad) + 1
+    assert all(np.isfinite(r["score"]) for r in result["results"])
+    assert (out / "results.csv").read_text().count("\n") == len(good) + 2
+
+
+@pytest.mark.xfail(strict=True, raises=SystemExit, reason=(
+    "cli.py parses with parse_args: key=value overrides on both sides of an option (fit a=1 "
+    "--data D b=2) end in argparse's 'unrecognized arguments' SystemExit instead of being "
+    "merged; fix: build_parser().parse_intermixed_args(argv) in main (or collect overrides "
+    "with parse_known_args)"))
+def test_cli_overrides_on_both_sides_of_an_option(tmp_path, capsys):
+    data = tmp_path / "data"
+    write_good(data, 4, size=(32, 32))
+    code = main(["fit", "--quiet", "backbone.name=resnet18", "backbone.weights=null",
+                 "--data", str(data), "--output", str(tmp_path / "m.safetensors"),
+                 "padim.bogus=1"])  # the last override is wrong on purpose: exits fast
+    assert code == 2
+    assert "padim.bogus" in _one_error_line(capsys.readouterr().err)
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["missing_model", "garbage_model", "bad_key", "bad_nested_key",
+                                  "bad_type", "missing_data", "bad_layer", "too_few",
+                                  "yaml_key", "yaml_syntax", "missing_config"])
+def test_cli_user_errors_are_one_line_exit_2(case, tmp_path, capsys):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 64)
+    img = tmp_path / "x.png"
+    img.write_bytes(_png(_good_rgb(16, 16)))
+    data = tmp_path / "data"
+    write_good(data, 4, size=(32, 32))
+    yaml_bad, yaml_broken = tmp_path / "bad.yaml", tmp_path / "broken.yaml"
+
+    def fit(folder, *extra):
+        return ["fit", "--quiet", "--output", str(tmp_path / "m.safetensors"), "--data",
+                str(folder), "backbone.name=resnet18", "backbone.weights=null", "device=cpu",
+                "preprocess.resize=64", "preprocess.crop=null", "data.num_workers=0", *extra]
+
+    argv, expect = {
+        "missing_model": (["score", "--model", str(tmp_path / "nope.safetensors"), str(img),
+                           "--out", str(tmp_path / "o")], "nope.safetensors"),
+        "garbage_model": (["score", "--model", str(garbage), str(img), "--out",
+                           str(tmp_path / "o")], "garbage.safetensors"),
+        "bad_key": (fit(data, "bogus=1"), "bogus"),
+        "bad_nested_key": (fit(data, "padim.bogus=1"), "padim.bogus"),
+        "bad_type": (fit(data, "seed=abc"), "seed"),
+        "missing_data": (fit(tmp_path / "no_such_dir"), "no_such_dir"),
+        "bad_layer": (fit(data, "backbone.layers=[layer9]"), "layer9"),
+        "too_few": (fit(tmp_path / "two", "threshold.holdout_fraction=0.25"), "at least 2"),
+        "yaml_key": (["fit", "--config", str(yaml_bad), "--data", str(data)], "padim.bogus"),
+        "yaml_syntax": (["fit", "--config", str(yaml_broken), "--data", str(data)],
+                        "broken.yaml"),
+        "missing_config": (["fit", "--config", str(tmp_path / "nope.yaml"), "--data", str(data)],
+                           "nope.yaml"),
+    }[case]
+    write_good(tmp_path / "two", 2, size=(32, 32))
+    yaml_bad.write_text("method: padim\npadim:\n  bogus: 1\n")
+    yaml_broken.write_text("method: padim\npadim: [unclosed\n")
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2
+    line = _one_error_line(captured.err)
+    assert expect in line
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+# =========================================================================================
+# 2. model files
+# =========================================================================================
+def test_model_roundtrip_and_checksum_is_verified(padim_file, fitted, tmp_path):
+    img = with_defect(textured_images(1, seed=5)[0])
+    loaded = Detector.load(padim_file, method="padim")
+    a, b = fitted.predict(img), loaded.predict(img)
+    assert a.score == b.score and np.array_equal(a.heatmap, b.heatmap)
+    _, header = _header(padim_file)
+    meta = header["__metadata__"]
+    tensors, _ = load_model(padim_file)
+    assert meta["checksum"] == checksum(meta["meta"], tensors)
+
+
+def test_flipped_bytes_in_tensor_data(padim_file, tmp_path):
+    raw = bytearray(padim_file.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    rng = random.Random(0)
+    for trial in range(5):
+        data = bytearray(raw)
+        pos = rng.randrange(8 + n, len(raw))
+        data[pos] ^= 1 << rng.randrange(8)
+        bad = tmp_path / f"flip{trial}.safetensors"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ModelFileError, match="checksum mismatch") as err:
+            Detector.load(bad)
+        assert str(bad) in str(err.value)
+
+
+def test_flipped_bytes_in_header(padim_file, tmp_path):
+    raw = padim_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8:8 + n]
+    positions = [0, 3, 7]  # the length prefix
+    positions += [8 + header.index(b'"checksum"') + 14, 8 + header.index(b'"data_offsets"') + 17,
+                  8 + header.index(b'"format_version"') + 18, 8 + header.index(b'"dtype"') + 9]
+    positions += [8 + header.index(b'\\"threshold\\"') + 20, 8, 8 + n - 1]
+    rng = random.Random(1)
+    positions += [rng.randrange(8, 8 + n) for _ in range(10)]
+    for i, pos in enumerate(positions):
+        data = bytearray(raw)
+        data[pos] ^= 0x01 if i % 2 else 0x20
+        if bytes(data) == raw:
+            continue
+        bad = tmp_path / f"hdr{i}.safetensors"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ModelFileError) as err:
+            Detector.load(bad)
+        assert str(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 100, "header", "half", "minus1"])
+def test_truncated_model_file(padim_file, tmp_path, keep):
+    raw = padim_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    size = {"header": 8 + n, "half": len(raw) // 2, "minus1": len(raw) - 1}.get(keep, keep)
+    bad = tmp_path / "trunc.safetensors"
+    bad.write_bytes(raw[:size])
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(bad)
+    assert str(bad) in str(err.value)
+
+
+def test_newer_format_version_refused(padim_file, tmp_path):
+    newer = tmp_path / "newer.safetensors"
+    rewrite_header(padim_file, newer, lambda h: h["__metadata__"].update(
+        format_version=str(FORMAT_VERSION + 1)))
+    with pytest.raises(ModelFileError, match="newer anomaly_hooks.*upgrade"):
+        Detector.load(newer)
+    for bogus in ("0", "-1", "abc", ""):
+        odd = tmp_path / "odd.safetensors"
+        rewrite_header(padim_file, odd, lambda h: h["__metadata__"].update(format_version=bogus))
+        with pytest.raises(ModelFileError):
+            Detector.load(odd)
+    # the rewrite itself is sound: the same header rewritten with the current version loads
+    same = tmp_path / "same.safetensors"
+    rewrite_header(padim_file, same, lambda h: None)
+    assert Detector.load(same).is_fitted
+
+
+def test_patchcore_file_refused_as_padim(patchcore_file, padim_file):
+    with pytest.raises(ModelFileError, match="is a patchcore model, but a padim model"):
+        Detector.load(patchcore_file, method="padim")
+    with pytest.raises(ModelFileError, match="is a padim model, but a patchcore model"):
+        Detector.load(padim_file, method="patchcore")
+    assert Detector.load(patchcore_file, method="patchcore").is_fitted
+
+
+class _Payload:
+    """Unpickling this creates the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _forge(path: Path, metadata: dict, tensors: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors or {"x": torch.zeros(2)}, str(path), metadata=metadata)
+
+
+def test_pickle_payloads_never_run(tmp_path, padim_file, capsys):
+    marker = tmp_path / "MARKER_code_ran"
+    payload = _Payload(str(marker))
+    assert pickle.loads(pickle.dumps(payload)) is None and marker.exists()  # the payload works
+    marker.unlink()
+
+    files = {}
+    files["torch_save"] = tmp_path / "torch_save.safetensors"
+    torch.save({"state": payload, "w": torch.zeros(3)}, files["torch_save"])
+    files["torch_save_legacy"] = tmp_path / "torch_legacy.safetensors"
+    torch.save({"state": payload}, files["torch_save_legacy"], _use_new_zipfile_serialization=False)
+    files["raw_pickle"] = tmp_path / "raw_pickle.safetensors"
+    files["raw_pickle"].write_bytes(pickle.dumps(payload, protocol=2))
+    # a pickle behind a plausible length prefix
+    blob = pickle.dumps(payload)
+    files["prefixed_pickle"] = tmp_path / "prefixed.safetensors"
+    files["prefixed_pickle"].write_bytes(struct.pack("<Q", len(blob)) + blob)
+    # safetensors files whose metadata carries a pickle
+    pickled_text = pickle.dumps(payload, protocol=0).decode("latin-1")
+    files["meta_pickle"] = tmp_path / "meta_pickle.safetensors"
+    _forge(files["meta_pickle"], {"format": "anomaly_hooks", "format_version": "1",
+                                  "meta": pickled_text, "checksum": "0" * 64})
+    # ... even with a checksum that matches it (the checksum is no signature)
+    t = {"x": torch.zeros(2)}
+    files["meta_pickle_valid_checksum"] = tmp_path / "meta_pickle_ck.safetensors"
+    _forge(files["meta_pickle_valid_checksum"],
+           {"format": "anomaly_hooks", "format_version": "1", "meta": pickled_text,
+            "checksum": checksum(pickled_text, t)}, t)
+    # a real model with an extra metadata key holding a pickle
+    files["extra_key"] = tmp_path / "extra_key.safetensors"
+    rewrite_header(padim_file, files["extra_key"],
+                   lambda h: h["__metadata__"].update(pickle=pickled_text))
+
+    for name, path in files.items():
+        with pytest.raises(ModelFileError) as err:
+            Detector.load(path)
+        assert str(path) in str(err.value), name
+        assert main(["score", "--model", str(path), str(tmp_path), "--out",
+                     str(tmp_path / "o")]) == 2, name
+        _one_error_line(capsys.readouterr().err)
+        with pytest.raises(ModelFileError):
+            load_model(path)
+    assert not marker.exists(), "code from a model file ran"
+
+
+@pytest.mark.parametrize("case", [
+    "bad_channel_idx",
+    "no_config",
+    "config_unknown_key",
+    "no_threshold",
+    "layers_not_dicts",
+    "scorer_meta_null",
+    "chol_wrong_shape",
+])
+def test_forged_file_with_valid_checksum_is_refused_on_load(case, padim_file, tmp_path):
+    """A file written through save_model (so its checksum verifies) whose content does not fit
+    together: refused by Detector.load with ModelFileError, never a raw error, never later."""
+    from anomaly_hooks.modelfile import save_model
+
+    tensors, meta = load_model(padim_file)
+    if case == "bad_channel_idx":
+        tensors["embed.channel_idx"] = tensors["embed.channel_idx"] + 10_000
+    elif case == "no_config":
+        del meta["config"]
+    elif case == "config_unknown_key":
+        meta["config"]["bogus"] = 1
+    elif case == "no_threshold":
+        del meta["threshold"]
+    elif case == "layers_not_dicts":
+        meta["layers"] = "layer1"
+    elif case == "scorer_meta_null":
+        meta["scorer"] = None
+    else:
+        tensors["padim.chol"] = tensors["padim.chol"][:10].clone()
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(forged).predict(textured_images(1)[0])
+    assert str(forged) in str(err.value)
+
+
+# =========================================================================================
+# 3. atomic saves
+# =========================================================================================
+SAVER = r"""
+import os, sys, torch
+torch.set_num_threads(1)
+from anomaly_hooks import Detector
+det = Detector.load(sys.argv[1])
+out = sys.argv[2]
+print("ready", flush=True)
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:  # the child saves in a loop until it is killed
+        try:
+            while True:
+                det.save(out)
+        finally:
+            os._exit(3)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print("reaped", status, flush=True)
+"""
+
+
+def test_sigkill_during_save_never_leaves_a_broken_model(padim_file, tmp_path):
+    out_dir = tmp_path / "models"
+    out_dir.mkdir()
+    out = out_dir / "model.safetensors"
+    reference = padim_file.read_bytes()  # saves are deterministic: same model, same bytes
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(padim_file), str(out)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    rng = random.Random(1234)
+    present = 0
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for trial in range(12):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            child = int(proc.stdout.readline())
+            time.sleep(rng.uniform(0.0, 0.15))
+            os.kill(child, signal.SIGKILL)
+            reaped = proc.stdout.readline().split()
+            assert reaped[0] == "reaped"
+            assert os.WIFSIGNALED(int(reaped[1])), "the saver stopped before it was killed"
+            if out.exists():  # whatever is at the path is a complete model
+                present += 1
+                load_model(out)  # verifies the checksum
+                assert out.read_bytes() == reference, f"trial {trial}: not the saved model"
+            for p in out_dir.iterdir():
+                if p == out:
+                    continue
+                assert p.name.startswith(".") and not p.name.endswith(".safetensors"), p.name
+                try:  # a leftover temp file is never mistaken for a good model
+                    load_model(p)
+                except ModelFileError:
+                    pass
+    finally:
+        proc.stdin.close()
+        proc.kill()
+        proc.wait()
+    assert present >= 1, "no save ever completed: the test did not exercise anything"
+    img = textured_images(1, seed=9)[0]
+    a, b = Detector.load(out).predict(img), Detector.load(padim_file).predict(img)
+    assert a.score == b.score and np.array_equal(a.heatmap, b.heatmap)
+
+
+@pytest.mark.parametrize("fail_at", ["save_file", "canonicalise", "fsync", "replace"])
+def test_save_interrupted_at_each_step_keeps_the_old_model(fail_at, fitted, padim_file,
+                                                           tmp_path, monkeypatch):
+    """Fault injection at every step of the atomic save (an exception, or KeyboardInterrupt as
+    for Ctrl-C): the model already at the path is untouched and no temp file is left."""
+    import safetensors.torch
+
+    from anomaly_hooks import modelfile
+
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(padim_file.read_bytes())
+    before = target.read_bytes()
+    exc = KeyboardInterrupt() if fail_at in ("fsync", "replace") else OSError("disk full")
+
+    def boom(*args, **kwargs):
+        raise exc
+
+    if fail_at == "save_file":  # a partial file, then the failure
+        def partial(tensors, filename, metadata=None):
+            Path(filename).write_bytes(b"\x00" * 1000)
+            raise exc
+        monkeypatch.setattr(safetensors.torch, "save_file", partial)
+    elif fail_at == "canonicalise":
+        monkeypatch.setattr(modelfile, "_canonicalise_header", boom)
+    elif fail_at == "fsync":
+        monkeypatch.setattr(modelfile.os, "fsync", boom)
+    else:
+        monkeypatch.setattr(modelfile.os, "replace", boom)
+    with pytest.raises(type(exc)):
+        fitted.save(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_failed_cli_fit_keeps_the_existing_model(padim_file, tmp_path, capsys):
+    target = tmp_path / "keep.safetensors"
+    target.write_bytes(padim_file.read_bytes())
+    before = target.read_bytes()
+    bad = tmp_path / "bad_train"
+    make_bad_files(bad)
+    base = ["fit", "--data", str(bad), "--output", str(target), "--quiet",
+            "backbone.name=resnet18", "backbone.weights=null", "device=cpu",
+            "preprocess.resize=64", "preprocess.crop=null", "data.num_workers=0"]
+    for extra in ([], ["data.on_error=skip"]):
+        code = main(base + extra)
+        err = capsys.readouterr().err
+        assert code != 0
+        _one_error_line(err)
+        assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors"] == [target.name]
+
+
+# =========================================================================================
+# 4. concurrency
+# =========================================================================================
+def test_predict_from_8_threads_equals_serial(fitted, tmp_path):
+    rgb = textured_images(3, seed=3)
+    path = tmp_path / "in.png"
+    path.write_bytes(_png(with_defect(rgb[0])))
+    odd = textured_images(1, size=(50, 70), seed=4)[0]
+    inputs = [
+        path, str(path),
+        Image.fromarray(rgb[1]),
+        Image.fromarray(odd).convert("L"),
+        rgb[2],
+        odd,
+        odd[:, :, 0],
+        rgb[1].astype(np.float32) / 255.0,
+        odd.astype(np.float64) / 255.0,
+        torch.from_numpy(rgb[2]).permute(2, 0, 1).contiguous(),
+        torch.from_numpy(odd).permute(2, 0, 1).float() / 255.0,
+        textured_images(1, size=(130, 90), seed=6)[0],
+        np.array([[[1, 2, 3]]], dtype=np.uint8),
+    ]
+    serial = [fitted.predict(x) for x in inputs]
+    batches = [inputs[:5], inputs[5:]]
+    serial_batches = [fitted.predict(b) for b in batches]
+    # a lazily opened PIL image (not yet decoded), shared by every thread
+    lazy = Image.open(path)
+    inputs.append(lazy)
+    serial.append(fitted.predict(Image.open(path)))
+
+    jobs = [(i, x) for _ in range(4) for i, x in enumerate(inputs)]
+    jobs += [(-1 - j, b) for _ in range(2) for j, b in enumerate(batches)]
+    random.Random(0).shuffle(jobs)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda job: (job[0], fitted.predict(job[1])), jobs))
+    lazy.close()
+    assert len(results) == len(jobs)
+
+    def same(pred, ref, what):
+        assert pred.score == ref.score, what
+        assert pred.is_anomalous == ref.is_anomalous, what
+        assert pred.heatmap.shape == ref.heatmap.shape, what
+        assert np.array_equal(pred.heatmap, ref.heatmap), what
+        assert np.array_equal(pred.mask, ref.mask), what
+
+    for i, pred in results:
+        if i >= 0:
+            same(pred, serial[i], f"input {i}")
+        else:
+            assert len(pred) == len(serial_batches[-1 - i])
+            for k, (p, r) in enumerate(zip(pred, serial_batches[-1 - i])):
+                same(p, r, f"batch {-1 - i} item {k}")
+
+
+# =========================================================================================
+# 5. determinism
+# =========================================================================================
+DET_CFG = {"preprocess__resize": [64, 64], "preprocess__crop": None}
+
+
+@pytest.mark.parametrize("method", ["padim", "patchcore"])
+def test_same_seed_same_bytes_other_seed_other_bytes(method, small_cfg, tmp_path):
+    imgs = textured_images(8, size=(64, 64), seed=11)
+    extra = {"patchcore__coreset_ratio": 0.25, "patchcore__knn_backend": "torch"} \
+        if method == "patchcore" else {}
+    files = []
+    for run, seed in enumerate((7, 7, 8)):
+        det = Detector.from_config(small_cfg, method=method, seed=seed, **DET_CFG, **extra)
+        det.fit(imgs, progress=False)
+        files.append(det.save(tmp_path / f"{method}_{run}.safetensors").read_bytes())
+    assert files[0] == files[1]
+    assert files[0] != files[2]
+
+
+# =========================================================================================
+# 6. config errors
+# =========================================================================================
+@pytest.mark.parametrize("source, overrides, kw, key, allowed", [
+    ({"bogus": 1}, (), {}, "bogus", r"valid keys: method, seed"),
+    (None, ["nonsense=1"], {}, "nonsense", r"valid keys: .*padim, patchcore"),
+    ({"padim": {"nfeatures": 3}}, (), {}, "padim.nfeatures", r"valid keys: n_features"),
+    (None, ["padim.bogus=1"], {}, "padim.bogus", r"valid keys: n_features, epsilon"),
+    (None, (), {"patchcore__bogus": 1}, "patchcore.bogus", r"valid keys: local_pool"),
+    ({"padim": 3}, (), {}, "padim", r"mapping of its keys \(n_features"),
+    (None, ["seed=abc"], {}, "seed", r"Integer|int"),
+    (None, (), {"data__batch_size": "many"}, "data.batch_size", r"Integer|int"),
+    (None, ["patchcore.coreset_ratio=0"], {}, "patchcore.coreset_ratio", r"0 < ratio <= 1"),
+    (None, ["patchcore.coreset_ratio=1.5"], {}, "patchcore.coreset_ratio", r"0 < ratio <= 1"),
+    (None, ["preprocess.resize=100", "preprocess.crop=200"], {}, "preprocess.crop",
+     r"at most the resize"),
+    (None, (), {"preprocess__resize": [64, 80], "preprocess__crop": [64, 96]}, "preprocess.crop",
+     r"at most the resize"),
+    (None, ["data.on_error=ignore"], {}, "data.on_error", r"raise or skip"),
+    (None, ["method=svm"], {}, "method", r"padim"),
+])
+def test_config_errors_name_key_and_allowed(source, overrides, kw, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_config(source, overrides, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert key in msg, msg
+    assert re.search(allowed, msg), msg
+
+
+def test_impossible_layer_lists_valid_names(small_cfg):
+    with pytest.raises(ValueError) as err:
+        Detector.from_config(small_cfg, backbone__layers=["layer9"])
+    msg = str(err.value)
+    assert "layer9" in msg and "\n" not in msg
+    for name in ("layer1", "layer2", "layer3", "layer4"):
+        assert name in msg
+
+
+def test_n_features_larger_than_backbone(small_cfg):
+    det = Detector.from_config(small_cfg, padim__n_features=5000)
+    with pytest.raises(ValueError) as err:
+        det.fit(textured_images(6), progress=False)
+    msg = str(err.value)
+    assert "padim.n_features=5000" in msg and "\n" not in msg
+    total = sum(i.channels for i in det.layer_info)
+    assert f"1..{total}" in msg
+
+
+def test_too_few_training_images(small_cfg):
+    imgs = textured_images(3)
+    for n in (1, 2):
+        det = Detector.from_config(small_cfg)
+        with pytest.raises(ValueError) as err:
+            det.fit(imgs[:n], progress=False)
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert "add" in msg and ("holdout_fraction" in msg or "good images" in msg), msg
+    # 3 images: 1 held out for the threshold, 2 left -- the PaDiM minimum
+    det = Detector.from_config(small_cfg).fit(imgs, progress=False)
+    assert det.fit_info_["n_train"] == 2
+
+
+# =========================================================================================
+# 7. resource guard
+# =========================================================================================
+@pytest.mark.parametrize("method, key", [("padim", "padim.n_features"),
+                                         ("patchcore", "patchcore.max_bank_points")])
+def test_resource_guard(method, key, small_cfg):
+    imgs = textured_images(6)
+    det = Detector.from_config(small_cfg, method=method, resources__memory_limit_gb=0.001)
+    with pytest.raises(ResourceError) as err:
+        det.fit(imgs, progress=False)
+    msg = str(err.value)
+    assert key in msg and "resources.memory_limit_gb" in msg
+    n_train = 6 - max(1, round(0.25 * 6))
+    est = estimate_fit_memory(det.cfg, det.layer_info, det.preprocessor.input_size, n_train)
+    m = re.search(r"needs about ([0-9.eE+-]+) GB", msg)
+    assert m, msg
+    assert float(m.group(1)) == pytest.approx(est["total"] / GB, rel=0.05), msg
+    m = re.search(r"limit is ([0-9.eE+-]+) GB", msg)
+    assert m and float(m.group(1)) == pytest.approx(0.001, rel=0.05), msg
+    assert not det.is_fitted
+    ok = Detector.from_config(small_cfg, method=method, resources__memory_limit_gb=64.0,
+                              patchcore__knn_backend="torch")
+    ok.fit(imgs, progress=False)
+    assert ok.is_fitted
+
+
+def test_padim_estimate_matches_the_formula_and_the_model(fitted):
+    cfg, layers = fitted.cfg, fitted.layer_info
+    h, w = fitted.preprocessor.input_size
+    stride = min(i.stride for i in layers)
+    positions = -(-h // stride) * -(-w // stride)
+    assert (h, w) == (64, 80) and stride == 4 and positions == 16 * 20
+    d = cfg.padim.n_features
+    est = estimate_fit_memory(cfg, layers, (h, w), 12)
+    assert est["model"] == positions * d * d * 4 + positions * d * 4
+    tensors, _ = fitted.scorer.state()
+    assert tensors["padim.chol"].nbytes + tensors["padim.mean"].nbytes == est["model"]
+
+
+# =========================================================================================
+# 8. fuzzing
+# =========================================================================================
+def _seeds() -> dict[str, bytes]:
+    rgb = _good_rgb(12, 10)
+    gif = io.BytesIO()
+    Image.fromarray(rgb).save(gif, "GIF")
+    bmp = io.BytesIO()
+    Image.fromarray(rgb).save(bmp, "BMP")
+    tif = io.BytesIO()
+    Image.fromarray(rgb).save(tif, "TIFF")
+    return {"png": _png(rgb), "jpg": _jpeg(rgb), "gif": gif.getvalue(), "bmp": bmp.getvalue(),
+            "tif": tif.getvalue(), "png16": _png(Image.fromarray(rgb[:, :, 0].astype(np.uint16)))}
+
+
+SEEDS = _seeds()
+
+mutation = st.tuples(st.sampled_from(["flip", "cut", "insert", "set"]),
+                     st.integers(0, 10**9), st.integers(0, 255))
+
+
+def _mutate(raw: bytes, ops) -> bytes:
+    data = bytearray(raw)
+    for op, pos, val in ops:
+        pos %= max(1, len(data))
+        if op == "flip" and data:
+            data[pos] ^= val or 1
+        elif op == "set" and data:
+            data[pos] = val
+        elif op == "cut":
+            del data[pos:]
+        else:
+            data[pos:pos] = bytes([val]) * (1 + val % 16)
+    return bytes(data)
+
+
+image_bytes = st.one_of(
+    st.binary(max_size=2048),
+    st.builds(_mutate, st.sampled_from(sorted(SEEDS.values())), st.lists(mutation, max_size=5)),
+)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about corrupt EXIF/TIFF
+@FUZZ
+@given(data=image_bytes, suffix=st.sampled_from([".png", ".jpg"]))
+def test_fuzz_image_bytes(tmp_path, data, suffix):
+    path = tmp_path / f"fuzz{suffix}"
+    path.write_bytes(data)
+    try:
+        img = read_image(path, max_pixels=4_000_000)
+    except ImageReadError as exc:
+        assert str(path) in str(exc)
+        return
+    assert isinstance(img, torch.Tensor) and img.dtype == torch.float32
+    assert img.dim() == 3 and img.shape[0] == 3 and img.shape[1] >= 1 and img.shape[2] >= 1
+    assert bool(torch.isfinite(img).all())
+    assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_bytes(padim_file) -> bytes:
+    return padim_file.read_bytes()
+
+
+@FUZZ
+@given(ops=st.lists(mutation, min_size=1, max_size=4), in_header=st.booleans())
+def test_fuzz_model_file_mutations(tiny_model_bytes, tmp_path, ops, in_header):
+    raw = tiny_model_bytes
+    if in_header:  # aim the mutations at the 8-byte prefix and the JSON header
+        n = struct.unpack("<Q", raw[:8])[0]
+        ops = [(op, pos % (8 + n), val) for op, pos, val in ops]
+    mutated = _mutate(raw, ops)
+    bad = tmp_path / "fuzz.safetensors"
+    bad.write_bytes(mutated)
+    try:
+        tensors, meta = load_model(bad)
+    except ModelFileError as exc:
+        assert str(bad) in str(exc)
+        return
+    # it verified: then its tensors and metadata are exactly what was saved
+    ref_tensors, ref_meta = load_model_cached(raw, tmp_path)
+    assert meta == ref_meta
+    assert tensors.keys() == ref_tensors.keys()
+    assert all(torch.equal(tensors[k], ref_tensors[k]) for k in tensors)
+
+
+_REF: dict = {}
+
+
+def load_model_cached(raw: bytes, tmp_path: Path):
+    key = hash(raw)
+    if key not in _REF:
+        p = tmp_path / "ref.safetensors"
+        p.write_bytes(raw)
+        _REF[key] = load_model(p)
+    return _REF[key]
+
+
+special_floats = st.sampled_from([0.0, 1.0, 0.5, np.nan, np.inf, -np.inf, -0.5, 1.5, 1e-30])
+
+
+@st.composite
+def arrays(draw):
+    dtype = draw(st.sampled_from([np.uint8, np.uint16, np.float32, np.float64]))
+    h = draw(st.integers(0, 9))
+    w = draw(st.integers(0, 9))
+    tail = draw(st.sampled_from([(), (1,), (3,), (4,), (2,), (5,), (3, 1)]))
+    shape = (h, w) + tail
+    if np.issubdtype(dtype, np.floating):
+        elements = st.one_of(st.floats(0, 1, width=32), special_floats)
+    else:
+        elements = st.integers(0, int(np.iinfo(dtype).max))
+    return draw(hnp.arrays(dtype, shape, elements=elements))
+
+
+@FUZZ
+@given(arr=arrays())
+def test_fuzz_numpy_arrays(arr):
+    try:
+        img = read_image(arr)
+    except (ImageReadError, ValueError) as exc:
+        assert str(exc)
+        return
+    assert img.dtype == torch.float32 and img.dim() == 3 and img.shape[0] == 3
+    assert tuple(img.shape[1:]) == arr.shape[:2]
+    assert bool(torch.isfinite(img).all())
+    assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
+    if arr.dtype == np.uint8:
+        chan0 = arr if arr.ndim == 2 else arr[:, :, 0]
+        assert torch.equal(img[0], torch.from_numpy(chan0.astype(np.float32)) / 255.0)
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from([torch.uint8, torch.float32, torch.float64, torch.float16]))
+    shape = (draw(st.sampled_from([1, 2, 3, 4, 5])), draw(st.integers(0, 6)),
+             draw(st.integers(0, 6)))
+    if draw(st.booleans()):
+        shape = shape[1:] if draw(st.booleans()) else (1,) + shape
+    n = int(np.prod(shape))
+    if dtype == torch.uint8:
+        values = draw(st.lists(st.integers(0, 255), min_size=n, max_size=n))
+    else:
+        values = draw(st.lists(st.one_of(st.floats(0, 1), special_floats), min_size=n,
+                               max_size=n))
+    return torch.tensor(values, dtype=dtype).reshape(shape)
+
+
+@FUZZ
+@given(t=tensors())
+def test_fuzz_tensors(t):
+    try:
+        img = read_image(t)
+    except (ImageReadError, ValueError) as exc:
+        assert str(exc)
+        return
+    assert img.dtype == torch.float32 and img.dim() == 3 and img.shape[0] == 3
+    assert bool(torch.isfinite(img).all())
+    assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
+
+
+@pytest.mark.parametrize("arr", [
+    np.zeros((4, 4, 3), dtype=object),
+    np.zeros((4, 4, 3), dtype=">u2"),
+    np.full((4, 4), 100_000, dtype=np.int32),
+    np.full((4, 4), -5, dtype=np.int32),
+    np.zeros((4, 4, 3), dtype=np.int64),
+    np.zeros((4, 4, 3), dtype=np.complex64),
+    np.zeros((4, 4, 3), dtype=bool),
+], ids=["object", "big_endian_u16", "int32_over", "int32_negative", "int64", "complex", "bool"])
+def test_odd_numpy_dtypes_read_or_clear_error(arr):
+    try:
+        img = read_image(arr)
+    except ImageReadError as exc:
+        assert "numpy array" in str(exc)
+        return
+    assert img.dtype == torch.float32 and img.shape == (3, 4, 4)
+    assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
