@@ -159,7 +159,7 @@ class Detector:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        n_used, skipped = self._accumulate(scorer, train, progress)
+        n_used, skipped = self._accumulate(scorer, train, progress, held)
         timings = {"accumulate": lap()}
         scorer.finalize(progress=progress)
         timings["finalize"] = lap()
@@ -193,7 +193,10 @@ class Detector:
         held_set = set(held)
         return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
 
-    def _accumulate(self, scorer: Scorer, items: List[Any], progress: bool) -> tuple[int, List[str]]:
+    def _accumulate(self, scorer: Scorer, items: List[Any], progress: bool,
+                    held: Sequence[Any] = ()) -> tuple[int, List[str]]:
+        """Feed the training ``items`` to the scorer. With ``data.on_error=raise`` an error
+        lists every unreadable image, the threshold hold-out ``held`` included."""
         data = self.cfg.data
         errors: List[str] = []
         n_used = 0
@@ -207,8 +210,20 @@ class Detector:
                 n_used += len(batch.indices)
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
+        if errors and self.cfg.data.on_error == "raise":
+            errors = errors + self._unreadable(held)  # one list with every bad file
         self._handle_errors(errors, "training")
         return n_used, errors
+
+    def _unreadable(self, items: List[Any]) -> List[str]:
+        """Messages for the items of ``items`` that cannot be read (decoded, then dropped)."""
+        out = []
+        for item in items:
+            try:
+                read_image(item, self.cfg.data.max_pixels)
+            except ImageReadError as exc:
+                out.append(str(exc))
+        return out
 
     def _handle_errors(self, errors: List[str], what: str) -> None:
         """Raise listing every unreadable image, or (``data.on_error=skip``) warn and go on."""
