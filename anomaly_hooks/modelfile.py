@@ -51,6 +51,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Path:
     """Write tensors + metadata atomically: a temporary file in the same folder, fsync, rename.
 
@@ -73,6 +79,7 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
         _canonicalise_header(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a model is an ordinary file
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:

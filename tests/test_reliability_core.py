@@ -265,3 +265,9 @@ def test_fuzz_numpy_arrays(shape, dtype, special):
         assert str(exc)
         return
     assert img.shape[0] == 3 and bool(torch.isfinite(img).all())
+
+
+def test_saved_model_has_ordinary_permissions(model_file):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (model_file.stat().st_mode & 0o777) == (0o666 & ~mask)
