@@ -198,13 +198,9 @@ def run(config: str, data: Path, batch_size: int, device: Optional[str],
     cfg = load_config(config, list(overrides) + extra)
     train = list_images(train_folder(data))
     test = _test_items(data)
-    from anomaly_hooks.detector import resolve_device
-    from anomaly_hooks.scorers import get_scorer
-    from anomaly_hooks.backbones import default_layers
+    from anomaly_hooks.detector import resolve_device, resolve_layer_names
 
-    layers = list(cfg.backbone.layers or default_layers(cfg.backbone.name, cfg.method)
-                  or get_scorer(cfg.method).default_layers)
-    bare = bare_backbone(cfg, layers, resolve_device(cfg.device))
+    bare = bare_backbone(cfg, resolve_layer_names(cfg), resolve_device(cfg.device))
     det, fit = bench_fit(cfg, train, bare, batch_size)
     stages = stage_breakdown(det, test, batch_size, bare)
     with PeakMemory(det.device) as mem:

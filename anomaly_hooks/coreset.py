@@ -48,6 +48,12 @@ def coreset_size(n: int, ratio: Optional[float], count: Optional[int]) -> int:
     return max(1, min(n, math.ceil(ratio * n)))
 
 
+def projection_matrix(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
+    """Seeded Gaussian matrix ``[in_dim, out_dim]`` scaled by ``1/sqrt(out_dim)``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(in_dim, out_dim, generator=gen) / math.sqrt(out_dim)
+
+
 def random_projection(features: torch.Tensor, dim: Optional[int], seed: int) -> torch.Tensor:
     """Seeded Gaussian projection of ``features`` ``[N, D]`` to ``[N, dim]`` (scaled by
     ``1/sqrt(dim)``, which preserves distances in expectation). ``None`` or ``dim >= D`` keeps
@@ -55,8 +61,7 @@ def random_projection(features: torch.Tensor, dim: Optional[int], seed: int) -> 
     n, d = features.shape
     if dim is None or dim >= d:
         return features.float()
-    gen = torch.Generator().manual_seed(seed)
-    matrix = (torch.randn(d, dim, generator=gen) / math.sqrt(dim)).to(features.device)
+    matrix = projection_matrix(d, dim, seed).to(features.device)
     out = torch.empty(n, dim, dtype=torch.float32, device=features.device)
     step = 65536
     for lo in range(0, n, step):

@@ -67,6 +67,13 @@ class Prediction:
     threshold: float
 
 
+def resolve_layer_names(cfg: DictConfig) -> List[str]:
+    """The layers to tap: the config's, else the backbone's default for the method (e.g.
+    EfficientNet blocks), else the scorer's (ResNet ``layerN`` names)."""
+    return list(cfg.backbone.layers or default_layers(cfg.backbone.name, cfg.method)
+                or get_scorer(cfg.method).default_layers)
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU."""
     if name == "auto":
@@ -89,9 +96,7 @@ class Detector:
         self.device = resolve_device(device or cfg.device)
         self.preprocessor = Preprocessor.from_config(cfg.preprocess)
         self.backbone_name = CUSTOM if backbone is not None else cfg.backbone.name
-        scorer_cls = get_scorer(cfg.method)
-        self.layers: List[str] = list(cfg.backbone.layers or default_layers(cfg.backbone.name, cfg.method)
-                                     or scorer_cls.default_layers)
+        self.layers: List[str] = resolve_layer_names(cfg)
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self.backbone_fingerprint = fingerprint(model)

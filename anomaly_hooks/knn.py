@@ -124,13 +124,14 @@ class NearestNeighbors:
         return torch.from_numpy(idx).to(queries.device)
 
     def _torch_search(self, queries: torch.Tensor, k: int) -> torch.Tensor:
-        bank = self.bank.to(queries.device)
-        bank_sq = bank.float().square().sum(dim=1)
+        bank = self.bank.to(queries.device).float()
+        bank_sq = bank.square().sum(dim=1)
+        bank_t = bank.t()
         rows = max(1, TORCH_BLOCK_ELEMENTS // bank.shape[0])
         out = []
         for lo in range(0, queries.shape[0], rows):
             q = queries[lo:lo + rows].float()
-            d2 = torch.addmm(bank_sq, q, bank.float().t(), alpha=-2.0)  # |b|^2 - 2 q.b
+            d2 = torch.addmm(bank_sq, q, bank_t, alpha=-2.0)  # |b|^2 - 2 q.b
             out.append(d2.topk(k, dim=1, largest=False).indices)
         return torch.cat(out)
 

@@ -47,7 +47,9 @@ def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Seque
     positions = _grid(layers, input_size)
     total_channels = sum(info.channels for info in layers)
     if cfg.method == "padim":
-        d = cfg.padim.n_features or min(550, total_channels)
+        from anomaly_hooks.scorers.padim import default_n_features
+
+        d = cfg.padim.n_features or default_n_features(cfg.backbone.name, total_channels)
         factor_bytes = 2 if cfg.padim.factor_dtype == "float16" else 4
         model = positions * d * d * factor_bytes + positions * d * 4
         # the float32 factors replace the float64 sums chunk by chunk: the sums are the peak

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from anomaly_hooks.coreset import StreamingCoreset, coreset_size, greedy_coreset
+from anomaly_hooks.coreset import (StreamingCoreset, coreset_size, greedy_coreset,
+                                   projection_matrix)
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.knn import NearestNeighbors
@@ -26,12 +27,6 @@ SEED_PROJECTION = 11
 SEED_CORESET = 12
 
 
-def _projection_matrix(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
-    """Seeded Gaussian projection ``[in_dim, out_dim]`` scaled by 1/sqrt(out_dim)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(in_dim, out_dim, generator=gen) / out_dim ** 0.5
-
-
 def build_embedder(cfg: Any, layers: Sequence[LayerInfo], seed: int,
                    projection: Optional[torch.Tensor] = None) -> PatchEmbedder:
     """PatchCore embedder: local 3x3 averaging, bilinear upsampling, optional reduction."""
@@ -41,7 +36,7 @@ def build_embedder(cfg: Any, layers: Sequence[LayerInfo], seed: int,
         if cfg.reduce_method == "pool":
             pool_dim = cfg.reduce_dim
         elif projection is None:
-            projection = _projection_matrix(total, cfg.reduce_dim, seed + SEED_PROJECTION)
+            projection = projection_matrix(total, cfg.reduce_dim, seed + SEED_PROJECTION)
     return PatchEmbedder(layers, upsample="bilinear", local_pool=cfg.local_pool,
                          projection=projection, pool_dim=pool_dim)
 
