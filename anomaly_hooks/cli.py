@@ -220,9 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_PARSERS: list = []
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """``parse_args``, except that ``key=value`` overrides may also follow options
+    (``fit a=1 --data D b=2``): argparse stops the positional list at the first option, so the
+    later ones come back as unknown and are appended here, in order."""
+    args, unknown = parser.parse_known_args(argv)
+    late = [tok for tok in unknown if "=" in tok and not tok.startswith("-")]
+    rest = [tok for tok in unknown if tok not in late]
+    if rest or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(rest or late)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; user errors print one line (no traceback) and exit 2."""
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -63,7 +63,7 @@ class PatchCoreConfig:
     coreset_count: Optional[int] = None  # absolute size; overrides the ratio when set
     projection_dim: Optional[int] = 128  # for the selection only; null = no projection
     max_bank_points: Optional[int] = None  # bounded-memory fit: merge-reduce when set
-    knn_backend: str = "auto"  # auto | faiss-flat | faiss-ivf | faiss-hnsw | torch
+    knn_backend: str = "auto"  # auto | projected | faiss-flat | faiss-ivf | faiss-hnsw | torch
     k: int = 1
     reweight: bool = False  # eq. 7 of the paper
     reweight_neighbors: int = 9  # b in eq. 7
@@ -300,8 +300,9 @@ def _validate_patchcore(pc: DictConfig) -> None:
     if pc.max_bank_points is not None:
         _check(pc.max_bank_points >= 1, "patchcore.max_bank_points", ">= 1 or null",
                pc.max_bank_points)
-    _check(pc.knn_backend in ("auto", "faiss-flat", "faiss-ivf", "faiss-hnsw", "torch"),
-           "patchcore.knn_backend", "auto, faiss-flat, faiss-ivf, faiss-hnsw or torch",
+    _check(pc.knn_backend in ("auto", "projected", "faiss-flat", "faiss-ivf", "faiss-hnsw",
+                              "torch"),
+           "patchcore.knn_backend", "auto, projected, faiss-flat, faiss-ivf, faiss-hnsw or torch",
            pc.knn_backend)
     _check(pc.k >= 1, "patchcore.k", ">= 1", pc.k)
     _check(pc.reweight_neighbors >= 1, "patchcore.reweight_neighbors", ">= 1",

@@ -1,5 +1,16 @@
 """Nearest-neighbour search over a memory bank: faiss (flat, IVF, HNSW; GPU when a GPU build is
-importable) or a batched torch matrix-product search (any device).
+importable), a batched torch matrix-product search (any device), or ``projected``: an exact
+search that does most of its work in a low-dimensional PCA subspace of the bank.
+
+``projected`` (the CPU default for banks of 2048 rows or more): an orthonormal projection ``P``
+onto the bank's top principal directions never lengthens a difference, so
+``|| P^T (q - b) || <= || q - b ||`` for every bank row ``b``. The ``c`` nearest rows in the
+subspace are the candidates; their exact distances are computed; a query is *certified* when its
+k-th best exact distance is no larger than the projected distance of the nearest row it has not
+checked (every such row is at least that far in full space too). Certified answers are exactly
+those of a full search; the few queries that are not certified are searched in full. The
+subspace keeps 99.8 % of the bank's variance (at most ``D / 4`` dimensions), so the search costs
+a fraction of a flat one whatever the data, and the results never change with it.
 
 Distances are **L2, not squared**. Whatever the backend, the distances of the returned
 neighbours are recomputed exactly from the vectors (``|| q - b ||`` on the differences), so that
@@ -16,7 +27,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "faiss-flat", "faiss-ivf", "faiss-hnsw", "torch")
+BACKENDS = ("auto", "projected", "faiss-flat", "faiss-ivf", "faiss-hnsw", "torch")
+PROJECTED_MIN_ROWS = 2048  # auto picks the projected search from this bank size on (CPU)
+PROJECTED_VARIANCE = 0.998  # fraction of the bank's variance the subspace keeps
+PROJECTED_CANDIDATES = 16  # candidates checked per query beyond k
+PCA_MAX_ROWS = 65536  # bank rows (evenly spaced) used to estimate the principal directions
 QUERY_CHUNK = 8192  # queries per chunk when recomputing exact distances
 TORCH_BLOCK_ELEMENTS = 1 << 24  # queries x bank rows per block of the torch search
 
@@ -36,12 +51,15 @@ def faiss_gpu_available() -> bool:
             and faiss.get_num_gpus() > 0)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> ``faiss-flat`` when it can serve the device, else ``torch``."""
+def resolve_backend(backend: str, device: torch.device, shape: Tuple[int, int] = (0, 0)) -> str:
+    """``auto`` -> on CPU ``projected`` for banks ``[M, D]`` with ``M >= 2048`` and ``D >= 64``;
+    otherwise ``faiss-flat`` when it can serve the device, else ``torch``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown knn backend {backend!r}: one of {', '.join(BACKENDS)}")
     faiss_ok = _faiss() is not None and (device.type == "cpu" or faiss_gpu_available())
     if backend == "auto":
+        if device.type == "cpu" and shape[0] >= PROJECTED_MIN_ROWS and shape[1] >= 64:
+            return "projected"
         return "faiss-flat" if faiss_ok else "torch"
     if backend.startswith("faiss") and _faiss() is None:
         raise ValueError(f"knn backend {backend!r} needs faiss: pip install faiss-cpu "
@@ -64,10 +82,13 @@ class NearestNeighbors:
             raise ValueError(f"the bank must be a non-empty [M, D] tensor, got {tuple(bank.shape)}")
         self.bank = bank
         self.device = bank.device
-        self.backend = resolve_backend(backend, bank.device)
+        self.backend = resolve_backend(backend, bank.device, tuple(bank.shape))
         self.index = None
+        self.projected: Optional[ProjectedSearch] = None
         if self.backend.startswith("faiss"):
             self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
+        elif self.backend == "projected":
+            self.projected = ProjectedSearch(bank)
 
     # -- construction ---------------------------------------------------------------------
     def _build_faiss(self, nlist: int, nprobe: int, hnsw_m: int, ef_search: int,
@@ -107,11 +128,12 @@ class NearestNeighbors:
         if queries.shape[0] == 0:
             empty = torch.empty(0, k, device=queries.device)
             return empty, empty.long()
-        if self.index is None:
-            idx = self._torch_search(queries, k)
+        if self.projected is not None:
+            idx, dist = self.projected.search(queries, k, self)
         else:
-            idx = self._faiss_search(queries, k)
-        dist = self.exact_distances(queries, idx)
+            idx = self._torch_search(queries, k) if self.index is None else \
+                self._faiss_search(queries, k)
+            dist = self.exact_distances(queries, idx)
         dist, order = dist.sort(dim=1)
         return dist, idx.gather(1, order)
 
@@ -146,3 +168,113 @@ class NearestNeighbors:
             b = bank[idx[lo:lo + rows]].float()
             out[lo:lo + rows] = torch.linalg.vector_norm(b - q, dim=2)
         return out
+
+
+class ProjectedSearch:
+    """Exact k-NN through a PCA subspace of the bank (see the module docstring).
+
+    Holds the bank's mean ``[D]``, an orthonormal basis ``[D, r]`` and the projected bank
+    ``[M, r]`` (``r / D`` of the bank's size); the bank itself stays with the caller.
+    """
+
+    def __init__(self, bank: torch.Tensor) -> None:
+        self.mean, self.basis = principal_basis(bank)
+        self.points = self._project(bank)
+        self.dims = int(self.basis.shape[1])
+        self._sq_max = float(self.points.square().sum(dim=1).max())
+        faiss = _faiss()
+        self._flat = None
+        if faiss is not None and bank.device.type == "cpu":
+            self._flat = faiss.IndexFlatL2(self.dims)
+            self._flat.add(self.points.numpy())
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` -> ``[n, r]`` float32 coordinates in the subspace."""
+        out = torch.empty(x.shape[0], self.basis.shape[1], device=x.device)
+        for lo in range(0, x.shape[0], QUERY_CHUNK):
+            out[lo:lo + QUERY_CHUNK] = (x[lo:lo + QUERY_CHUNK].float() - self.mean) @ self.basis
+        return out
+
+    def _candidates(self, qp: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Squared projected distances ``[n, c]`` (ascending) and bank rows ``[n, c]``."""
+        if self._flat is not None:
+            d2, idx = self._flat.search(np.ascontiguousarray(qp.numpy()), c)
+            return torch.from_numpy(d2), torch.from_numpy(idx)
+        return _gemm_topk(qp, self.points, c)
+
+    def search(self, queries: torch.Tensor, k: int,
+               owner: "NearestNeighbors") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[n, k]`` and exact distances ``[n, k]`` (unsorted), equal to a full search."""
+        n, m = queries.shape[0], self.points.shape[0]
+        c = min(m, k + PROJECTED_CANDIDATES)
+        qp = self._project(queries)
+        pd2, cand = self._candidates(qp, c)
+        # float32 rounding of the projected distances: certify only with a margin
+        tol = 1e-4 * (qp.square().sum(dim=1) + self._sq_max)
+        exact = torch.full((n, c), float("inf"), device=queries.device)
+        exact[:, :k] = owner.exact_distances(queries, cand[:, :k])
+        kth2 = exact[:, :k].amax(dim=1).square()
+        # only candidates whose projected distance is below the k-th exact one can beat it
+        threat = pd2[:, k:] < (kth2 + tol).unsqueeze(1)
+        qi, cj = torch.nonzero(threat, as_tuple=True)
+        cj = cj + k
+        exact[qi, cj] = _pair_distances(owner.bank, queries, qi, cand[qi, cj])
+        dist, order = exact.topk(k, dim=1, largest=False)
+        idx = cand.gather(1, order)
+        # rows outside the candidates are at least pd2[:, c - 1] away (unless all were candidates)
+        rows = torch.nonzero(dist.amax(dim=1).square() > pd2[:, c - 1].clamp_min(0) - tol
+                             ).flatten() if c < m else torch.empty(0, dtype=torch.long)
+        if rows.numel():  # a full search for what the subspace could not settle
+            full = owner._torch_search(queries[rows], k)
+            idx[rows], dist[rows] = full, owner.exact_distances(queries[rows], full)
+        return idx, dist
+
+
+def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``[D]`` and orthonormal top principal directions ``[D, r]`` of ``bank`` ``[M, D]``:
+    the fewest keeping ``PROJECTED_VARIANCE`` of the variance, between ``min(D, 16)`` and
+    ``max(D // 4, 16)``. Deterministic (no random sketch); at most ``PCA_MAX_ROWS`` evenly
+    spaced rows estimate it."""
+    m, d = bank.shape
+    step = max(1, m // PCA_MAX_ROWS)
+    sample = bank[::step].float()
+    mean = sample.mean(dim=0)
+    centred = sample - mean
+    cov = (centred.t() @ centred).double()
+    evals, evecs = torch.linalg.eigh(cov)  # ascending, orthonormal columns
+    evals = evals.flip(0).clamp_min(0)
+    total = float(evals.sum())
+    lo, hi = min(d, 16), max(d // 4, min(d, 16))
+    if total > 0:
+        keep = int(torch.searchsorted(evals.cumsum(0) / total,
+                                      torch.tensor(PROJECTED_VARIANCE, dtype=evals.dtype))) + 1
+    else:
+        keep = lo
+    r = min(max(keep, lo), hi)
+    return mean, evecs.flip(1)[:, :r].float().contiguous()
+
+
+def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
+                    bi: torch.Tensor) -> torch.Tensor:
+    """``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]`` float32, on the differences."""
+    out = torch.empty(qi.shape[0], device=queries.device)
+    for lo in range(0, qi.shape[0], QUERY_CHUNK):
+        q = queries[qi[lo:lo + QUERY_CHUNK]].float()
+        b = bank[bi[lo:lo + QUERY_CHUNK].to(bank.device)].to(q.device).float()
+        out[lo:lo + QUERY_CHUNK] = torch.linalg.vector_norm(b - q, dim=1)
+    return out
+
+
+def _gemm_topk(queries: torch.Tensor, points: torch.Tensor,
+               k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Squared L2 ``[n, k]`` (ascending, by the dot-product expansion) and rows ``[n, k]``."""
+    sq = points.square().sum(dim=1)
+    rows = max(1, TORCH_BLOCK_ELEMENTS // points.shape[0])
+    dists, idx = [], []
+    for lo in range(0, queries.shape[0], rows):
+        q = queries[lo:lo + rows].float()
+        d2 = torch.addmm(sq, q, points.t(), alpha=-2.0)
+        val, ind = d2.topk(k, dim=1, largest=False)
+        dists.append(val + q.square().sum(dim=1, keepdim=True))
+        idx.append(ind)
+    return torch.cat(dists), torch.cat(idx)

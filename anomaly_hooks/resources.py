@@ -52,8 +52,9 @@ def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Seque
         d = cfg.padim.n_features or default_n_features(cfg.backbone.name, total_channels)
         factor_bytes = 2 if cfg.padim.factor_dtype == "float16" else 4
         model = positions * d * d * factor_bytes + positions * d * 4
-        # the float32 factors replace the float64 sums chunk by chunk: the sums are the peak
-        parts = {"statistics (float64 sums)": positions * d * d * 8,
+        # the float32 sums become the covariances, then the factors, in place
+        parts = {"statistics (float32 sums, factorised in place)": positions * d * d * 4,
+                 "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
                  "sample buffer": positions * PADIM_BUFFER * d * 4,
                  "batch": _batch_bytes(cfg, layers, input_size, d)}
         return {**parts, "total": sum(parts.values()), "model": model}

@@ -21,21 +21,41 @@ def _embeddings(n=23, d=6, h=3, w=2, seed=0):
 @pytest.mark.parametrize("buffer_samples", [4, 128])
 def test_streaming_mean_cov_equal_numpy(buffer_samples):
     """float32 embeddings (what the backbone gives); the reference is float64 numpy on the same
-    values. Outer products are float32 over at most ``buffer_samples`` centred samples, summed in
-    float64: relative error ~1e-6 whatever the number of images and the offset."""
+    values. Samples are centred on the first batch's mean, so the float32 sums of outer products
+    hold small numbers: relative error ~1e-6 despite the large offset."""
     emb = _embeddings().float()
     acc = GaussianAccumulator(buffer_samples=buffer_samples)
     for chunk in torch.split(emb, [5, 1, 9, 8]):
         acc.update(chunk.flatten(2).permute(2, 0, 1))
     x = emb.double().flatten(2).numpy()  # [N, D, P]
-    cov = acc.covariance_chunk(0)  # all 6 positions are in the first chunk
+    chunks = list(acc.covariances())
+    assert [lo for lo, _ in chunks] == [0]  # all 6 positions are in the first chunk
+    cov = chunks[0][1]
     for p in range(x.shape[2]):
         np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-10)
         ref = np.cov(x[:, :, p], rowvar=False)
         np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-    acc.covariance_chunk(0, release=True)
-    with pytest.raises(RuntimeError, match="released"):
-        acc.covariance_chunk(0)
+    with pytest.raises(RuntimeError, match="already computed"):
+        list(acc.covariances())
+    with pytest.raises(RuntimeError, match="already computed"):
+        acc.update(emb[:2].flatten(2).permute(2, 0, 1))
+
+
+def test_many_images_keep_float32_sums_accurate():
+    """2000 samples with a large offset that drifts after the first batch (so the shift is not
+    the mean): the float32 in-place sums still match float64 numpy to ~1e-5."""
+    rng = np.random.default_rng(5)
+    d = 8
+    x = rng.normal(size=(2000, 3, d)) @ rng.normal(size=(d, d)) + 100.0
+    x[32:] += 3.0  # the first batch's mean is off by 3 standard deviations
+    acc = GaussianAccumulator()
+    for lo in range(0, 2000, 32):
+        acc.update(torch.from_numpy(x[lo:lo + 32]).float().permute(1, 0, 2))
+    x32 = torch.from_numpy(x).float().double().numpy()
+    cov = dict(acc.covariances())[0]
+    for p in range(3):
+        ref = np.cov(x32[:, p], rowvar=False)
+        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
 def test_accumulator_rejects_a_different_grid():

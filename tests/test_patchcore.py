@@ -122,7 +122,7 @@ def _brute_knn(q: torch.Tensor, bank: torch.Tensor, k: int):
     return d.topk(k, dim=1, largest=False)
 
 
-@pytest.mark.parametrize("backend", ["faiss-flat", "torch", "auto"])
+@pytest.mark.parametrize("backend", ["faiss-flat", "torch", "auto", "projected"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_exact_knn_equals_brute_force_float64(backend, k):
     bank, q = clustered(n=1500, seed=1), clustered(n=200, seed=2)
@@ -130,6 +130,51 @@ def test_exact_knn_equals_brute_force_float64(backend, k):
     ref_d, ref_i = _brute_knn(q, bank, k)
     np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5)
     assert torch.equal(idx, ref_i)
+
+
+def _low_rank(n: int, d: int = 128, rank: int = 12, seed: int = 0) -> torch.Tensor:
+    """Features like a CNN's: most variance in a few directions, a little noise in all."""
+    basis = torch.randn(rank, d, generator=torch.Generator().manual_seed(0))  # shared
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, rank, generator=gen) * 3) @ basis + 0.3 * torch.randn(n, d, generator=gen)
+
+
+@pytest.mark.parametrize("kind", ["low_rank", "isotropic"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_projected_search_is_exact_whether_or_not_the_subspace_settles_it(kind, k):
+    """Low-rank data: the PCA subspace certifies almost every query. Isotropic data: the subspace
+    (D / 4 dimensions) bounds little, so many queries go to the full search. Both must give the
+    float64 brute-force neighbours, and ``auto`` picks this search for a bank this size."""
+    if kind == "low_rank":
+        bank = _low_rank(3000, seed=1)
+        q = torch.cat([_low_rank(400, seed=2), bank[:50]])  # some queries are bank rows
+    else:
+        gen = torch.Generator().manual_seed(3)
+        bank, q = torch.randn(2500, 96, generator=gen), torch.randn(300, 96, generator=gen)
+    index = NearestNeighbors(bank, backend="auto")
+    assert index.backend == "projected"
+    assert index.projected.dims <= 96 // 4 if kind == "isotropic" else index.projected.dims < 64
+    full_rows = []
+    original = index._torch_search
+    index._torch_search = lambda queries, k: full_rows.append(len(queries)) or original(queries, k)
+    dist, idx = index.search(q, k)
+    ref_d, ref_i = _brute_knn(q, bank, k)
+    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(idx, ref_i)
+    if kind == "isotropic":  # the full-search stage was exercised
+        assert sum(full_rows) > 0.3 * len(q)
+
+
+def test_projected_search_certifies_most_queries_on_low_rank_data():
+    """The point of the projection: on low-rank features nearly all queries are settled by the
+    subspace, so the full search runs for few of them (counted through a spy)."""
+    bank, q = _low_rank(3000, seed=1), _low_rank(500, seed=2)
+    index = NearestNeighbors(bank, backend="projected")
+    full_rows = []
+    original = index._torch_search
+    index._torch_search = lambda queries, k: full_rows.append(len(queries)) or original(queries, k)
+    index.search(q, 1)
+    assert sum(full_rows) < 0.05 * len(q)
 
 
 @pytest.mark.parametrize("backend", ["faiss-ivf", "faiss-hnsw"])

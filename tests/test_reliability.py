@@ -328,11 +328,6 @@ def test_cli_score_scores_the_rest_and_reports_failures(tmp_path, padim_file, ca
     assert (out / "results.csv").read_text().count("\n") == len(good) + 2
 
 
-@pytest.mark.xfail(strict=True, raises=SystemExit, reason=(
-    "cli.py parses with parse_args: key=value overrides on both sides of an option (fit a=1 "
-    "--data D b=2) end in argparse's 'unrecognized arguments' SystemExit instead of being "
-    "merged; fix: build_parser().parse_intermixed_args(argv) in main (or collect overrides "
-    "with parse_known_args)"))
 def test_cli_overrides_on_both_sides_of_an_option(tmp_path, capsys):
     data = tmp_path / "data"
     write_good(data, 4, size=(32, 32))
@@ -341,6 +336,13 @@ def test_cli_overrides_on_both_sides_of_an_option(tmp_path, capsys):
                  "padim.bogus=1"])  # the last override is wrong on purpose: exits fast
     assert code == 2
     assert "padim.bogus" in _one_error_line(capsys.readouterr().err)
+
+
+def test_cli_stray_arguments_are_still_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--data", "x", "--bogus-flag", "a=1"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --bogus-flag" in capsys.readouterr().err
 
 
 def _one_error_line(err: str) -> str:

@@ -185,7 +185,14 @@ def test_padim_memory_estimate_matches_the_factors():
     layers = [LayerInfo("layer1", 256, 4), LayerInfo("layer2", 512, 8), LayerInfo("layer3", 1024, 16)]
     est = estimate_fit_memory(cfg, layers, (224, 224), 200)
     assert est["model"] == 3136 * 550 * 550 * 4 + 3136 * 550 * 4
-    assert est["statistics (float64 sums)"] == 3136 * 550 * 550 * 8
+    # one float32 [P, D, D] tensor: sums, then covariances, then factors, in place
+    assert est["statistics (float32 sums, factorised in place)"] == 3136 * 550 * 550 * 4
+    assert est["float16 factors"] == 0
+    half = estimate_fit_memory(load_config(None, padim__n_features=550,
+                                           padim__factor_dtype="float16"),
+                               layers, (224, 224), 200)
+    assert half["float16 factors"] == 3136 * 550 * 550 * 2
+    assert half["model"] == 3136 * 550 * 550 * 2 + 3136 * 550 * 4
 
 
 # -- config errors ------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """PaDiM (Defard et al. 2020): a Gaussian per patch position, Mahalanobis distance.
 
-Fitting streams: per position it keeps shifted sums and sums of outer products in float64, so
-memory does not grow with the number of training images. The fitted state is the mean ``[P, D]``
+Fitting streams: per position it keeps shifted sums and sums of outer products (one float32
+``[P, D, D]`` tensor that becomes the covariances, then the factors, in place), so memory does not
+grow with the number of training images and the fit never holds two ``[P, D, D]`` tensors. The fitted state is the mean ``[P, D]``
 and the lower Cholesky factor ``L`` ``[P, D, D]`` (float32) of each position's covariance
 ``Sigma + epsilon I = L L^T``. The Mahalanobis distance is ``|| L^-1 (x - mu) ||``, computed by one
 batched triangular solve over all positions — no explicit inverse, no per-position loop.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -17,8 +18,8 @@ from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.base import Scorer, register
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
-CHUNK_POSITIONS = 128  # positions per chunk of float64 work (bounds the temporaries)
-BUFFER_SAMPLES = 128  # samples per position collected (float32) before a float64 flush
+CHUNK_POSITIONS = 128  # positions per chunk of finalising work (bounds the temporaries)
+BUFFER_SAMPLES = 128  # samples per position collected before their products are added
 
 
 def default_n_features(backbone_name: str, total: int) -> int:
@@ -27,13 +28,17 @@ def default_n_features(backbone_name: str, total: int) -> int:
 
 
 class GaussianAccumulator:
-    """Streaming per-position mean and covariance, accumulated in float64.
+    """Streaming per-position mean and covariance in one float32 tensor, updated in place.
 
-    Samples are centred on a shift ``K`` (the first batch's mean) for numerical stability and
-    collected in a float32 buffer ``[P, BUFFER_SAMPLES, D]``; when it is full, its outer products
-    (a float32 batched matrix product over ``BUFFER_SAMPLES`` samples) are added to the float64
-    sums. ``mean = K + S1 / n``, ``cov = (S2 - S1 S1^T / n) / (n - 1)``.
-    Memory: ``S2`` ``[P, D, D]`` float64 plus the buffer — independent of the number of images.
+    Samples are centred on a shift ``K`` (the first batch's mean) so that the sums hold small
+    numbers (no cancellation in ``S2 - S1 S1^T / n``), and collected in a float32 buffer
+    ``[P, buffer_samples, D]``; when it is full, its outer products are added to the float32
+    sums ``S2`` ``[P, D, D]`` by one in-place batched ``baddbmm`` (the GEMM sums the
+    ``buffer_samples`` products accurately; ``S2`` sees one addition per flush, so the rounding
+    grows with ``n / buffer_samples``, not with ``n``: ~1e-6 relative for thousands of images).
+    ``S1`` ``[P, D]`` is float64. ``mean = K + S1 / n``, ``cov = (S2 - S1 S1^T / n) / (n - 1)``.
+    Memory: ``S2`` (which becomes the covariances, then the Cholesky factors, in place) plus the
+    buffer — independent of the number of images, and no second ``[P, D, D]`` copy at any time.
     """
 
     def __init__(self, buffer_samples: int = BUFFER_SAMPLES) -> None:
@@ -41,22 +46,23 @@ class GaussianAccumulator:
         self.buffer_samples = buffer_samples
         self.shift: Optional[torch.Tensor] = None  # [P, D] float32
         self.s1: Optional[torch.Tensor] = None  # [P, D] float64
-        self.s2: List[Optional[torch.Tensor]] = []  # per chunk of positions: [c, D, D] float64
+        self.s2: Optional[torch.Tensor] = None  # [P, D, D] float32
         self._buf: Optional[torch.Tensor] = None  # [P, buffer, D] float32
         self._fill = 0
-        self._prod: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.spent = False  # True once S2 has been turned into covariances
 
     def _start(self, x: torch.Tensor) -> None:
         p, _, d = x.shape
         self.shift = x.mean(dim=1, dtype=torch.float64).float()
         self.s1 = torch.zeros(p, d, dtype=torch.float64, device=x.device)
-        self.s2 = [torch.zeros(min(CHUNK_POSITIONS, p - lo), d, d, dtype=torch.float64,
-                               device=x.device) for lo in range(0, p, CHUNK_POSITIONS)]
+        self.s2 = torch.zeros(p, d, d, dtype=torch.float32, device=x.device)
         self._buf = torch.empty(p, self.buffer_samples, d, dtype=torch.float32, device=x.device)
 
     @torch.inference_mode()  # state is only ever touched in inference mode
     def update(self, x: torch.Tensor) -> None:
         """Add samples ``x`` ``[P, B, D]`` (B samples at each of P positions)."""
+        if self.spent:
+            raise RuntimeError("the covariances were already computed: no more samples")
         if self.shift is None:
             self._start(x)
         elif x.shape[0] != self.shift.shape[0] or x.shape[2] != self.shift.shape[1]:
@@ -64,37 +70,26 @@ class GaussianAccumulator:
                              f"[P={self.shift.shape[0]}, B, D={self.shift.shape[1]}]: all images "
                              "must give the same embedding grid")
         start = 0
+        cap = self._buf.shape[1]
         while start < x.shape[1]:
-            take = min(x.shape[1] - start, self.buffer_samples - self._fill)
+            take = min(x.shape[1] - start, cap - self._fill)
             chunk = self._buf[:, self._fill:self._fill + take]
             torch.sub(x[:, start:start + take], self.shift.unsqueeze(1), out=chunk)
             self.s1 += chunk.sum(dim=1, dtype=torch.float64)
             self._fill += take
             start += take
-            if self._fill == self.buffer_samples:
+            if self._fill == cap:
                 self._flush()
         self.n += x.shape[1]
 
     @torch.inference_mode()  # state is only ever touched in inference mode
     def _flush(self) -> None:
-        """Add the buffered samples' outer products to ``S2`` (chunks of positions)."""
+        """Add the buffered samples' outer products to ``S2`` in place."""
         buf = self._buf[:, :self._fill]
-        prod32, prod64 = self._scratch(buf.shape[2], buf.device)
-        for i, s2 in enumerate(self.s2):
-            part = buf[i * CHUNK_POSITIONS:(i + 1) * CHUNK_POSITIONS]
-            c = part.shape[0]
-            torch.bmm(part.transpose(1, 2), part, out=prod32[:c])
-            prod64[:c].copy_(prod32[:c])
-            s2 += prod64[:c]  # a same-dtype add: several times faster than a mixed one
+        for lo in range(0, buf.shape[0], CHUNK_POSITIONS):  # chunks keep the operands in cache
+            part = buf[lo:lo + CHUNK_POSITIONS]
+            self.s2[lo:lo + part.shape[0]].baddbmm_(part.transpose(1, 2), part)
         self._fill = 0
-
-    def _scratch(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reused float32/float64 ``[CHUNK_POSITIONS, D, D]`` product buffers: fresh large
-        allocations each flush would page-fault gigabytes of new memory every time."""
-        if self._prod is None:
-            self._prod = (torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float32, device=device),
-                          torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float64, device=device))
-        return self._prod
 
     @torch.inference_mode()  # state is only ever touched in inference mode
     def finish(self) -> None:
@@ -102,56 +97,49 @@ class GaussianAccumulator:
         if self._fill:
             self._flush()
         self._buf = None
-        self._prod = None
 
     def mean(self) -> torch.Tensor:
         """``[P, D]`` float64."""
         return self.shift.double() + self.s1 / self.n
 
     @torch.inference_mode()  # state is only ever touched in inference mode
-    def covariance_chunk(self, i: int, release: bool = False,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Unbiased covariance ``[c, D, D]`` float64 of the ``i``-th chunk of positions
-        (positions ``i * CHUNK_POSITIONS`` onwards). ``release`` frees that chunk's sums (the
-        accumulator cannot give it again), so that finalising does not hold two copies."""
-        if self._fill:
-            self._flush()
-        s2 = self.s2[i]
-        if s2 is None:
-            raise RuntimeError(f"covariance chunk {i} was already released")
-        s1 = self.s1[i * CHUNK_POSITIONS:i * CHUNK_POSITIONS + s2.shape[0]]
-        if release:
-            self.s2[i] = None
-        # out of place: the sums may be inference tensors (accumulated under inference_mode)
-        if out is not None:
-            out = out[:s2.shape[0]]
-        cov = torch.baddbmm(s2, s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n, out=out)
-        del s2
-        return cov.div_(self.n - 1)
+    def covariances(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Turn ``S2`` into the unbiased covariances in place, ``CHUNK_POSITIONS`` positions at a
+        time; yields ``(first position, view [c, D, D] float32)``. The caller may overwrite each
+        view (e.g. with its Cholesky factor). The accumulator is spent afterwards."""
+        self.finish()
+        if self.spent:
+            raise RuntimeError("the covariances were already computed")
+        self.spent = True
+        for lo in range(0, self.s2.shape[0], CHUNK_POSITIONS):
+            cov = self.s2[lo:lo + CHUNK_POSITIONS]
+            s1 = self.s1[lo:lo + cov.shape[0]].float()
+            cov.baddbmm_(s1.unsqueeze(2), s1.unsqueeze(1), alpha=-1.0 / self.n)
+            yield lo, cov.div_(self.n - 1)
+
+    def release(self) -> Optional[torch.Tensor]:
+        """Hand over ``S2`` (the caller's from now on) and drop every reference to it."""
+        s2, self.s2 = self.s2, None
+        return s2
 
 
-def cholesky_factor(cov: torch.Tensor, epsilon: float, work: Optional[torch.Tensor] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Lower float32 ``L`` with ``L L^T = cov + epsilon I``, ``[P, D, D]``; ``cov`` (float64) is
-    modified in place. Factorised in float32 (twice as fast; ``epsilon I`` bounds the condition
-    number), falling back to float64 for any matrix where float32 fails. ``work``: an optional
-    float32 buffer of ``cov``'s shape, reused (and overwritten) instead of a fresh copy; ``out``:
-    an optional contiguous float32 tensor of that shape to write ``L`` into."""
+def cholesky_factor_(cov: torch.Tensor, epsilon: float, work: torch.Tensor) -> torch.Tensor:
+    """Lower ``L`` with ``L L^T = cov + epsilon I``, ``cov`` ``[c, D, D]`` float32, written over
+    ``cov`` (which is returned). Factorised in float32 (``epsilon I`` bounds the condition
+    number), falling back to float64 for any matrix where float32 fails. ``work``: a float32
+    buffer of at least ``cov``'s shape, reused for every chunk."""
     cov.diagonal(dim1=1, dim2=2).add_(epsilon)
-    cov32 = work.copy_(cov) if work is not None else cov.float()
-    if out is not None:
-        info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
-        chol, info = torch.linalg.cholesky_ex(cov32, out=(out, info))
-    else:
-        chol, info = torch.linalg.cholesky_ex(cov32)
+    out = work[:cov.shape[0]]
+    info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
+    torch.linalg.cholesky_ex(cov, out=(out, info))
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
-        chol64, info64 = torch.linalg.cholesky_ex(cov[bad])
+        chol64, info64 = torch.linalg.cholesky_ex(cov[bad].double())
         if bool((info64 > 0).any()):
             raise ValueError("a covariance is not positive definite even with epsilon added; "
                              "raise padim.epsilon")
-        chol[bad] = chol64.float()
-    return chol
+        out[bad] = chol64.float()
+    return cov.copy_(out)
 
 
 def mahalanobis(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor,
@@ -221,23 +209,17 @@ class PadimScorer(Scorer):
             n = 0 if acc is None else acc.n
             raise ValueError(f"PaDiM needs at least {self.min_train_images} training images "
                              f"for a covariance; got {n}")
-        acc.finish()
         p, d = acc.shift.shape
         self.mean = acc.mean().float()
-        # torch.empty touches no pages: resident memory grows as the float64 sums are freed
-        self.chol = torch.empty(p, d, d, dtype=self.factor_dtype, device=acc.shift.device)
-        # work buffers reused for every chunk (fresh ones would page-fault each time)
-        cov64 = torch.empty(CHUNK_POSITIONS, d, d, dtype=torch.float64, device=acc.shift.device)
-        cov32 = torch.empty(CHUNK_POSITIONS, d, d, device=acc.shift.device)
-        for i in range(len(acc.s2)):
-            start = i * CHUNK_POSITIONS
-            cov = acc.covariance_chunk(i, release=True, out=cov64)
-            c = cov.shape[0]
-            if self.chol.dtype == torch.float32:  # factorise straight into the model tensor
-                cholesky_factor(cov, self.epsilon, cov32[:c], out=self.chol[start:start + c])
-            else:
-                self.chol[start:start + c] = cholesky_factor(cov, self.epsilon, cov32[:c])
-            del cov
+        work = torch.empty(min(CHUNK_POSITIONS, p), d, d, device=acc.shift.device)
+        half = (torch.empty(p, d, d, dtype=self.factor_dtype, device=acc.shift.device)
+                if self.factor_dtype != torch.float32 else None)
+        for lo, cov in acc.covariances():  # each factor overwrites its covariance in place
+            chol = cholesky_factor_(cov, self.epsilon, work)
+            if half is not None:
+                half[lo:lo + chol.shape[0]] = chol
+        del work
+        self.chol = acc.release() if half is None else half
         self.n_train = acc.n
         self._acc = None
         self.fitted = True
