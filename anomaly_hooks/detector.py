@@ -74,6 +74,16 @@ def resolve_layer_names(cfg: DictConfig) -> List[str]:
                 or get_scorer(cfg.method).default_layers)
 
 
+def _add_lap(acc: Dict[str, float], key: str, since: float,
+             device: Optional[torch.device] = None) -> float:
+    """Add the seconds since ``since`` to ``acc[key]`` (after a CUDA sync); returns now."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    acc[key] += now - since
+    return now
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU."""
     if name == "auto":
@@ -165,7 +175,8 @@ class Detector:
             return clock[-1] - clock[-2]
 
         n_used, skipped = self._accumulate(scorer, train, progress, held)
-        timings = {"accumulate": lap()}
+        timings = {"accumulate": lap(),
+                   **{f"accumulate: {k}": v for k, v in self._accumulate_split.items()}}
         scorer.finalize(progress=progress)
         timings["finalize"] = lap()
         self.scorer = scorer
@@ -207,14 +218,22 @@ class Detector:
         n_used = 0
         bar = tqdm(total=len(items), desc=f"fit {self.cfg.method}", unit="img",
                    disable=not progress, dynamic_ncols=True)
+        split = {"waiting for images": 0.0, "features": 0.0, "statistics": 0.0}
+        mark = time.perf_counter()
         for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
                                   num_workers=data.num_workers, max_pixels=data.max_pixels):
+            mark = _add_lap(split, "waiting for images", mark)
             errors.extend(msg for _, msg in batch.errors)
             if batch.indices:
-                scorer.partial_fit(self._embed(scorer, batch.images))
+                emb = self._embed(scorer, batch.images)
+                mark = _add_lap(split, "features", mark, self.device)
+                scorer.partial_fit(emb)
+                del emb
+                mark = _add_lap(split, "statistics", mark, self.device)
                 n_used += len(batch.indices)
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
+        self._accumulate_split = split
         if errors and self.cfg.data.on_error == "raise":
             errors = errors + self._unreadable(held)  # one list with every bad file
         self._handle_errors(errors, "training")
@@ -245,7 +264,7 @@ class Detector:
         scores: List[float] = []
         errors: List[str] = []
         for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
-                                  num_workers=0, max_pixels=data.max_pixels):
+                                  num_workers=data.num_workers, max_pixels=data.max_pixels):
             errors.extend(msg for _, msg in batch.errors)
             if batch.indices:
                 img_scores, _ = self._infer(batch.images)

@@ -145,6 +145,10 @@ def test_separate_threshold_folder(small_cfg, tmp_path):
     det = Detector.from_config(small_cfg, threshold__folder=str(tmp_path))
     det.fit(textured_images(6), progress=False)
     assert det.fit_info_["n_train"] == 6 and det.threshold_.n_images == 3
+    t = det.fit_timings_  # the accumulate phase is split into its parts, which it contains
+    parts = [t[f"accumulate: {k}"] for k in ("waiting for images", "features", "statistics")]
+    assert all(p > 0 for p in parts[1:]) and sum(parts) <= t["accumulate"] + 1e-6
+    assert t["total"] == pytest.approx(t["accumulate"] + t["finalize"] + t["threshold"])
 
 
 def test_config_errors_name_the_key(small_cfg):

@@ -32,7 +32,8 @@ def test_streaming_mean_cov_equal_numpy(buffer_samples):
     assert [lo for lo, _ in chunks] == [0]  # all 6 positions are in the first chunk
     cov = chunks[0][1]
     for p in range(x.shape[2]):
-        np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-10)
+        # the model keeps the mean in float32: float32 precision is what matters
+        np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-7)
         ref = np.cov(x[:, :, p], rowvar=False)
         np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     with pytest.raises(RuntimeError, match="already computed"):
