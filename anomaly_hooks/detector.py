@@ -179,6 +179,8 @@ class Detector:
                    **{f"accumulate: {k}": v for k, v in self._accumulate_split.items()}}
         scorer.finalize(progress=progress)
         timings["finalize"] = lap()
+        timings.update({f"finalize: {k}": v
+                        for k, v in getattr(scorer, "finalize_timings_", {}).items()})
         self.scorer = scorer
         good_scores, held_errors = self._score_items(held, "threshold")
         timings["threshold"] = lap()

@@ -31,7 +31,7 @@ BACKENDS = ("auto", "projected", "faiss-flat", "faiss-ivf", "faiss-hnsw", "torch
 PROJECTED_MIN_ROWS = 2048  # auto picks the projected search from this bank size on (CPU)
 PROJECTED_VARIANCE = 0.998  # fraction of the bank's variance the subspace keeps
 PROJECTED_CANDIDATES = 16  # candidates checked per query beyond k
-PCA_MAX_ROWS = 65536  # bank rows (evenly spaced) used to estimate the principal directions
+PCA_MAX_ROWS = 8192  # bank rows (evenly spaced) used to estimate the principal directions
 QUERY_CHUNK = 8192  # queries per chunk when recomputing exact distances
 TORCH_BLOCK_ELEMENTS = 1 << 24  # queries x bank rows per block of the torch search
 
@@ -236,7 +236,7 @@ def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     ``max(D // 4, 16)``. Deterministic (no random sketch); at most ``PCA_MAX_ROWS`` evenly
     spaced rows estimate it."""
     m, d = bank.shape
-    step = max(1, m // PCA_MAX_ROWS)
+    step = -(-m // PCA_MAX_ROWS)  # ceil: at most PCA_MAX_ROWS rows
     sample = bank[::step].float()
     mean = sample.mean(dim=0)
     centred = sample - mean

@@ -10,6 +10,7 @@ Score: L2 distance (not squared) of each patch to its nearest bank feature.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -89,6 +90,7 @@ class PatchCoreScorer(Scorer):
     def finalize(self, progress: bool = False) -> None:
         if self.n_train < self.min_train_images:
             raise ValueError("PatchCore needs at least one training image")
+        start = time.perf_counter()
         if self._stream is not None:
             bank = self._stream.finalize(progress)
         else:
@@ -99,7 +101,10 @@ class PatchCoreScorer(Scorer):
                                  seed=self.seed + SEED_CORESET, progress=progress)
             bank = features[idx].clone()
             del features
+        selected = time.perf_counter()
         self._set_bank(bank)
+        self.finalize_timings_ = {"coreset": selected - start,
+                                  "search index": time.perf_counter() - selected}
         self._stream = None
         self.fitted = True
 
