@@ -278,3 +278,30 @@ def test_saved_model_has_ordinary_permissions(model_file):
     mask = os.umask(0o022)
     os.umask(mask)
     assert (model_file.stat().st_mode & 0o777) == (0o666 & ~mask)
+
+
+# -- model file reader ----------------------------------------------------------------------
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h["a"].update(shape=[3, 5]), "do not fit shape"),
+    (lambda h: h["a"].update(data_offsets=[0, 10 ** 9]), "do not fit shape"),
+    (lambda h: h["a"].update(shape=[10 ** 8], data_offsets=[0, 4 * 10 ** 8]), "past the end"),
+    (lambda h: h["a"].update(dtype="Q99"), "malformed header entry"),
+    (lambda h: h["a"].pop("data_offsets"), "malformed header entry"),
+])
+def test_reader_checks_offsets_before_reading(tmp_path, edit, message):
+    """The loader reads each tensor straight into an owned buffer: an entry whose offsets do not
+    match its shape, point past the file, or name an unknown dtype is refused before any read."""
+    from conftest import rewrite_safetensors_header
+
+    from anomaly_hooks.modelfile import ModelFileError, load_model, save_model
+
+    good = save_model(tmp_path / "m.safetensors",
+                      {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                       "b": torch.tensor([1, 2], dtype=torch.int64)}, {"x": 1})
+    tensors, meta = load_model(good)
+    assert torch.equal(tensors["a"], torch.arange(12.0).reshape(3, 4)) and meta["x"] == 1
+    assert tensors["a"].data_ptr() % 64 == 0  # owned, aligned memory
+    bad = tmp_path / "bad.safetensors"
+    rewrite_safetensors_header(good, bad, edit)
+    with pytest.raises(ModelFileError, match=message):
+        load_model(bad)
