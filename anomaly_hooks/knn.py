@@ -2,7 +2,9 @@
 importable), a batched torch matrix-product search (any device), or ``projected``: an exact
 search that does most of its work in a low-dimensional PCA subspace of the bank.
 
-``projected`` (the CPU default for banks of 2048 rows or more): an orthonormal projection ``P``
+``projected`` (the CPU default for banks of 2048+ rows of 256+ dimensions whose variance is
+concentrated: 99.8 % of it in at most ``D / 4`` principal directions, as CNN patch features
+usually are; otherwise ``auto`` keeps faiss flat): an orthonormal projection ``P``
 onto the bank's top principal directions never lengthens a difference, so
 ``|| P^T (q - b) || <= || q - b ||`` for every bank row ``b``. The ``c`` nearest rows in the
 subspace are the candidates; their exact distances are computed; a query is *certified* when its
@@ -52,13 +54,14 @@ def faiss_gpu_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device, shape: Tuple[int, int] = (0, 0)) -> str:
-    """``auto`` -> on CPU ``projected`` for banks ``[M, D]`` with ``M >= 2048`` and ``D >= 64``;
-    otherwise ``faiss-flat`` when it can serve the device, else ``torch``."""
+    """``auto`` -> on CPU ``projected`` for banks ``[M, D]`` with ``M >= 2048`` and ``D >= 256``
+    (kept only if the bank's spectrum suits it, see ``NearestNeighbors``); otherwise
+    ``faiss-flat`` when it can serve the device, else ``torch``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown knn backend {backend!r}: one of {', '.join(BACKENDS)}")
     faiss_ok = _faiss() is not None and (device.type == "cpu" or faiss_gpu_available())
     if backend == "auto":
-        if device.type == "cpu" and shape[0] >= PROJECTED_MIN_ROWS and shape[1] >= 64:
+        if device.type == "cpu" and shape[0] >= PROJECTED_MIN_ROWS and shape[1] >= 256:
             return "projected"
         return "faiss-flat" if faiss_ok else "torch"
     if backend.startswith("faiss") and _faiss() is None:
@@ -88,7 +91,14 @@ class NearestNeighbors:
         if self.backend.startswith("faiss"):
             self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
         elif self.backend == "projected":
-            self.projected = ProjectedSearch(bank)
+            projected = ProjectedSearch(bank)
+            if backend == "auto" and not projected.tight:
+                # a flat spectrum: the capped subspace would certify too few queries to pay
+                self.backend = resolve_backend("auto", bank.device)
+                if self.backend.startswith("faiss"):
+                    self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
+            else:
+                self.projected = projected
 
     # -- construction ---------------------------------------------------------------------
     def _build_faiss(self, nlist: int, nprobe: int, hnsw_m: int, ef_search: int,
@@ -178,7 +188,7 @@ class ProjectedSearch:
     """
 
     def __init__(self, bank: torch.Tensor) -> None:
-        self.mean, self.basis = principal_basis(bank)
+        self.mean, self.basis, self.tight = principal_basis(bank)
         self.points = self._project(bank)
         self.dims = int(self.basis.shape[1])
         self._sq_max = float(self.points.square().sum(dim=1).max())
@@ -230,11 +240,11 @@ class ProjectedSearch:
         return idx, dist
 
 
-def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Mean ``[D]`` and orthonormal top principal directions ``[D, r]`` of ``bank`` ``[M, D]``:
-    the fewest keeping ``PROJECTED_VARIANCE`` of the variance, between ``min(D, 16)`` and
-    ``max(D // 4, 16)``. Deterministic (no random sketch); at most ``PCA_MAX_ROWS`` evenly
-    spaced rows estimate it."""
+def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """Mean ``[D]``, orthonormal top principal directions ``[D, r]`` of ``bank`` ``[M, D]`` and
+    whether they are *tight*: ``r`` is the fewest keeping ``PROJECTED_VARIANCE`` of the variance,
+    clipped to ``[min(D, 16), max(D // 4, 16)]``; tight when that clip did not cut it.
+    Deterministic (no random sketch); at most ``PCA_MAX_ROWS`` evenly spaced rows estimate it."""
     m, d = bank.shape
     step = -(-m // PCA_MAX_ROWS)  # ceil: at most PCA_MAX_ROWS rows
     sample = bank[::step].float()
@@ -251,7 +261,7 @@ def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         keep = lo
     r = min(max(keep, lo), hi)
-    return mean, evecs.flip(1)[:, :r].float().contiguous()
+    return mean, evecs.flip(1)[:, :r].float().contiguous(), keep <= hi
 
 
 def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,

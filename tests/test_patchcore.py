@@ -118,7 +118,8 @@ def test_streaming_count_larger_than_budget_is_refused():
 
 # -- nearest neighbours -------------------------------------------------------------------
 def _brute_knn(q: torch.Tensor, bank: torch.Tensor, k: int):
-    d = torch.cdist(q.double(), bank.double())
+    # on the differences: the matrix-product form would err by ~1e-5 at zero distance
+    d = torch.cdist(q.double(), bank.double(), compute_mode="donot_use_mm_for_euclid_dist")
     return d.topk(k, dim=1, largest=False)
 
 
@@ -132,7 +133,7 @@ def test_exact_knn_equals_brute_force_float64(backend, k):
     assert torch.equal(idx, ref_i)
 
 
-def _low_rank(n: int, d: int = 128, rank: int = 12, seed: int = 0) -> torch.Tensor:
+def _low_rank(n: int, d: int = 256, rank: int = 12, seed: int = 0) -> torch.Tensor:
     """Features like a CNN's: most variance in a few directions, a little noise in all."""
     basis = torch.randn(rank, d, generator=torch.Generator().manual_seed(0))  # shared
     gen = torch.Generator().manual_seed(seed)
@@ -142,18 +143,21 @@ def _low_rank(n: int, d: int = 128, rank: int = 12, seed: int = 0) -> torch.Tens
 @pytest.mark.parametrize("kind", ["low_rank", "isotropic"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_projected_search_is_exact_whether_or_not_the_subspace_settles_it(kind, k):
-    """Low-rank data: the PCA subspace certifies almost every query. Isotropic data: the subspace
-    (D / 4 dimensions) bounds little, so many queries go to the full search. Both must give the
-    float64 brute-force neighbours, and ``auto`` picks this search for a bank this size."""
+    """Low-rank data: the PCA subspace certifies almost every query, and ``auto`` picks this
+    search. Isotropic data: the subspace (capped at D / 4 dimensions) bounds little, so many
+    queries go to the full search, and ``auto`` keeps faiss flat. Both must give the float64
+    brute-force neighbours."""
     if kind == "low_rank":
         bank = _low_rank(3000, seed=1)
         q = torch.cat([_low_rank(400, seed=2), bank[:50]])  # some queries are bank rows
     else:
         gen = torch.Generator().manual_seed(3)
-        bank, q = torch.randn(2500, 96, generator=gen), torch.randn(300, 96, generator=gen)
-    index = NearestNeighbors(bank, backend="auto")
+        bank, q = torch.randn(2500, 256, generator=gen), torch.randn(300, 256, generator=gen)
+        assert NearestNeighbors(bank, backend="auto").backend == "faiss-flat"
+    index = NearestNeighbors(bank, backend="auto" if kind == "low_rank" else "projected")
     assert index.backend == "projected"
-    assert index.projected.dims <= 96 // 4 if kind == "isotropic" else index.projected.dims < 64
+    assert index.projected.dims <= 256 // 4 if kind == "isotropic" else index.projected.dims < 64
+    assert index.projected.tight == (kind == "low_rank")
     full_rows = []
     original = index._torch_search
     index._torch_search = lambda queries, k: full_rows.append(len(queries)) or original(queries, k)
