@@ -125,10 +125,9 @@ def stage_breakdown(det: Any, items: Sequence[Path], batch_size: int,
     runs = [_one_pass(det, items, batch_size, bare) for _ in range(max(1, passes))]
     n = len(items)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    ratios = [sum(r[k] for k in STAGES if k != "decode_preprocess") / r["bare_backbone"]
-              for r in runs]
-    path = statistics.median(sum(r[k] for k in STAGES if k != "decode_preprocess")
-                             for r in runs)
+    paths = [sum(r[k] for k in STAGES if k != "decode_preprocess") for r in runs]
+    ratios = [p / r["bare_backbone"] for p, r in zip(paths, runs)]
+    path = statistics.median(paths)
     return {"n_images": n, "passes": len(runs),
             "ms_per_image": {k: 1000.0 * v / n for k, v in med.items()},
             "predict_path_ms_per_image": 1000.0 * path / n,

@@ -174,9 +174,8 @@ class Detector:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        n_used, skipped = self._accumulate(scorer, train, progress, held)
-        timings = {"accumulate": lap(),
-                   **{f"accumulate: {k}": v for k, v in self._accumulate_split.items()}}
+        n_used, skipped, split = self._accumulate(scorer, train, progress, held)
+        timings = {"accumulate": lap(), **{f"accumulate: {k}": v for k, v in split.items()}}
         scorer.finalize(progress=progress)
         timings["finalize"] = lap()
         timings.update({f"finalize: {k}": v
@@ -212,9 +211,11 @@ class Detector:
         return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
 
     def _accumulate(self, scorer: Scorer, items: List[Any], progress: bool,
-                    held: Sequence[Any] = ()) -> tuple[int, List[str]]:
+                    held: Sequence[Any] = ()) -> tuple[int, List[str], Dict[str, float]]:
         """Feed the training ``items`` to the scorer. With ``data.on_error=raise`` an error
-        lists every unreadable image, the threshold hold-out ``held`` included."""
+        lists every unreadable image, the threshold hold-out ``held`` included. Returns the
+        images used, the errors and the seconds spent waiting for images / on features / on
+        the scorer's statistics."""
         data = self.cfg.data
         errors: List[str] = []
         n_used = 0
@@ -235,11 +236,10 @@ class Detector:
                 n_used += len(batch.indices)
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
-        self._accumulate_split = split
         if errors and self.cfg.data.on_error == "raise":
             errors = errors + self._unreadable(held)  # one list with every bad file
         self._handle_errors(errors, "training")
-        return n_used, errors
+        return n_used, errors, split
 
     def _unreadable(self, items: List[Any]) -> List[str]:
         """Messages for the items of ``items`` that cannot be read (decoded, then dropped)."""

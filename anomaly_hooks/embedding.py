@@ -144,27 +144,17 @@ def _bilinear_2x_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     rounding, and about 5x faster on the CPU, where the generic kernel is slow for many channels.
     """
     bsz, c, h, w = src.shape
-    rows = _lerp_pairs(src.float(), dim=2)  # [B, C, h, 2, w] = rows 2i and 2i + 1
-    _lerp_pairs(rows.view(bsz, c, 2 * h, w), dim=3,
-                out=dst.view(bsz, c, 2 * h, w, 2) if dst.is_contiguous() else None,
-                dst=dst)
+    rows = _lerp_pairs(src.float(), dim=2).view(bsz, c, 2 * h, w)  # rows 2i, 2i + 1
+    dst.copy_(_lerp_pairs(rows, dim=3).view(bsz, c, 2 * h, 2 * w))
 
 
-def _lerp_pairs(x: torch.Tensor, dim: int, out: Optional[torch.Tensor] = None,
-                dst: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _lerp_pairs(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Along ``dim`` (size n): the pair ``(lerp(x[i-1], x[i], .75), lerp(x[i], x[i+1], .25))``
     for each i (edges repeated), stacked right after ``dim``: ``[..., n, 2, ...]``."""
     n = x.shape[dim]
     prev = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, n - 1)], dim=dim)
     nxt = torch.cat([x.narrow(dim, 1, n - 1), x.narrow(dim, n - 1, 1)], dim=dim)
-    shape = list(x.shape)
-    shape.insert(dim + 1, 2)
-    res = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    torch.lerp(prev, x, 0.75, out=res.select(dim + 1, 0))
-    torch.lerp(x, nxt, 0.25, out=res.select(dim + 1, 1))
-    if dst is not None and out is None:
-        dst.copy_(res.flatten(dim, dim + 1))
-    return res
+    return torch.stack([torch.lerp(prev, x, 0.75), torch.lerp(x, nxt, 0.25)], dim=dim + 1)
 
 
 def random_channel_subset(total: int, n: int, seed: int) -> torch.Tensor:

@@ -11,8 +11,7 @@ subspace are the candidates; their exact distances are computed; a query is *cer
 k-th best exact distance is no larger than the projected distance of the nearest row it has not
 checked (every such row is at least that far in full space too). Certified answers are exactly
 those of a full search; the few queries that are not certified are searched in full. The
-subspace keeps 99.8 % of the bank's variance (at most ``D / 4`` dimensions), so the search costs
-a fraction of a flat one whatever the data, and the results never change with it.
+subspace (at most ``D / 4`` dimensions) only sets the speed: the results never depend on it.
 
 Distances are **L2, not squared**. Whatever the backend, the distances of the returned
 neighbours are recomputed exactly from the vectors (``|| q - b ||`` on the differences), so that
@@ -88,17 +87,15 @@ class NearestNeighbors:
         self.backend = resolve_backend(backend, bank.device, tuple(bank.shape))
         self.index = None
         self.projected: Optional[ProjectedSearch] = None
-        if self.backend.startswith("faiss"):
-            self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
-        elif self.backend == "projected":
+        if self.backend == "projected":
             projected = ProjectedSearch(bank)
             if backend == "auto" and not projected.tight:
                 # a flat spectrum: the capped subspace would certify too few queries to pay
                 self.backend = resolve_backend("auto", bank.device)
-                if self.backend.startswith("faiss"):
-                    self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
             else:
                 self.projected = projected
+        if self.backend.startswith("faiss"):
+            self.index = self._build_faiss(nlist, nprobe, hnsw_m, ef_search, seed)
 
     # -- construction ---------------------------------------------------------------------
     def _build_faiss(self, nlist: int, nprobe: int, hnsw_m: int, ef_search: int,
@@ -156,28 +153,13 @@ class NearestNeighbors:
         return torch.from_numpy(idx).to(queries.device)
 
     def _torch_search(self, queries: torch.Tensor, k: int) -> torch.Tensor:
-        bank = self.bank.to(queries.device).float()
-        bank_sq = bank.square().sum(dim=1)
-        bank_t = bank.t()
-        rows = max(1, TORCH_BLOCK_ELEMENTS // bank.shape[0])
-        out = []
-        for lo in range(0, queries.shape[0], rows):
-            q = queries[lo:lo + rows].float()
-            d2 = torch.addmm(bank_sq, q, bank_t, alpha=-2.0)  # |b|^2 - 2 q.b
-            out.append(d2.topk(k, dim=1, largest=False).indices)
-        return torch.cat(out)
+        return _gemm_topk(queries, self.bank.to(queries.device).float(), k)[1]
 
     def exact_distances(self, queries: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``|| q_i - bank[idx[i, j]] ||`` ``[n, k]`` float32, computed on the differences."""
-        bank = self.bank.to(queries.device)
-        out = torch.empty(idx.shape, dtype=torch.float32, device=queries.device)
-        k = idx.shape[1]
-        rows = max(1, QUERY_CHUNK // k)
-        for lo in range(0, queries.shape[0], rows):
-            q = queries[lo:lo + rows].float().unsqueeze(1)
-            b = bank[idx[lo:lo + rows]].float()
-            out[lo:lo + rows] = torch.linalg.vector_norm(b - q, dim=2)
-        return out
+        n, k = idx.shape
+        rows = torch.arange(n, device=idx.device).repeat_interleave(k)
+        return _pair_distances(self.bank, queries, rows, idx.reshape(-1)).view(n, k)
 
 
 class ProjectedSearch:
@@ -191,7 +173,8 @@ class ProjectedSearch:
         self.mean, self.basis, self.tight = principal_basis(bank)
         self.points = self._project(bank)
         self.dims = int(self.basis.shape[1])
-        self._sq_max = float(self.points.square().sum(dim=1).max())
+        self._sq = self.points.square().sum(dim=1)  # [M]
+        self._sq_max = float(self._sq.max())
         faiss = _faiss()
         self._flat = None
         if faiss is not None and bank.device.type == "cpu":
@@ -210,7 +193,7 @@ class ProjectedSearch:
         if self._flat is not None:
             d2, idx = self._flat.search(np.ascontiguousarray(qp.numpy()), c)
             return torch.from_numpy(d2), torch.from_numpy(idx)
-        return _gemm_topk(qp, self.points, c)
+        return _gemm_topk(qp, self.points, c, self._sq)
 
     def search(self, queries: torch.Tensor, k: int,
                owner: "NearestNeighbors") -> Tuple[torch.Tensor, torch.Tensor]:
@@ -275,15 +258,16 @@ def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
     return out
 
 
-def _gemm_topk(queries: torch.Tensor, points: torch.Tensor,
-               k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Squared L2 ``[n, k]`` (ascending, by the dot-product expansion) and rows ``[n, k]``."""
-    sq = points.square().sum(dim=1)
+def _gemm_topk(queries: torch.Tensor, points: torch.Tensor, k: int,
+               sq: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Squared L2 ``[n, k]`` (ascending, by the dot-product expansion) and rows ``[n, k]`` of
+    the ``k`` nearest ``points`` ``[M, r]``; ``sq``: the points' squared norms, if known."""
+    sq = points.square().sum(dim=1) if sq is None else sq
     rows = max(1, TORCH_BLOCK_ELEMENTS // points.shape[0])
     dists, idx = [], []
     for lo in range(0, queries.shape[0], rows):
         q = queries[lo:lo + rows].float()
-        d2 = torch.addmm(sq, q, points.t(), alpha=-2.0)
+        d2 = torch.addmm(sq, q, points.t(), alpha=-2.0)  # |b|^2 - 2 q.b
         val, ind = d2.topk(k, dim=1, largest=False)
         dists.append(val + q.square().sum(dim=1, keepdim=True))
         idx.append(ind)

@@ -16,12 +16,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from omegaconf import read_write  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from anomaly_hooks import Detector, load_config  # noqa: E402
 from anomaly_hooks.bench import _test_items  # noqa: E402
 from anomaly_hooks.data import list_images, train_folder  # noqa: E402
-from anomaly_hooks.knn import NearestNeighbors  # noqa: E402
 
 
 def to_float16(det: Detector) -> None:
@@ -29,10 +29,10 @@ def to_float16(det: Detector) -> None:
     sc = det.scorer
     if det.cfg.method == "padim":
         sc.chol = sc.chol.half()
-    else:
-        sc.bank = sc.bank.half().contiguous()
-        sc.index = NearestNeighbors(sc.bank.float(), backend=det.cfg.patchcore.knn_backend,
-                                    **sc._index_params())
+    else:  # what a bank_dtype=float16 fit stores, with its index rebuilt
+        with read_write(sc.cfg):
+            sc.cfg.bank_dtype = "float16"
+        sc._set_bank(sc.bank)
 
 
 def main() -> int:

@@ -70,9 +70,8 @@ class GaussianAccumulator:
                              f"[P={self.shift.shape[0]}, B, D={self.shift.shape[1]}]: all images "
                              "must give the same embedding grid")
         start = 0
-        cap = self._buf.shape[1]
         while start < x.shape[1]:
-            take = min(x.shape[1] - start, cap - self._fill)
+            take = min(x.shape[1] - start, self.buffer_samples - self._fill)
             chunk = self._buf[:, self._fill:self._fill + take]
             torch.sub(x[:, start:start + take], self.shift.unsqueeze(1), out=chunk)
             # a float32 sum over this batch's few centred samples (4x faster than a float64
@@ -80,7 +79,7 @@ class GaussianAccumulator:
             self.s1 += chunk.sum(dim=1)
             self._fill += take
             start += take
-            if self._fill == cap:
+            if self._fill == self.buffer_samples:
                 self._flush()
         self.n += x.shape[1]
 
