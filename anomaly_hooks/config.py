@@ -49,7 +49,8 @@ class PadimConfig:
 
     n_features: Optional[int] = None  # random channel subset; null = 550 (WRN50) / 100 (ResNet18)
     epsilon: float = 0.01  # added to the covariance diagonal
-    factor_dtype: str = "float32"  # float32 | float16 (half the memory; scored in float32)
+    factor_dtype: str = "float32"  # float32 | float16 (dense factors only; half the memory)
+    covariance: str = "auto"  # auto | dense | lowrank (auto: lowrank for <= 0.4 D train images)
 
 
 @dataclass
@@ -262,6 +263,12 @@ def validate_config(cfg: DictConfig) -> None:
     _check(pad.epsilon > 0, "padim.epsilon", "a positive float", pad.epsilon)
     _check(pad.factor_dtype in ("float32", "float16"), "padim.factor_dtype",
            "float32 or float16", pad.factor_dtype)
+    _check(pad.covariance in ("auto", "dense", "lowrank"), "padim.covariance",
+           "auto, dense or lowrank", pad.covariance)
+    _check(not (pad.covariance == "lowrank" and pad.factor_dtype == "float16"),
+           "padim.factor_dtype", "float32 with padim.covariance=lowrank (float16 applies to "
+           "dense factors only: the low-rank form loses up to 15 % in float16); use "
+           "padim.covariance=dense or auto", pad.factor_dtype)
     _validate_patchcore(cfg.patchcore)
     thr = cfg.threshold
     _check(0.0 <= thr.holdout_fraction < 1.0, "threshold.holdout_fraction", "0 <= f < 1",

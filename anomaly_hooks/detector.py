@@ -167,26 +167,27 @@ class Detector:
                                    cfg.seed + SEED_SCORER)
         self.memory_estimate_ = check_fit_memory(cfg, self.layer_info,
                                                  self.preprocessor.input_size, len(train),
-                                                 self.device)
+                                                 self.device, n_threshold=len(held))
+        scorer.begin(len(train))
         clock = [time.perf_counter()]
 
         def lap() -> float:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        n_used, skipped, split = self._accumulate(scorer, train, progress, held)
+        n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
         timings = {"accumulate": lap(), **{f"accumulate: {k}": v for k, v in split.items()}}
         scorer.finalize(progress=progress)
         timings["finalize"] = lap()
         timings.update({f"finalize: {k}": v
                         for k, v in getattr(scorer, "finalize_timings_", {}).items()})
         self.scorer = scorer
-        good_scores, held_errors = self._score_items(held, "threshold")
+        good_scores = self._score_images(held_images)
         timings["threshold"] = lap()
         self.threshold_ = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                      cfg.threshold.margin)
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
-                          "skipped": skipped + held_errors,
+                          "skipped": errors,
                           "threshold_source": cfg.threshold.folder or "holdout"}
         # Timings are not saved: model files are byte-identical across fits.
         self.fit_timings_ = {**timings, "total": clock[-1] - clock[0]}
@@ -210,69 +211,67 @@ class Detector:
         held_set = set(held)
         return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
 
-    def _accumulate(self, scorer: Scorer, items: List[Any], progress: bool,
-                    held: Sequence[Any] = ()) -> tuple[int, List[str], Dict[str, float]]:
-        """Feed the training ``items`` to the scorer. With ``data.on_error=raise`` an error
-        lists every unreadable image, the threshold hold-out ``held`` included. Returns the
-        images used, the errors and the seconds spent waiting for images / on features / on
-        the scorer's statistics."""
+    def _accumulate(self, scorer: Scorer, train: List[Any], held: List[Any], progress: bool
+                    ) -> tuple[int, List[str], List[torch.Tensor], Dict[str, float]]:
+        """Feed the ``train`` items to the scorer, in one pass that also decodes the threshold
+        images ``held`` (kept preprocessed, ``[b, 3, h, w]`` per batch, to be scored once the
+        model is fitted: their decoding overlaps the training compute). Unreadable images of
+        either kind are all listed in one error (``data.on_error=raise``) or skipped with a
+        warning. Returns the training images used, the error messages, the threshold images
+        and the seconds spent waiting for images / on features / on the scorer's statistics."""
         data = self.cfg.data
-        errors: List[str] = []
+        n_train = len(train)
+        errors: Dict[str, List[str]] = {"training": [], "threshold": []}
+        held_images: List[torch.Tensor] = []
         n_used = 0
-        bar = tqdm(total=len(items), desc=f"fit {self.cfg.method}", unit="img",
+        bar = tqdm(total=n_train + len(held), desc=f"fit {self.cfg.method}", unit="img",
                    disable=not progress, dynamic_ncols=True)
         split = {"waiting for images": 0.0, "features": 0.0, "statistics": 0.0}
         mark = time.perf_counter()
-        for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
-                                  num_workers=data.num_workers, max_pixels=data.max_pixels):
+        for batch in iter_batches(list(train) + list(held), self.preprocessor,
+                                  batch_size=data.batch_size, num_workers=data.num_workers,
+                                  max_pixels=data.max_pixels):
             mark = _add_lap(split, "waiting for images", mark)
-            errors.extend(msg for _, msg in batch.errors)
-            if batch.indices:
-                emb = self._embed(scorer, batch.images)
+            for i, msg in batch.errors:
+                errors["training" if i < n_train else "threshold"].append(msg)
+            is_train = torch.tensor([i < n_train for i in batch.indices], dtype=torch.bool)
+            if not bool(is_train.all()):
+                held_images.append(batch.images[~is_train])
+            if bool(is_train.any()):
+                emb = self._embed(scorer, batch.images if bool(is_train.all())
+                                  else batch.images[is_train])
                 mark = _add_lap(split, "features", mark, self.device)
                 scorer.partial_fit(emb)
                 del emb
                 mark = _add_lap(split, "statistics", mark, self.device)
-                n_used += len(batch.indices)
+                n_used += int(is_train.sum())
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
-        if errors and self.cfg.data.on_error == "raise":
-            errors = errors + self._unreadable(held)  # one list with every bad file
-        self._handle_errors(errors, "training")
-        return n_used, errors, split
+        self._handle_errors(errors)
+        return n_used, errors["training"] + errors["threshold"], held_images, split
 
-    def _unreadable(self, items: List[Any]) -> List[str]:
-        """Messages for the items of ``items`` that cannot be read (decoded, then dropped)."""
-        out = []
-        for item in items:
-            try:
-                read_image(item, self.cfg.data.max_pixels)
-            except ImageReadError as exc:
-                out.append(str(exc))
-        return out
-
-    def _handle_errors(self, errors: List[str], what: str) -> None:
+    def _handle_errors(self, errors: Dict[str, List[str]]) -> None:
         """Raise listing every unreadable image, or (``data.on_error=skip``) warn and go on."""
-        if errors and self.cfg.data.on_error == "raise":
-            raise FitError(f"{len(errors)} {what} image(s) could not be read:\n"
-                           f"{format_errors(errors)}\nFix or remove them, or set "
+        bad = {what: errs for what, errs in errors.items() if errs}
+        if bad and self.cfg.data.on_error == "raise":
+            every = [e for errs in bad.values() for e in errs]
+            raise FitError(f"{len(every)} {' and '.join(bad)} image(s) could not be read:\n"
+                           f"{format_errors(every)}\nFix or remove them, or set "
                            "data.on_error=skip to fit without them")
-        if errors:
-            log.warning("skipped %d unreadable %s image(s):\n%s", len(errors), what,
-                        format_errors(errors))
+        for what, errs in bad.items():
+            log.warning("skipped %d unreadable %s image(s):\n%s", len(errs), what,
+                        format_errors(errs))
 
-    def _score_items(self, items: List[Any], what: str) -> tuple[List[float], List[str]]:
-        data = self.cfg.data
+    def _score_images(self, batches: List[torch.Tensor]) -> List[float]:
+        """Image scores of preprocessed images (``[b, 3, h, w]`` tensors), in batches."""
         scores: List[float] = []
-        errors: List[str] = []
-        for batch in iter_batches(items, self.preprocessor, batch_size=data.batch_size,
-                                  num_workers=data.num_workers, max_pixels=data.max_pixels):
-            errors.extend(msg for _, msg in batch.errors)
-            if batch.indices:
-                img_scores, _ = self._infer(batch.images)
-                scores.extend(img_scores.tolist())
-        self._handle_errors(errors, what)
-        return scores, errors
+        if not batches:
+            return scores
+        images = torch.cat(batches)
+        for start in range(0, images.shape[0], self.cfg.data.batch_size):
+            img_scores, _ = self._infer(images[start:start + self.cfg.data.batch_size])
+            scores.extend(img_scores.tolist())
+        return scores
 
     # -- inference ------------------------------------------------------------------------
     def _embed(self, scorer: Scorer, images: torch.Tensor) -> torch.Tensor:
@@ -367,7 +366,7 @@ class Detector:
             "fit": self.fit_info_,
             "torch_version": torch.__version__.split("+")[0],
         }
-        return save_model(path, tensors, meta)
+        return save_model(path, tensors, meta, version=self.scorer.format_version())
 
     @classmethod
     def load(cls, path: Union[str, Path], *, device: Optional[str] = None,

@@ -74,11 +74,15 @@ class PatchEmbedder:
         return -(-int(input_size[0]) // stride), -(-int(input_size[1]) // stride)
 
     def __call__(self, feats: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32.
+        """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32 in **channels-last**
+        memory: ``emb.permute(0, 2, 3, 1)`` is a contiguous ``[B, h, w, D]`` tensor, so a
+        scorer reads each patch's ``D`` values as one row (``[B * h * w, D]`` patches, or
+        ``[h * w, B, D]`` per position) without a transposing copy.
 
-        Each layer is written straight into one preallocated output (no concatenation copy);
-        nearest upsampling by an integer factor is a broadcast copy, exact and far faster
-        than ``F.interpolate`` on the CPU.
+        Each layer is transposed to channels-last once, at its own (coarse) resolution, then
+        pooled and resized straight into its slice of one preallocated output (no concatenation
+        copy). Nearest upsampling by an integer factor is a broadcast copy (exact); bilinear
+        upsampling is ``F.interpolate`` on the channels-last map, which is fast on the CPU.
         """
         maps = [feats[info.name] for info in self.layers]
         size = tuple(max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1]))
@@ -89,25 +93,25 @@ class PatchEmbedder:
                 if sel.numel() == 0:
                     continue
                 fmap = fmap.index_select(1, sel)
+            # mixed-precision backbones give bf16/fp16 maps: float32 and channels-last in one pass
+            fmap = fmap.to(dtype=torch.float32, memory_format=torch.channels_last)
             if self.local_pool > 1:
                 fmap = F.avg_pool2d(fmap, self.local_pool, stride=1, padding=self.local_pool // 2)
-            parts.append(fmap.float())  # mixed-precision backbones give bf16/fp16 maps
+            parts.append(fmap)
         b = parts[0].shape[0]
-        emb = torch.empty(b, sum(p.shape[1] for p in parts), *size, dtype=torch.float32,
-                          device=parts[0].device)
+        emb = torch.empty(b, *size, sum(p.shape[1] for p in parts), dtype=torch.float32,
+                          device=parts[0].device)  # [B, h, w, D]
         start = 0
         for fmap in parts:
             stop = start + fmap.shape[1]
-            _resize_into(fmap, emb[:, start:stop], self.upsample)
+            _resize_into(fmap, emb[..., start:stop], self.upsample)
             start = stop
         if self.projection is not None:
-            emb = torch.einsum("bchw,cd->bdhw", emb, self.projection.to(emb.device))
+            emb = emb @ self.projection.to(emb.device)
         if self.pool_dim is not None:
-            c, h, w = emb.shape[1:]
-            flat = emb.permute(0, 2, 3, 1).reshape(-1, 1, c)
-            emb = F.adaptive_avg_pool1d(flat, self.pool_dim).reshape(b, h, w, -1)
-            emb = emb.permute(0, 3, 1, 2)
-        return emb.contiguous()
+            flat = emb.reshape(-1, 1, emb.shape[-1])
+            emb = F.adaptive_avg_pool1d(flat, self.pool_dim).reshape(*emb.shape[:3], -1)
+        return emb.permute(0, 3, 1, 2)
 
     def state_tensors(self) -> Dict[str, torch.Tensor]:
         """Tensors that define this embedder (saved with the model)."""
@@ -120,41 +124,20 @@ class PatchEmbedder:
 
 
 def _resize_into(src: torch.Tensor, dst: torch.Tensor, mode: str) -> None:
-    """Write ``src`` ``[B, C, h, w]`` resized to ``dst``'s ``[B, C, H, W]`` into ``dst``."""
-    (h, w), (big_h, big_w) = src.shape[-2:], dst.shape[-2:]
+    """Write ``src`` ``[B, C, h, w]`` resized to ``dst``'s grid into ``dst`` ``[B, H, W, C]``."""
+    (h, w), (big_h, big_w) = src.shape[-2:], dst.shape[1:3]
+    bsz, c = src.shape[:2]
+    rows = src.permute(0, 2, 3, 1)  # [B, h, w, C]
     if (h, w) == (big_h, big_w):
-        dst.copy_(src)
+        dst.copy_(rows)
     elif mode == "nearest" and big_h % h == 0 and big_w % w == 0:
         sh, sw = big_h // h, big_w // w
-        bsz, c = src.shape[:2]
-        dst.view(bsz, c, h, sh, w, sw).copy_(src[:, :, :, None, :, None].expand(
-            bsz, c, h, sh, w, sw))
-    elif mode == "bilinear" and (big_h, big_w) == (2 * h, 2 * w):
-        _bilinear_2x_into(src, dst)
+        dst.view(bsz, h, sh, w, sw, c).copy_(rows[:, :, None, :, None, :].expand(
+            bsz, h, sh, w, sw, c))
     else:
         kwargs = {"align_corners": False} if mode == "bilinear" else {}
-        dst.copy_(F.interpolate(src.float(), size=(big_h, big_w), mode=mode, **kwargs))
-
-
-def _bilinear_2x_into(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``F.interpolate(src, scale_factor=2, mode="bilinear", align_corners=False)`` ``[B, C, h, w]``
-    -> ``dst`` ``[B, C, 2h, 2w]``, as two separable passes of fixed weights: output ``2i`` is
-    ``0.25 x[i-1] + 0.75 x[i]`` and ``2i+1`` is ``0.75 x[i] + 0.25 x[i+1]``, with the edge
-    rows repeated (PyTorch clamps the source index at the borders). Same values to float
-    rounding, and about 5x faster on the CPU, where the generic kernel is slow for many channels.
-    """
-    bsz, c, h, w = src.shape
-    rows = _lerp_pairs(src.float(), dim=2).view(bsz, c, 2 * h, w)  # rows 2i, 2i + 1
-    dst.copy_(_lerp_pairs(rows, dim=3).view(bsz, c, 2 * h, 2 * w))
-
-
-def _lerp_pairs(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Along ``dim`` (size n): the pair ``(lerp(x[i-1], x[i], .75), lerp(x[i], x[i+1], .25))``
-    for each i (edges repeated), stacked right after ``dim``: ``[..., n, 2, ...]``."""
-    n = x.shape[dim]
-    prev = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, n - 1)], dim=dim)
-    nxt = torch.cat([x.narrow(dim, 1, n - 1), x.narrow(dim, n - 1, 1)], dim=dim)
-    return torch.stack([torch.lerp(prev, x, 0.75), torch.lerp(x, nxt, 0.25)], dim=dim + 1)
+        up = F.interpolate(src, size=(big_h, big_w), mode=mode, **kwargs)
+        dst.copy_(up.permute(0, 2, 3, 1))
 
 
 def random_channel_subset(total: int, n: int, seed: int) -> torch.Tensor:

@@ -4,14 +4,23 @@ search that does most of its work in a low-dimensional PCA subspace of the bank.
 
 ``projected`` (the CPU default for banks of 2048+ rows of 256+ dimensions whose variance is
 concentrated: 99.8 % of it in at most ``D / 4`` principal directions, as CNN patch features
-usually are; otherwise ``auto`` keeps faiss flat): an orthonormal projection ``P``
-onto the bank's top principal directions never lengthens a difference, so
-``|| P^T (q - b) || <= || q - b ||`` for every bank row ``b``. The ``c`` nearest rows in the
-subspace are the candidates; their exact distances are computed; a query is *certified* when its
-k-th best exact distance is no larger than the projected distance of the nearest row it has not
+usually are; otherwise ``auto`` keeps faiss flat) works with a *lower bound* of every distance.
+An orthonormal projection ``P`` onto the bank's top principal directions splits a difference
+into its subspace part and its residual, and the residual's norm is at least the difference of
+the two residual norms, so
+
+    ``|| P^T (q - b) ||^2 + (|q_perp| - |b_perp|)^2 <= || q - b ||^2``
+
+for every bank row ``b``: a distance between *augmented* vectors (subspace coordinates plus the
+residual norm, ``r + 1`` numbers) never exceeds the true distance. The ``c`` rows with the
+smallest bounds are the candidates; their exact distances are computed; a query is *certified*
+when its k-th best exact distance is no larger than the bound of the nearest row it has not
 checked (every such row is at least that far in full space too). Certified answers are exactly
-those of a full search; the few queries that are not certified are searched in full. The
-subspace (at most ``D / 4`` dimensions) only sets the speed: the results never depend on it.
+those of a full search. The few queries that are not certified are *refined*: every bank row
+whose bound is below the query's current k-th distance (the true k nearest are among them) is
+checked exactly, or, where that is more than an eighth of the bank, the query is searched in
+full. The subspace (at most ``D / 4`` dimensions) only sets the speed: the results never depend
+on it.
 
 Distances are **L2, not squared**. Whatever the backend, the distances of the returned
 neighbours are recomputed exactly from the vectors (``|| q - b ||`` on the differences), so that
@@ -33,8 +42,10 @@ PROJECTED_MIN_ROWS = 2048  # auto picks the projected search from this bank size
 PROJECTED_VARIANCE = 0.998  # fraction of the bank's variance the subspace keeps
 PROJECTED_CANDIDATES = 16  # candidates checked per query beyond k
 PCA_MAX_ROWS = 8192  # bank rows (evenly spaced) used to estimate the principal directions
-QUERY_CHUNK = 8192  # queries per chunk when recomputing exact distances
-TORCH_BLOCK_ELEMENTS = 1 << 24  # queries x bank rows per block of the torch search
+QUERY_CHUNK = 2048  # queries per chunk when projecting
+PAIR_CHUNK = 512  # pairs per chunk of exact distances (temporaries stay small and reused)
+TORCH_BLOCK_ELEMENTS = 1 << 22  # queries x bank rows per block of a matrix-product search
+# (16 MB blocks: glibc hands larger temporaries back to the kernel and faults them in anew)
 
 
 def _faiss() -> Optional[Any]:
@@ -165,62 +176,100 @@ class NearestNeighbors:
 class ProjectedSearch:
     """Exact k-NN through a PCA subspace of the bank (see the module docstring).
 
-    Holds the bank's mean ``[D]``, an orthonormal basis ``[D, r]`` and the projected bank
-    ``[M, r]`` (``r / D`` of the bank's size); the bank itself stays with the caller.
+    Holds the bank's mean ``[D]``, an orthonormal basis ``[D, r]`` and the *augmented* projected
+    bank ``[M, r + 1]``: each row's ``r`` subspace coordinates plus the norm of its residual
+    outside the subspace. For any two vectors, ``|P(q - b)|^2 + (|q_perp| - |b_perp|)^2 <=
+    |q - b|^2`` (the residual norms differ by at most the residual difference's norm), so a
+    distance between augmented vectors is a lower bound of the true distance, tighter than the
+    subspace alone. The bank itself stays with the caller.
     """
 
     def __init__(self, bank: torch.Tensor) -> None:
         self.mean, self.basis, self.tight = principal_basis(bank)
-        self.points = self._project(bank)
+        self.points = self._augment(bank)
         self.dims = int(self.basis.shape[1])
         self._sq = self.points.square().sum(dim=1)  # [M]
         self._sq_max = float(self._sq.max())
         faiss = _faiss()
         self._flat = None
         if faiss is not None and bank.device.type == "cpu":
-            self._flat = faiss.IndexFlatL2(self.dims)
+            self._flat = faiss.IndexFlatL2(self.dims + 1)
             self._flat.add(self.points.numpy())
 
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` -> ``[n, r]`` float32 coordinates in the subspace."""
-        out = torch.empty(x.shape[0], self.basis.shape[1], device=x.device)
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` -> ``[n, r + 1]`` float32: subspace coordinates and the residual norm."""
+        out = torch.empty(x.shape[0], self.basis.shape[1] + 1, device=x.device)
         for lo in range(0, x.shape[0], QUERY_CHUNK):
-            out[lo:lo + QUERY_CHUNK] = (x[lo:lo + QUERY_CHUNK].float() - self.mean) @ self.basis
+            centred = x[lo:lo + QUERY_CHUNK].float() - self.mean
+            coords = centred @ self.basis
+            resid = torch.linalg.vecdot(centred, centred) - torch.linalg.vecdot(coords, coords)
+            out[lo:lo + QUERY_CHUNK, :-1] = coords
+            out[lo:lo + QUERY_CHUNK, -1] = resid.clamp_min_(0).sqrt_()
         return out
 
-    def _candidates(self, qp: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Squared projected distances ``[n, c]`` (ascending) and bank rows ``[n, c]``."""
+    def _candidates(self, qa: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Squared lower bounds ``[n, c]`` (ascending) and bank rows ``[n, c]``."""
         if self._flat is not None:
-            d2, idx = self._flat.search(np.ascontiguousarray(qp.numpy()), c)
+            d2, idx = self._flat.search(np.ascontiguousarray(qa.numpy()), c)
             return torch.from_numpy(d2), torch.from_numpy(idx)
-        return _gemm_topk(qp, self.points, c, self._sq)
+        return _gemm_topk(qa, self.points, c, self._sq)
 
     def search(self, queries: torch.Tensor, k: int,
                owner: "NearestNeighbors") -> Tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[n, k]`` and exact distances ``[n, k]`` (unsorted), equal to a full search."""
         n, m = queries.shape[0], self.points.shape[0]
         c = min(m, k + PROJECTED_CANDIDATES)
-        qp = self._project(queries)
-        pd2, cand = self._candidates(qp, c)
-        # float32 rounding of the projected distances: certify only with a margin
-        tol = 1e-4 * (qp.square().sum(dim=1) + self._sq_max)
+        qa = self._augment(queries)
+        lb2, cand = self._candidates(qa, c)
+        # float32 rounding of the bounds (and of the residual norms): certify with a margin
+        tol = 1e-4 * (qa.square().sum(dim=1) + self._sq_max)
         exact = torch.full((n, c), float("inf"), device=queries.device)
         exact[:, :k] = owner.exact_distances(queries, cand[:, :k])
         kth2 = exact[:, :k].amax(dim=1).square()
-        # only candidates whose projected distance is below the k-th exact one can beat it
-        threat = pd2[:, k:] < (kth2 + tol).unsqueeze(1)
-        qi, cj = torch.nonzero(threat, as_tuple=True)
+        # only candidates whose lower bound is below the k-th exact distance can beat it
+        qi, cj = torch.nonzero(lb2[:, k:] < (kth2 + tol).unsqueeze(1), as_tuple=True)
         cj = cj + k
         exact[qi, cj] = _pair_distances(owner.bank, queries, qi, cand[qi, cj])
         dist, order = exact.topk(k, dim=1, largest=False)
         idx = cand.gather(1, order)
-        # rows outside the candidates are at least pd2[:, c - 1] away (unless all were candidates)
-        rows = torch.nonzero(dist.amax(dim=1).square() > pd2[:, c - 1].clamp_min(0) - tol
+        # rows outside the candidates are at least lb2[:, c - 1] away (unless all were candidates)
+        rows = torch.nonzero(dist.amax(dim=1).square() > lb2[:, c - 1].clamp_min(0) - tol
                              ).flatten() if c < m else torch.empty(0, dtype=torch.long)
-        if rows.numel():  # a full search for what the subspace could not settle
-            full = owner._torch_search(queries[rows], k)
-            idx[rows], dist[rows] = full, owner.exact_distances(queries[rows], full)
+        if rows.numel():
+            idx[rows], dist[rows] = self._refine(queries, qa, rows, dist, tol, k, owner)
         return idx, dist
+
+    def _refine(self, queries: torch.Tensor, qa: torch.Tensor, rows: torch.Tensor,
+                dist: torch.Tensor, tol: torch.Tensor, k: int,
+                owner: "NearestNeighbors") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The exact k-NN of the unsettled queries ``rows``: every bank row whose lower bound is
+        below the query's current k-th distance (which the true k nearest all are) is checked
+        exactly; a query with more than ``m / 8`` such rows gets a full search instead."""
+        m = self.points.shape[0]
+        out_i = torch.empty(rows.numel(), k, dtype=torch.long, device=queries.device)
+        out_d = torch.empty(rows.numel(), k, device=queries.device)
+        block = max(1, TORCH_BLOCK_ELEMENTS // m)
+        for lo in range(0, rows.numel(), block):
+            sel = rows[lo:lo + block]
+            q = qa[sel]
+            lb2 = torch.addmm(self._sq, q, self.points.t(), alpha=-2.0)
+            lb2 += q.square().sum(dim=1, keepdim=True)
+            limit = dist[sel].amax(dim=1).square() + tol[sel]
+            keep = lb2 <= limit.unsqueeze(1)  # [b, M]
+            count = keep.sum(dim=1)
+            ok = (count >= k) & (count <= max(k, m // 8))
+            few, many = torch.nonzero(ok).flatten(), torch.nonzero(~ok).flatten()
+            if few.numel():
+                qi, bj = torch.nonzero(keep[few], as_tuple=True)
+                d = torch.full((few.numel(), m), float("inf"), device=queries.device)
+                d[qi, bj] = _pair_distances(owner.bank, queries, sel[few][qi], bj)
+                val, ind = d.topk(k, dim=1, largest=False)
+                out_d[lo + few], out_i[lo + few] = val, ind
+            if many.numel():
+                full = owner._torch_search(queries[sel[many]], k)
+                out_i[lo + many] = full
+                out_d[lo + many] = owner.exact_distances(queries[sel[many]], full)
+        return out_i, out_d
 
 
 def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, bool]:
@@ -251,11 +300,13 @@ def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
                     bi: torch.Tensor) -> torch.Tensor:
     """``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]`` float32, on the differences."""
     out = torch.empty(qi.shape[0], device=queries.device)
-    for lo in range(0, qi.shape[0], QUERY_CHUNK):
-        q = queries[qi[lo:lo + QUERY_CHUNK]].float()
-        b = bank[bi[lo:lo + QUERY_CHUNK].to(bank.device)].to(q.device).float()
-        out[lo:lo + QUERY_CHUNK] = torch.linalg.vector_norm(b - q, dim=1)
-    return out
+    for lo in range(0, qi.shape[0], PAIR_CHUNK):
+        q = queries.index_select(0, qi[lo:lo + PAIR_CHUNK])
+        b = bank.index_select(0, bi[lo:lo + PAIR_CHUNK].to(bank.device)).to(q.device,
+                                                                            torch.float32)
+        b.sub_(q)  # index_select made b a new tensor: safe to overwrite
+        out[lo:lo + PAIR_CHUNK] = torch.linalg.vecdot(b, b)
+    return out.sqrt_()
 
 
 def _gemm_topk(queries: torch.Tensor, points: torch.Tensor, k: int,

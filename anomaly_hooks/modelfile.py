@@ -19,7 +19,9 @@ from typing import Any, Dict, Tuple
 import torch
 
 FORMAT_NAME = "anomaly_hooks"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this version reads and writes
+# 1: the original format; 2: adds PaDiM's low-rank covariance form (a file is written with the
+# oldest version that holds its content, so older readers still open what they can read)
 HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
 
 
@@ -57,19 +59,23 @@ def _umask() -> int:
     return mask
 
 
-def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Path:
+def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any],
+               version: int = 1) -> Path:
     """Write tensors + metadata atomically: a temporary file in the same folder, fsync, rename.
+    ``version``: the format version recorded (the oldest that can hold the content).
 
     An interrupted save leaves at most a hidden ``.tmp`` file, never a file at ``path`` that
     looks valid; a model already at ``path`` survives until the new one is complete.
     """
     from safetensors.torch import save_file
 
+    if not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(f"model format version {version}: this version writes 1..{FORMAT_VERSION}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     meta_json = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-    header = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": meta_json,
+    header = {"format": FORMAT_NAME, "format_version": str(version), "meta": meta_json,
               "checksum": checksum(meta_json, tensors)}
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

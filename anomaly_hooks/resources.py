@@ -42,22 +42,23 @@ def _batch_bytes(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int
 
 
 def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
-                        n_train: int) -> Dict[str, int]:
-    """Peak bytes of the fit by part, and ``model`` (what the fitted model holds)."""
+                        n_train: int, n_threshold: int = 0) -> Dict[str, int]:
+    """Peak bytes of the fit by part, and ``model`` (what the fitted model holds).
+    ``n_threshold``: threshold images, kept preprocessed until the model is fitted."""
+    est = _method_memory(cfg, layers, input_size, n_train)
+    held = n_threshold * 3 * int(input_size[0]) * int(input_size[1]) * 4
+    if held:
+        est["threshold images (preprocessed)"] = held
+        est["total"] += held
+    return est
+
+
+def _method_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
+                   n_train: int) -> Dict[str, int]:
     positions = _grid(layers, input_size)
     total_channels = sum(info.channels for info in layers)
     if cfg.method == "padim":
-        from anomaly_hooks.scorers.padim import default_n_features
-
-        d = cfg.padim.n_features or default_n_features(cfg.backbone.name, total_channels)
-        factor_bytes = 2 if cfg.padim.factor_dtype == "float16" else 4
-        model = positions * d * d * factor_bytes + positions * d * 4
-        # the float32 sums become the covariances, then the factors, in place
-        parts = {"statistics (float32 sums, factorised in place)": positions * d * d * 4,
-                 "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
-                 "sample buffer": positions * PADIM_BUFFER * d * 4,
-                 "batch": _batch_bytes(cfg, layers, input_size, d)}
-        return {**parts, "total": sum(parts.values()), "model": model}
+        return _padim_memory(cfg, layers, input_size, n_train, positions, total_channels)
     pc = cfg.patchcore
     d = pc.reduce_dim if pc.reduce_dim and pc.reduce_dim < total_channels else total_channels
     patches = n_train * positions
@@ -75,6 +76,31 @@ def estimate_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Seque
     return {**parts, "total": sum(parts.values()), "model": bank}
 
 
+def _padim_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int], n_train: int,
+                  positions: int, total_channels: int) -> Dict[str, int]:
+    from anomaly_hooks.scorers.gaussians import choose_covariance
+    from anomaly_hooks.scorers.padim import default_n_features
+
+    pad = cfg.padim
+    d = pad.n_features or default_n_features(cfg.backbone.name, total_channels)
+    batch = _batch_bytes(cfg, layers, input_size, d)
+    if choose_covariance(pad.covariance, n_train, d, pad.factor_dtype) == "lowrank":
+        # the stored samples become the centred embeddings Y in place; plus C^-1 [n, n]
+        samples, small = positions * n_train * d * 4, positions * n_train * n_train * 4
+        parts = {"training embeddings (low-rank form, centred in place)": samples,
+                 "inverse Gram factors": small, "batch": batch}
+        return {**parts, "total": sum(parts.values()),
+                "model": samples + small + positions * d * 4}
+    factor_bytes = 2 if pad.factor_dtype == "float16" else 4
+    model = positions * d * d * factor_bytes + positions * d * 4
+    # the float32 sums become the covariances, then the factors, in place
+    parts = {"statistics (float32 sums, factorised in place)": positions * d * d * 4,
+             "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
+             "sample buffer": positions * PADIM_BUFFER * d * 4,
+             "batch": batch}
+    return {**parts, "total": sum(parts.values()), "model": model}
+
+
 def memory_limit(cfg: Any, device: torch.device) -> int:
     """The configured limit in bytes."""
     res = cfg.resources
@@ -85,16 +111,17 @@ def memory_limit(cfg: Any, device: torch.device) -> int:
 
 def _advice(cfg: Any) -> str:
     if cfg.method == "padim":
-        return ("lower padim.n_features (memory grows with its square), or preprocess.crop / "
-                "resize, or use layers with a coarser grid")
+        return ("lower padim.n_features (dense memory grows with its square, low-rank with "
+                "it times the number of images), or preprocess.crop / resize, or use layers "
+                "with a coarser grid")
     return ("set patchcore.max_bank_points (bounded-memory fit, e.g. 200000), lower "
             "patchcore.reduce_dim, or fit on fewer or smaller images")
 
 
 def check_fit_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[int],
-                     n_train: int, device: torch.device) -> Dict[str, int]:
+                     n_train: int, device: torch.device, n_threshold: int = 0) -> Dict[str, int]:
     """Raise :class:`ResourceError` when the estimate exceeds the limit; else the estimate."""
-    est = estimate_fit_memory(cfg, layers, input_size, n_train)
+    est = estimate_fit_memory(cfg, layers, input_size, n_train, n_threshold)
     limit = memory_limit(cfg, device)
     if est["total"] > limit:
         parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in est.items()

@@ -4,6 +4,7 @@
 Fits once, scores every test image with the float32 model, converts the stored tensor to
 float16 (what ``padim.factor_dtype=float16`` / ``patchcore.bank_dtype=float16`` keep) and
 scores again; prints the image AUROC of both and the relative score differences as JSON.
+PaDiM is fitted with ``padim.covariance=dense`` (float16 applies to dense factors only).
 
     python scripts/bench_float16.py --config configs/padim.yaml --data ../shared/data/mvtec_bottle
 """
@@ -28,7 +29,7 @@ def to_float16(det: Detector) -> None:
     """Convert the fitted model's stored tensor to float16, in place."""
     sc = det.scorer
     if det.cfg.method == "padim":
-        sc.chol = sc.chol.half()
+        sc.gaussians.chol = sc.gaussians.chol.half()
     else:  # what a bank_dtype=float16 fit stores, with its index rebuilt
         with read_write(sc.cfg):
             sc.cfg.bank_dtype = "float16"
@@ -42,7 +43,10 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="backbone.weights is null")
-    det = Detector(load_config(args.config, ["data.batch_size=32", *args.overrides]))
+    cfg = load_config(args.config, ["data.batch_size=32", *args.overrides])
+    if cfg.method == "padim":
+        cfg = load_config(cfg, ["padim.covariance=dense"])
+    det = Detector(cfg)
     det.fit(list_images(train_folder(Path(args.data))), progress=False)
     tests = _test_items(Path(args.data))
     labels = np.array([0 if p.parent.name == "good" else 1 for p in tests])

@@ -1,4 +1,5 @@
-"""PaDiM statistics and distances against numpy/scipy float64 references."""
+"""PaDiM statistics and distances (dense and low-rank forms) against numpy/scipy float64
+references."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,10 @@ from scipy.spatial.distance import mahalanobis
 
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
 from anomaly_hooks.extractor import LayerInfo
-from anomaly_hooks.scorers.padim import GaussianAccumulator, PadimScorer
+from anomaly_hooks.config import ConfigError, load_config
+from anomaly_hooks.scorers.gaussians import (GaussianAccumulator, SampleStore, _cholesky32,
+                                             choose_covariance, lowrank_capacity)
+from anomaly_hooks.scorers.padim import PadimScorer
 
 
 def _embeddings(n=23, d=6, h=3, w=2, seed=0):
@@ -66,24 +70,144 @@ def test_accumulator_rejects_a_different_grid():
         acc.update(torch.rand(5, 3, 4))
 
 
-def test_mahalanobis_equals_scipy():
-    emb = _embeddings()
-    d = emb.shape[1]
-    layers = [LayerInfo("a", d, 4)]
-    scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(d)), epsilon=0.01)
-    scorer.partial_fit(emb[:12].float())
-    scorer.partial_fit(emb[12:].float())
-    scorer.finalize()
-    test = _embeddings(n=3, seed=1)
-    got = scorer.score(test.float()).numpy()
-    x = emb.flatten(2).numpy()
+def _reference(train: torch.Tensor, test: torch.Tensor, eps: float = 0.01) -> np.ndarray:
+    """scipy's Mahalanobis distance in float64 of ``test`` [T, D, h, w] to the Gaussians of
+    ``train`` [N, D, h, w] (unbiased covariance + eps I), ``[T, h * w]``."""
+    x = train.double().flatten(2).numpy()
+    t = test.double().flatten(2).numpy()
+    out = np.empty((t.shape[0], x.shape[2]))
     for p in range(x.shape[2]):
-        cov = np.cov(x[:, :, p], rowvar=False) + 0.01 * np.eye(d)
-        vi = np.linalg.inv(cov)
+        vi = np.linalg.inv(np.cov(x[:, :, p], rowvar=False) + eps * np.eye(x.shape[1]))
         mu = x[:, :, p].mean(0)
-        for b in range(3):
-            ref = mahalanobis(test[b].flatten(1)[:, p].numpy(), mu, vi)
-            assert got[b].ravel()[p] == pytest.approx(ref, rel=2e-4)
+        for b in range(t.shape[0]):
+            out[b, p] = mahalanobis(t[b, :, p], mu, vi)
+    return out
+
+
+def _fit(emb: torch.Tensor, covariance: str, splits=(12,), begin: bool = True,
+         factor_dtype: str = "float32") -> PadimScorer:
+    d = emb.shape[1]
+    scorer = PadimScorer(PatchEmbedder([LayerInfo("a", d, 4)], channel_idx=torch.arange(d)),
+                         0.01, factor_dtype, covariance)
+    if begin:
+        scorer.begin(emb.shape[0])
+    for chunk in torch.tensor_split(emb.float(), list(splits)):
+        scorer.partial_fit(chunk)
+    scorer.finalize()
+    return scorer
+
+
+@pytest.mark.parametrize("covariance", ["dense", "lowrank", "auto"])
+def test_mahalanobis_equals_scipy(covariance):
+    """23 images of 6 dimensions: more images than dimensions, every form still exact."""
+    emb = _embeddings()
+    scorer = _fit(emb, covariance)
+    assert scorer.gaussians.kind == ("lowrank" if covariance == "lowrank" else "dense")
+    test = _embeddings(n=3, seed=1)
+    got = scorer.score(test.float()).flatten(1).numpy()
+    np.testing.assert_allclose(got, _reference(emb, test), rtol=2e-4)
+
+
+@pytest.mark.parametrize("covariance", ["dense", "lowrank"])
+def test_fewer_images_than_dimensions(covariance):
+    """PaDiM's usual case (e.g. 167 images, 550 channels): a rank-deficient covariance that
+    only eps I makes invertible. Low-rank is as exact as the reference allows (the two
+    non-negative terms never cancel); dense float32 is within its float32 sums' rounding."""
+    rng = np.random.default_rng(3)
+    n, d = 9, 40
+    x = rng.normal(size=(n, 6, d)) @ rng.normal(size=(d, d)) * 0.3 + 20.0
+    emb = torch.from_numpy(x.transpose(0, 2, 1).reshape(n, d, 3, 2))
+    test = emb[:3] + torch.from_numpy(rng.normal(size=(3, d, 3, 2)))
+    test = torch.cat([test, emb[3:4]])  # a training image too (small distances)
+    scorer = _fit(emb, covariance, splits=(4, 5))
+    got = scorer.score(test.float()).flatten(1).numpy()
+    rtol = 2e-5 if covariance == "lowrank" else 2e-3
+    np.testing.assert_allclose(got, _reference(emb.float(), test.float()), rtol=rtol)
+
+
+def test_auto_picks_lowrank_for_few_images_and_dense_for_many():
+    assert lowrank_capacity(550) == 220
+    assert choose_covariance("auto", 167, 550, "float32") == "lowrank"
+    assert choose_covariance("auto", 221, 550, "float32") == "dense"
+    assert choose_covariance("auto", 167, 550, "float16") == "dense"  # float16 is dense only
+    assert choose_covariance("lowrank", 5000, 550, "float32") == "lowrank"
+    with pytest.raises(ValueError, match="one of auto, dense, lowrank"):
+        choose_covariance("diag", 10, 550, "float32")
+    emb = _embeddings(n=23, d=60)  # capacity 24 for D = 60
+    assert _fit(emb, "auto").gaussians.kind == "lowrank"
+    assert _fit(torch.cat([emb, emb[:2]]), "auto").gaussians.kind == "dense"
+
+
+def test_auto_without_begin_switches_to_dense_when_the_images_outnumber_lowrank():
+    """Fed batch by batch with no count announced, auto keeps samples until they exceed the
+    low-rank capacity, then goes on with dense sums: same distances as a dense fit."""
+    emb = _embeddings(n=30, d=20)  # capacity 8
+    switched = _fit(emb, "auto", splits=(5, 8, 20), begin=False)
+    assert switched.gaussians.kind == "dense"
+    small = _fit(emb[:8], "auto", splits=(3,), begin=False)
+    assert small.gaussians.kind == "lowrank"
+    test = _embeddings(n=2, d=20, seed=4)
+    np.testing.assert_allclose(switched.score(test.float()).flatten(1).numpy(),
+                               _reference(emb, test), rtol=2e-4)
+
+
+def test_sample_store_grows_and_keeps_every_sample():
+    store = SampleStore()
+    data = torch.randn(5, 37, 3)
+    for part in torch.split(data, [1, 2, 13, 21], dim=1):
+        store.update(part)
+    assert store.n == 37 and store.buf.shape[1] >= 37
+    assert torch.equal(store.samples(), data)
+    with pytest.raises(ValueError, match="does not match the first batch"):
+        store.update(torch.randn(4, 2, 3))
+
+
+def test_fewer_images_than_announced():
+    """begin() announced more images than came (e.g. some were unreadable and skipped)."""
+    emb = _embeddings(n=10, d=30)
+    d = emb.shape[1]
+    scorer = PadimScorer(PatchEmbedder([LayerInfo("a", d, 4)], channel_idx=torch.arange(d)),
+                         0.01)
+    scorer.begin(12)
+    scorer.partial_fit(emb.float())
+    scorer.finalize()
+    assert scorer.gaussians.kind == "lowrank" and scorer.gaussians.y.shape[1] == 10
+    assert scorer.gaussians.y.is_contiguous()
+    test = _embeddings(n=2, d=30, seed=6)
+    np.testing.assert_allclose(scorer.score(test.float()).flatten(1).numpy(),
+                               _reference(emb, test), rtol=2e-4)
+    with pytest.raises(RuntimeError, match="already fitted"):
+        scorer.partial_fit(emb.float())
+
+
+def test_begin_after_partial_fit_is_refused():
+    scorer = PadimScorer(PatchEmbedder([LayerInfo("a", 4, 4)]), epsilon=0.01)
+    scorer.partial_fit(torch.rand(2, 4, 2, 2))
+    with pytest.raises(RuntimeError, match="before the first partial_fit"):
+        scorer.begin(10)
+
+
+def test_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definite():
+    # rank 15 + 1e-6 I, rounded to float32: positive definite, but the float32 factorisation
+    # of this seeded draw breaks down (float64 does not)
+    v = torch.randn(16, 15, generator=torch.Generator().manual_seed(183), dtype=torch.float64)
+    near = (v @ v.T + 1e-6 * torch.eye(16, dtype=torch.float64)).float()
+    mats = torch.stack([torch.eye(16), near])
+    if int(torch.linalg.cholesky_ex(mats)[1][1]) == 0:
+        pytest.skip("float32 factorised the near-singular matrix with this BLAS")
+    chol = _cholesky32(mats, "Gram matrix")
+    assert torch.equal(chol[0], torch.eye(16))
+    ref = torch.linalg.cholesky(near.double())
+    torch.testing.assert_close(chol[1].double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="Gram matrix is not positive definite"):
+        _cholesky32(-mats, "Gram matrix")
+
+
+def test_lowrank_with_float16_is_a_config_error():
+    with pytest.raises(ConfigError, match="padim.factor_dtype"):
+        load_config(None, padim__covariance="lowrank", padim__factor_dtype="float16")
+    with pytest.raises(ConfigError, match="padim.covariance"):
+        load_config(None, padim__covariance="diagonal")
 
 
 def test_needs_two_images():
@@ -118,10 +242,11 @@ def test_float16_factors_score_close_to_float32():
     layers = [LayerInfo("a", 8, 4)]
     scores = {}
     for dtype in ("float32", "float16"):
-        scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(8)), 0.01, dtype)
+        scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(8)), 0.01, dtype,
+                             "dense")
         scorer.partial_fit(emb)
         scorer.finalize()
-        assert scorer.chol.dtype == getattr(torch, dtype)
+        assert scorer.gaussians.chol.dtype == getattr(torch, dtype)
         scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float())
     torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)
 

@@ -181,6 +181,45 @@ def test_projected_search_certifies_most_queries_on_low_rank_data():
     assert sum(full_rows) < 0.05 * len(q)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_projected_refinement_checks_only_rows_below_the_bound(monkeypatch, k):
+    """With a single candidate per query most queries are not certified: the refinement checks
+    every row whose lower bound is below the query's k-th distance (few rows on low-rank data,
+    no full search) and still returns the float64 brute-force neighbours."""
+    import anomaly_hooks.knn as knn
+
+    monkeypatch.setattr(knn, "PROJECTED_CANDIDATES", 0)
+    bank = _low_rank(3000, seed=1)
+    q = torch.cat([_low_rank(300, seed=2), bank[:20]])
+    index = NearestNeighbors(bank, backend="projected")
+    refined, full = [], []
+    refine, search = index.projected._refine, index._torch_search
+    monkeypatch.setattr(index.projected, "_refine",
+                        lambda queries, qa, rows, *a: refined.append(rows.numel())
+                        or refine(queries, qa, rows, *a))
+    monkeypatch.setattr(index, "_torch_search",
+                        lambda queries, kk: full.append(len(queries)) or search(queries, kk))
+    dist, idx = index.search(q, k)
+    ref_d, ref_i = _brute_knn(q, bank, k)
+    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(idx, ref_i)
+    assert sum(refined) > 0.3 * len(q) and sum(full) < 0.05 * len(q)
+
+
+def test_augmented_bound_never_exceeds_the_distance():
+    """The subspace coordinates plus the residual norm: a lower bound of every distance, and
+    tighter than the subspace alone."""
+    from anomaly_hooks.knn import ProjectedSearch
+
+    bank, q = _low_rank(2500, seed=1), _low_rank(200, seed=2)
+    ps = ProjectedSearch(bank)
+    lb = torch.cdist(ps._augment(q).double(), ps.points.double())
+    sub = torch.cdist(ps._augment(q)[:, :-1].double(), ps.points[:, :-1].double())
+    true = torch.cdist(q.double(), bank.double(), compute_mode="donot_use_mm_for_euclid_dist")
+    assert bool((lb <= true * (1 + 1e-5) + 1e-5).all())
+    assert bool((lb >= sub - 1e-5).all()) and float((lb - sub).mean()) > 0
+
+
 @pytest.mark.parametrize("backend", ["faiss-ivf", "faiss-hnsw"])
 def test_approximate_indexes_have_high_recall(backend):
     bank, q = clustered(n=4000, seed=1), clustered(n=300, seed=2)

@@ -33,7 +33,7 @@ from PIL import Image
 
 from anomaly_hooks import Detector
 from anomaly_hooks.cli import main
-from anomaly_hooks.config import ConfigError, load_config
+from anomaly_hooks.config import ConfigError, load_config, to_container
 from anomaly_hooks.images import ImageReadError, read_image
 from anomaly_hooks.modelfile import FORMAT_VERSION, ModelFileError, checksum, load_model
 from anomaly_hooks.resources import GB, ResourceError, estimate_fit_memory
@@ -125,6 +125,13 @@ rewrite_header = rewrite_safetensors_header
 @pytest.fixture(scope="module")
 def padim_file(fitted, tmp_path_factory) -> Path:
     return fitted.save(tmp_path_factory.mktemp("padim") / "padim.safetensors")
+
+
+@pytest.fixture(scope="module")
+def dense_padim_file(small_cfg, tmp_path_factory) -> Path:
+    det = Detector.from_config(small_cfg, padim__covariance="dense")
+    det.fit(textured_images(8), progress=False)
+    return det.save(tmp_path_factory.mktemp("dense") / "padim.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -553,7 +560,11 @@ def test_pickle_payloads_never_run(tmp_path, padim_file, capsys):
     "no_threshold",
     "layers_not_dicts",
     "scorer_meta_null",
-    "chol_wrong_shape",
+    "lowrank_y_wrong_shape",
+    "lowrank_cinv_wrong_dtype",
+    "lowrank_y_missing",
+    "unknown_covariance_form",
+    "dense_meta_on_lowrank_tensors",
 ])
 def test_forged_file_with_valid_checksum_is_refused_on_load(case, padim_file, tmp_path):
     """A file written through save_model (so its checksum verifies) whose content does not fit
@@ -573,12 +584,52 @@ def test_forged_file_with_valid_checksum_is_refused_on_load(case, padim_file, tm
         meta["layers"] = "layer1"
     elif case == "scorer_meta_null":
         meta["scorer"] = None
+    elif case == "lowrank_y_wrong_shape":
+        tensors["padim.lowrank_y"] = tensors["padim.lowrank_y"][:10].clone()
+    elif case == "lowrank_cinv_wrong_dtype":
+        tensors["padim.lowrank_cinv"] = tensors["padim.lowrank_cinv"].double()
+    elif case == "lowrank_y_missing":
+        del tensors["padim.lowrank_y"]
+    elif case == "unknown_covariance_form":
+        meta["scorer"]["covariance"] = "diagonal"
     else:
+        meta["scorer"]["covariance"] = "dense"
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(forged).predict(textured_images(1)[0])
+    assert str(forged) in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["chol_wrong_shape", "chol_int", "mean_float64",
+                                  "lowrank_meta_on_dense_tensors"])
+def test_forged_dense_file_with_valid_checksum_is_refused_on_load(case, dense_padim_file,
+                                                                   tmp_path):
+    from anomaly_hooks.modelfile import save_model
+
+    tensors, meta = load_model(dense_padim_file)
+    assert meta["scorer"]["covariance"] == "dense"
+    if case == "chol_wrong_shape":
         tensors["padim.chol"] = tensors["padim.chol"][:10].clone()
+    elif case == "chol_int":
+        tensors["padim.chol"] = tensors["padim.chol"].int()
+    elif case == "mean_float64":
+        tensors["padim.mean"] = tensors["padim.mean"].double()
+    else:
+        meta["scorer"]["covariance"] = "lowrank"
     forged = save_model(tmp_path / "forged.safetensors", tensors, meta)
     with pytest.raises(ModelFileError) as err:
         Detector.load(forged).predict(textured_images(1)[0])
     assert str(forged) in str(err.value)
+
+
+def test_model_files_record_the_oldest_format_that_holds_them(padim_file, dense_padim_file,
+                                                               patchcore_file):
+    """Dense PaDiM and PatchCore files stay format 1 (older readers open them); low-rank PaDiM
+    needs format 2."""
+    versions = {p: _header(p)[1]["__metadata__"]["format_version"]
+                for p in (padim_file, dense_padim_file, patchcore_file)}
+    assert versions == {padim_file: "2", dense_padim_file: "1", patchcore_file: "1"}
+    assert FORMAT_VERSION == 2
 
 
 # =========================================================================================
@@ -850,8 +901,10 @@ def test_resource_guard(method, key, small_cfg):
         det.fit(imgs, progress=False)
     msg = str(err.value)
     assert key in msg and "resources.memory_limit_gb" in msg
-    n_train = 6 - max(1, round(0.25 * 6))
-    est = estimate_fit_memory(det.cfg, det.layer_info, det.preprocessor.input_size, n_train)
+    n_held = max(1, round(0.25 * 6))
+    est = estimate_fit_memory(det.cfg, det.layer_info, det.preprocessor.input_size, 6 - n_held,
+                              n_held)
+    assert est["threshold images (preprocessed)"] == n_held * 3 * 64 * 80 * 4
     m = re.search(r"needs about ([0-9.eE+-]+) GB", msg)
     assert m, msg
     assert float(m.group(1)) == pytest.approx(est["total"] / GB, rel=0.05), msg
@@ -871,10 +924,15 @@ def test_padim_estimate_matches_the_formula_and_the_model(fitted):
     positions = -(-h // stride) * -(-w // stride)
     assert (h, w) == (64, 80) and stride == 4 and positions == 16 * 20
     d = cfg.padim.n_features
-    est = estimate_fit_memory(cfg, layers, (h, w), 12)
-    assert est["model"] == positions * d * d * 4 + positions * d * 4
+    n = fitted.fit_info_["n_train"]
+    assert n == 12 and fitted.scorer.gaussians.kind == "lowrank"  # 12 <= 0.4 * 40
+    est = estimate_fit_memory(cfg, layers, (h, w), n)
+    assert est["model"] == positions * (n * d + n * n + d) * 4
     tensors, _ = fitted.scorer.state()
-    assert tensors["padim.chol"].nbytes + tensors["padim.mean"].nbytes == est["model"]
+    assert sum(t.nbytes for k, t in tensors.items() if k.startswith("padim.")) == est["model"]
+    dense_cfg = load_config(to_container(cfg), padim__covariance="dense")
+    est = estimate_fit_memory(dense_cfg, layers, (h, w), n)
+    assert est["model"] == positions * d * d * 4 + positions * d * 4
 
 
 # =========================================================================================

@@ -154,17 +154,24 @@ def test_failed_fit_keeps_the_existing_model(model_file, tmp_path):
 
 
 # -- determinism --------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["padim", "patchcore"])
+@pytest.mark.parametrize("method", ["padim", "padim-dense", "patchcore"])
 def test_same_seed_gives_byte_identical_files(method, tmp_path):
+    """...and a loaded model scores bit-identically to the fitted one."""
     imgs = textured_images(8, size=(64, 64))
-    paths = []
+    extra = {"padim__covariance": "dense"} if method == "padim-dense" else {}
+    paths, dets = [], []
     for run, seed in enumerate((0, 0, 1)):
-        det = Detector.from_config(None, method=method, seed=seed, **FAST)
+        det = Detector.from_config(None, method=method.split("-")[0], seed=seed, **FAST, **extra)
         det.fit(imgs, progress=False)
         paths.append(det.save(tmp_path / f"{run}.safetensors"))
+        dets.append(det)
     a, b, c = (p.read_bytes() for p in paths)
     assert a == b
     assert a != c
+    probe = textured_images(2, size=(64, 64), seed=9)
+    loaded = Detector.load(paths[0]).predict(probe)
+    for got, want in zip(loaded, dets[0].predict(probe)):
+        assert got.score == want.score and np.array_equal(got.heatmap, want.heatmap)
 
 
 # -- resource guard -----------------------------------------------------------------------
@@ -183,16 +190,20 @@ def test_padim_memory_estimate_matches_the_factors():
 
     cfg = load_config(None, padim__n_features=550)
     layers = [LayerInfo("layer1", 256, 4), LayerInfo("layer2", 512, 8), LayerInfo("layer3", 1024, 16)]
-    est = estimate_fit_memory(cfg, layers, (224, 224), 200)
+    est = estimate_fit_memory(cfg, layers, (224, 224), 250)  # > 220: dense
     assert est["model"] == 3136 * 550 * 550 * 4 + 3136 * 550 * 4
     # one float32 [P, D, D] tensor: sums, then covariances, then factors, in place
     assert est["statistics (float32 sums, factorised in place)"] == 3136 * 550 * 550 * 4
     assert est["float16 factors"] == 0
     half = estimate_fit_memory(load_config(None, padim__n_features=550,
                                            padim__factor_dtype="float16"),
-                               layers, (224, 224), 200)
+                               layers, (224, 224), 200)  # float16: dense whatever n
     assert half["float16 factors"] == 3136 * 550 * 550 * 2
     assert half["model"] == 3136 * 550 * 550 * 2 + 3136 * 550 * 4
+    # bottle: 167 training images keep the low-rank form, 2.6 times smaller than dense
+    low = estimate_fit_memory(cfg, layers, (224, 224), 167)
+    assert low["model"] == 3136 * (167 * 550 + 167 * 167 + 550) * 4
+    assert low["total"] < est["total"] / 2
 
 
 # -- config errors ------------------------------------------------------------------------

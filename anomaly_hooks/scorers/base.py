@@ -48,6 +48,10 @@ class Scorer(ABC):
         """A fitted scorer from what :meth:`state` returned."""
 
     # -- fitting --------------------------------------------------------------------------
+    def begin(self, n_images: int) -> None:
+        """Optional, before the first :meth:`partial_fit`: how many training images will come
+        (lets a scorer choose its representation and size its buffers). Ignored by default."""
+
     @abstractmethod
     def partial_fit(self, embeddings: torch.Tensor) -> None:
         """Accumulate a batch of training embeddings ``[B, D, h, w]``."""
@@ -71,6 +75,10 @@ class Scorer(ABC):
     @abstractmethod
     def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """(tensors, JSON-able metadata) that :meth:`from_state` rebuilds the scorer from."""
+
+    def format_version(self) -> int:
+        """The oldest model-file format that can hold this scorer's state."""
+        return 1
 
     def check_fitted(self) -> None:
         """Raise :class:`NotFittedError` unless fitted."""

@@ -1,0 +1,82 @@
+"""Patch embeddings (channels-last output) against a plain NCHW reference built from
+torch.nn.functional: select channels, pool, interpolate, concatenate."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anomaly_hooks.embedding import PatchEmbedder
+from anomaly_hooks.extractor import LayerInfo
+
+
+def _reference(feats, layers, mode, pool=1, idx=None):
+    maps = [feats[info.name].float() for info in layers]
+    size = max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1])
+    if idx is not None:
+        full = torch.cat([F.interpolate(m, size=tuple(size), mode="nearest") for m in maps], 1)
+        return full[:, idx]
+    out = []
+    for m in maps:
+        if pool > 1:
+            m = F.avg_pool2d(m, pool, stride=1, padding=pool // 2)
+        kw = {"align_corners": False} if mode == "bilinear" else {}
+        out.append(F.interpolate(m, size=tuple(size), mode=mode, **kw))
+    return torch.cat(out, 1)
+
+
+def _feats(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(*shape, generator=gen).to(dtype) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("grids", [((16, 16), (8, 8), (4, 4)), ((12, 20), (6, 10), (3, 5))])
+def test_padim_embedding_equals_reference_and_is_channels_last(grids):
+    layers = [LayerInfo("l1", 8, 4), LayerInfo("l2", 12, 8), LayerInfo("l3", 16, 16)]
+    feats = _feats({"l1": (2, 8, *grids[0]), "l2": (2, 12, *grids[1]), "l3": (2, 16, *grids[2])})
+    idx = torch.tensor([0, 3, 7, 8, 9, 19, 20, 35])
+    emb = PatchEmbedder(layers, upsample="nearest", channel_idx=idx)(feats)
+    assert emb.shape == (2, 8, *grids[0]) and emb.dtype == torch.float32
+    assert emb.permute(0, 2, 3, 1).is_contiguous()  # [B, h, w, D] rows: what scorers read
+    assert torch.equal(emb, _reference(feats, layers, "nearest", idx=idx))
+
+
+@pytest.mark.parametrize("grids", [((14, 14), (7, 7)), ((10, 16), (5, 8)), ((9, 9), (4, 4))])
+def test_patchcore_embedding_equals_reference(grids):
+    """3x3 averaging then bilinear upsampling (2x, non-square, and a non-integer ratio)."""
+    layers = [LayerInfo("l2", 24, 8), LayerInfo("l3", 40, 16)]
+    feats = _feats({"l2": (3, 24, *grids[0]), "l3": (3, 40, *grids[1])}, seed=1)
+    emb = PatchEmbedder(layers, upsample="bilinear", local_pool=3)(feats)
+    assert emb.permute(0, 2, 3, 1).is_contiguous()
+    torch.testing.assert_close(emb, _reference(feats, layers, "bilinear", pool=3),
+                               rtol=0, atol=1e-6)
+
+
+def test_nearest_with_a_non_integer_ratio_uses_interpolate():
+    layers = [LayerInfo("a", 4, 4), LayerInfo("b", 6, 8)]
+    feats = _feats({"a": (2, 4, 9, 11), "b": (2, 6, 4, 5)}, seed=2)
+    emb = PatchEmbedder(layers, upsample="nearest")(feats)
+    assert torch.equal(emb, _reference(feats, layers, "nearest"))
+
+
+def test_projection_and_channel_pooling_equal_references():
+    layers = [LayerInfo("l2", 24, 8), LayerInfo("l3", 40, 16)]
+    feats = _feats({"l2": (2, 24, 8, 8), "l3": (2, 40, 4, 4)}, seed=3)
+    full = _reference(feats, layers, "bilinear", pool=3)
+    proj = torch.randn(64, 10, generator=torch.Generator().manual_seed(4))
+    got = PatchEmbedder(layers, upsample="bilinear", local_pool=3, projection=proj)(feats)
+    torch.testing.assert_close(got, torch.einsum("bchw,cd->bdhw", full, proj), rtol=1e-5,
+                               atol=1e-5)
+    got = PatchEmbedder(layers, upsample="bilinear", local_pool=3, pool_dim=16)(feats)
+    flat = full.permute(0, 2, 3, 1).reshape(-1, 1, 64)
+    ref = F.adaptive_avg_pool1d(flat, 16).reshape(2, 8, 8, 16).permute(0, 3, 1, 2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_mixed_precision_maps_give_float32_embeddings():
+    layers = [LayerInfo("a", 4, 4), LayerInfo("b", 6, 8)]
+    feats = _feats({"a": (2, 4, 8, 8), "b": (2, 6, 4, 4)}, seed=5, dtype=torch.bfloat16)
+    emb = PatchEmbedder(layers, upsample="bilinear", local_pool=3)(feats)
+    assert emb.dtype == torch.float32
+    torch.testing.assert_close(emb, _reference(feats, layers, "bilinear", pool=3),
+                               rtol=0, atol=1e-6)
