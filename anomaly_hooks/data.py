@@ -114,17 +114,38 @@ def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], s
 
 def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,
                  max_pixels: int) -> Iterator[Batch]:
-    """Batches of preprocessed images in item order; unreadable items come back in ``errors``.
+    """Batches of ``batch_size`` items (preprocessed images, in item order); unreadable items
+    come back in ``errors``.
 
     Worker processes are used only when every item is a path (in-memory images are not worth
-    sending to another process).
+    sending to another process). Each worker decodes about a ``1 / num_workers`` share of a batch
+    (a divisor of ``batch_size``), so the first batch is ready after that share, not after a
+    whole batch decoded by one worker.
     """
     all_paths = all(isinstance(it, (str, os.PathLike)) for it in items)
     workers = min(num_workers, max(0, len(items) // batch_size)) if all_paths else 0
-    loader = DataLoader(_ItemDataset(items, pre, max_pixels), batch_size=batch_size,
+    most = max(1, -(-batch_size // max(1, workers)))  # a share per worker; it divides the batch
+    share = max(d for d in range(1, most + 1) if batch_size % d == 0)
+    loader = DataLoader(_ItemDataset(items, pre, max_pixels), batch_size=share,
                         shuffle=False, num_workers=workers, collate_fn=_collate,
                         persistent_workers=False)
-    yield from loader
+    parts: List[Batch] = []
+    for part in loader:
+        parts.append(part)
+        if sum(len(p.indices) + len(p.errors) for p in parts) >= batch_size:
+            yield _merge(parts)
+            parts = []
+    if parts:
+        yield _merge(parts)
+
+
+def _merge(parts: List[Batch]) -> Batch:
+    if len(parts) == 1:
+        return parts[0]
+    images = [p.images for p in parts if p.indices]
+    return Batch([i for p in parts for i in p.indices],
+                 torch.cat(images) if images else torch.empty(0),
+                 [s for p in parts for s in p.sizes], [e for p in parts for e in p.errors])
 
 
 def format_errors(errors: Iterable[str], limit: int = 20) -> str:

@@ -143,3 +143,26 @@ def test_fit_lists_every_bad_file_or_skips_them(tmp_path, small_cfg):
     assert "broken.png" in str(err.value) and "zero.png" in str(err.value)
     det = Detector.from_config(small_cfg, data__on_error="skip").fit(tmp_path, progress=False)
     assert len(det.fit_info_["skipped"]) == 2 and det.is_fitted
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [2, 3])
+def test_worker_batches_equal_serial_batches(tmp_path, workers):
+    """Each worker decodes a share of a batch; the batches (size, order, unreadable items)
+    are those of a serial pass."""
+    from anomaly_hooks.data import iter_batches
+    from anomaly_hooks.preprocess import Preprocessor
+
+    items = []
+    for i, img in enumerate(textured_images(13, size=(40, 48))):
+        items.append(tmp_path / f"{i:02d}.png")
+        Image.fromarray(img).save(items[-1])
+    items.insert(5, tmp_path / "missing.png")
+    kw = {"batch_size": 6, "max_pixels": 10**8}
+    serial = list(iter_batches(items, Preprocessor(), num_workers=0, **kw))
+    par = list(iter_batches(items, Preprocessor(), num_workers=workers, **kw))
+    assert [len(b.indices) + len(b.errors) for b in par] == [6, 6, 2]
+    assert [b.indices for b in par] == [b.indices for b in serial]
+    assert [i for b in par for i, _ in b.errors] == [5]
+    for a, b in zip(serial, par):
+        assert torch.equal(a.images, b.images) and a.sizes == b.sizes

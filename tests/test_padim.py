@@ -10,7 +10,7 @@ from scipy.spatial.distance import mahalanobis
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.config import ConfigError, load_config
-from anomaly_hooks.scorers.gaussians import (GaussianAccumulator, SampleStore, _cholesky32,
+from anomaly_hooks.scorers.gaussians import (GaussianAccumulator, SampleStore, inverse_cholesky,
                                              choose_covariance, lowrank_capacity)
 from anomaly_hooks.scorers.padim import PadimScorer
 
@@ -187,7 +187,24 @@ def test_begin_after_partial_fit_is_refused():
         scorer.begin(10)
 
 
-def test_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definite():
+def _inverse_factor64(mat: torch.Tensor) -> torch.Tensor:
+    chol = torch.linalg.cholesky(mat.double())
+    return torch.linalg.solve_triangular(chol, torch.eye(mat.shape[-1], dtype=torch.float64)
+                                         .expand_as(chol), upper=False)
+
+
+@pytest.mark.parametrize("m", [5, 32, 100, 167])
+def test_inverse_cholesky_equals_float64_lapack(m):
+    """The recursive blocked factor (batched products) against float64 LAPACK."""
+    y = torch.randn(4, m, 3 * m, generator=torch.Generator().manual_seed(m)) * 0.3
+    gram = torch.baddbmm(0.01 * torch.eye(m), y, y.transpose(1, 2))
+    got = inverse_cholesky(gram)
+    ref = _inverse_factor64(gram)
+    assert bool((got.triu(1) == 0).all())
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
+
+
+def test_inverse_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definite():
     # rank 15 + 1e-6 I, rounded to float32: positive definite, but the float32 factorisation
     # of this seeded draw breaks down (float64 does not)
     v = torch.randn(16, 15, generator=torch.Generator().manual_seed(183), dtype=torch.float64)
@@ -195,12 +212,15 @@ def test_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definit
     mats = torch.stack([torch.eye(16), near])
     if int(torch.linalg.cholesky_ex(mats)[1][1]) == 0:
         pytest.skip("float32 factorised the near-singular matrix with this BLAS")
-    chol = _cholesky32(mats, "Gram matrix")
-    assert torch.equal(chol[0], torch.eye(16))
-    ref = torch.linalg.cholesky(near.double())
-    torch.testing.assert_close(chol[1].double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    inv = inverse_cholesky(mats)
+    assert torch.equal(inv[0], torch.eye(16))
+    assert torch.equal(inv[1], _inverse_factor64(near).float())
     with pytest.raises(ValueError, match="Gram matrix is not positive definite"):
-        _cholesky32(-mats, "Gram matrix")
+        inverse_cholesky(-mats)
+    big = torch.eye(40).repeat(2, 1, 1)
+    big[1, 30, 30] = -1.0  # fails in a trailing block of the recursion
+    with pytest.raises(ValueError, match="Gram matrix is not positive definite"):
+        inverse_cholesky(big)
 
 
 def test_lowrank_with_float16_is_a_config_error():

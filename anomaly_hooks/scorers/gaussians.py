@@ -55,18 +55,48 @@ def lowrank_capacity(dim: int) -> int:
     return max(2, int(LOWRANK_MAX_FRACTION * dim))
 
 
-def _cholesky32(mat: torch.Tensor, what: str) -> torch.Tensor:
-    """Lower Cholesky factors of ``mat`` ``[c, m, m]`` float32, computed in float32 and, for any
-    matrix where that fails, again in float64."""
-    chol, info = torch.linalg.cholesky_ex(mat)
+def _cholesky64(mat: torch.Tensor, what: str) -> torch.Tensor:
+    chol64, info64 = torch.linalg.cholesky_ex(mat.double())
+    if bool((info64 > 0).any()):
+        raise ValueError(f"a {what} is not positive definite even with epsilon added; "
+                         "raise padim.epsilon")
+    return chol64
+
+
+def inverse_cholesky(mat: torch.Tensor, what: str = "Gram matrix") -> torch.Tensor:
+    """``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat``, ``mat`` ``[c, m, m]`` float32.
+
+    Recursive 2x2 blocking, so that the work is batched matrix products (for the small
+    matrices of the low-rank form, LAPACK's per-matrix calls cost twice as much):
+    ``C11^-1`` of the leading block, ``C21 = M21 C11^-T``, then the trailing block's
+    ``S = M22 - C21 C21^T`` the same way, and ``(C^-1)21 = -C22^-1 C21 C11^-1``. Float32, with
+    the whole computation redone in float64 for any matrix where a float32 factorisation fails.
+    """
+    inv, info = _inverse_cholesky(mat)
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
-        chol64, info64 = torch.linalg.cholesky_ex(mat[bad].double())
-        if bool((info64 > 0).any()):
-            raise ValueError(f"a {what} is not positive definite even with epsilon added; "
-                             "raise padim.epsilon")
-        chol[bad] = chol64.float()
-    return chol
+        eye = torch.eye(mat.shape[-1], dtype=torch.float64, device=mat.device)
+        chol = _cholesky64(mat[bad], what)
+        inv[bad] = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False).float()
+    return inv
+
+
+def _inverse_cholesky(mat: torch.Tensor, base: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    m = mat.shape[-1]
+    if m <= base:
+        chol, info = torch.linalg.cholesky_ex(mat)
+        eye = torch.eye(m, dtype=mat.dtype, device=mat.device).expand_as(chol)
+        return torch.linalg.solve_triangular(chol, eye, upper=False), info
+    h = m // 2
+    inv11, info1 = _inverse_cholesky(mat[:, :h, :h], base)
+    c21 = torch.bmm(mat[:, h:, :h], inv11.transpose(1, 2))
+    inv22, info2 = _inverse_cholesky(torch.baddbmm(mat[:, h:, h:], c21, c21.transpose(1, 2),
+                                                   alpha=-1.0), base)
+    out = torch.zeros_like(mat)
+    out[:, :h, :h] = inv11
+    out[:, h:, h:] = inv22
+    out[:, h:, :h] = torch.bmm(inv22, torch.bmm(c21, inv11)).neg_()
+    return out, torch.maximum(info1, info2)
 
 
 # -- dense ---------------------------------------------------------------------------------
@@ -179,11 +209,7 @@ def cholesky_factor_(cov: torch.Tensor, epsilon: float, work: torch.Tensor) -> t
     torch.linalg.cholesky_ex(cov, out=(out, info))
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
-        chol64, info64 = torch.linalg.cholesky_ex(cov[bad].double())
-        if bool((info64 > 0).any()):
-            raise ValueError("a covariance is not positive definite even with epsilon added; "
-                             "raise padim.epsilon")
-        out[bad] = chol64.float()
+        out[bad] = _cholesky64(cov[bad], "covariance").float()
     return cov.copy_(out)
 
 
@@ -298,14 +324,14 @@ class LowRankGaussians:
         store.buf = None
         mean = torch.empty(p, d, dtype=torch.float32, device=x.device)
         cinv = torch.empty(p, n, n, dtype=torch.float32, device=x.device)
-        eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
+        eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
         for lo in range(0, p, CHUNK_POSITIONS):
             y = x[lo:lo + CHUNK_POSITIONS]
-            mean[lo:lo + y.shape[0]] = y.mean(dim=1, dtype=torch.float64)
+            # a float32 mean (the stored one): Y is centred on exactly the mean the model keeps
+            torch.mean(y, dim=1, out=mean[lo:lo + y.shape[0]])
             y.sub_(mean[lo:lo + y.shape[0]].unsqueeze(1)).mul_(1.0 / math.sqrt(n - 1))
-            chol = _cholesky32(torch.baddbmm(eye, y, y.transpose(1, 2)), "Gram matrix")
-            cinv[lo:lo + y.shape[0]] = torch.linalg.solve_triangular(
-                chol, eye.div(epsilon).expand_as(chol), upper=False)
+            cinv[lo:lo + y.shape[0]] = inverse_cholesky(
+                torch.baddbmm(eps_eye, y, y.transpose(1, 2)))
         return cls(mean, x, cinv, epsilon)
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
