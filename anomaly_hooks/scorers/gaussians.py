@@ -25,7 +25,7 @@ representations of the same Gaussians:
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -242,16 +242,14 @@ class DenseGaussians:
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
         """Mahalanobis distances ``[P, B]`` of ``x`` ``[P, B, D]`` (any strides)."""
-        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         step = SCORE_CHUNK if self.chol.dtype == torch.float32 else HALF_CHUNK
-        for lo in range(0, x.shape[0], step):
-            hi = min(lo + step, x.shape[0])
-            diff = x[lo:hi].float() - self.mean[lo:hi].unsqueeze(1)  # contiguous [c, B, D]
-            chol = self.chol[lo:hi].float()  # float32 factors: the tensor itself, no copy
-            # [c, D, B] right-hand sides in column-major order: what the solver wants
-            z = torch.linalg.solve_triangular(chol, diff.transpose(1, 2), upper=False)
-            out[lo:hi] = z.square_().sum(dim=1)
-        return out.sqrt_()
+        return _chunked_distances(x, self.mean, step, self._squared)
+
+    def _squared(self, lo: int, hi: int, diff: torch.Tensor) -> torch.Tensor:
+        chol = self.chol[lo:hi].float()  # float32 factors: the tensor itself, no copy
+        # [c, D, B] right-hand sides in column-major order: what the solver wants
+        z = torch.linalg.solve_triangular(chol, diff.transpose(1, 2), upper=False)
+        return z.square_().sum(dim=1)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {"padim.mean": self.mean, "padim.chol": self.chol}
@@ -263,7 +261,8 @@ class DenseGaussians:
         if tuple(mean.shape) != (p, d) or tuple(chol.shape) != (p, d, d):
             raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(chol.shape)} do not fit "
                              f"{p} positions and {d} channels")
-        _check_dtypes(mean=mean, chol=chol)
+        _check_dtype("mean", mean, (torch.float32,))
+        _check_dtype("chol", chol, (torch.float32, torch.float16))
         return cls(mean.to(device), chol.to(device))
 
 
@@ -336,16 +335,14 @@ class LowRankGaussians:
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
         """Mahalanobis distances ``[P, B]`` of ``x`` ``[P, B, D]`` (any strides)."""
-        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for lo in range(0, x.shape[0], SCORE_CHUNK):
-            hi = min(lo + SCORE_CHUNK, x.shape[0])
-            y, cinv = self.y[lo:hi], self.cinv[lo:hi]
-            xc = x[lo:hi].float() - self.mean[lo:hi].unsqueeze(1)  # contiguous [c, B, D]
-            w = torch.bmm(xc, y.transpose(1, 2))  # (Y x)^T: [c, B, n]
-            a = torch.bmm(torch.bmm(w, cinv.transpose(1, 2)), cinv)  # (G^-1 Y x)^T
-            r = torch.baddbmm(xc, a, y, alpha=-1.0)  # (x - Y^T a)^T
-            out[lo:hi] = r.square_().sum(dim=2).div_(self.epsilon) + a.square_().sum(dim=2)
-        return out.sqrt_()
+        return _chunked_distances(x, self.mean, SCORE_CHUNK, self._squared)
+
+    def _squared(self, lo: int, hi: int, xc: torch.Tensor) -> torch.Tensor:
+        y, cinv = self.y[lo:hi], self.cinv[lo:hi]
+        w = torch.bmm(xc, y.transpose(1, 2))  # (Y x)^T: [c, B, n]
+        a = torch.bmm(torch.bmm(w, cinv.transpose(1, 2)), cinv)  # (G^-1 Y x)^T
+        r = torch.baddbmm(xc, a, y, alpha=-1.0)  # (x - Y^T a)^T
+        return r.square_().sum(dim=2).div_(self.epsilon) + a.square_().sum(dim=2)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {"padim.mean": self.mean, "padim.lowrank_y": self.y,
@@ -360,7 +357,8 @@ class LowRankGaussians:
                 or tuple(cinv.shape) != (p, n, n) or n < 2):
             raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(y.shape)} / "
                              f"{tuple(cinv.shape)} do not fit {p} positions and {d} channels")
-        _check_dtypes(mean=mean, lowrank_y=y, lowrank_cinv=cinv, allowed=(torch.float32,))
+        for name, t in (("mean", mean), ("lowrank_y", y), ("lowrank_cinv", cinv)):
+            _check_dtype(name, t, (torch.float32,))
         return cls(mean.to(device), y.to(device), cinv.to(device), epsilon)
 
 
@@ -371,8 +369,18 @@ def _get(tensors: Dict[str, torch.Tensor], *names: str) -> list:
     return [tensors[k] for k in names]
 
 
-def _check_dtypes(allowed: tuple = (torch.float32, torch.float16), **named: torch.Tensor) -> None:
-    for name, t in named.items():
-        ok = (torch.float32,) if name == "mean" else allowed
-        if t.dtype not in ok:
-            raise ValueError(f"padim.{name} has dtype {t.dtype}, expected one of {ok}")
+def _check_dtype(name: str, t: torch.Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"padim.{name} has dtype {t.dtype}, expected one of {allowed}")
+
+
+def _chunked_distances(x: torch.Tensor, mean: torch.Tensor, step: int,
+                       squared: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Distances ``[P, B]`` of ``x`` ``[P, B, D]``, ``step`` positions at a time (operands stay
+    in cache): ``squared(lo, hi, x[lo:hi] - mean[lo:hi])`` gives the squared ones ``[c, B]``
+    from the centred chunk, made contiguous ``[c, B, D]`` whatever the strides of ``x``."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for lo in range(0, x.shape[0], step):
+        hi = min(lo + step, x.shape[0])
+        out[lo:hi] = squared(lo, hi, x[lo:hi].float() - mean[lo:hi].unsqueeze(1))
+    return out.sqrt_()
