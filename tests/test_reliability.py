@@ -644,10 +644,11 @@ out = sys.argv[2]
 print("ready", flush=True)
 for line in sys.stdin:
     pid = os.fork()
-    if pid == 0:  # the child saves in a loop until it is killed
+    if pid == 0:  # the child saves in a loop until it is killed, reporting each finished save
         try:
             while True:
                 det.save(out)
+                print("saved", flush=True)
         finally:
             os._exit(3)
     print(pid, flush=True)
@@ -656,7 +657,23 @@ for line in sys.stdin:
 """
 
 
+def _kill_and_reap(proc: subprocess.Popen, child: int) -> int:
+    """SIGKILL the saving child; skip its 'saved' lines; the wait status the parent reaped."""
+    os.kill(child, signal.SIGKILL)
+    while True:
+        words = proc.stdout.readline().split()
+        if not words:
+            raise AssertionError("the saver process died")
+        if words[0] == "reaped":
+            return int(words[1])
+        assert words == ["saved"], words
+
+
 def test_sigkill_during_save_never_leaves_a_broken_model(padim_file, tmp_path):
+    """SIGKILL at random moments of repeated saves: the path holds either nothing or the complete
+    model, and leftovers are never taken for a model. Kill delays are scaled to the save time
+    measured on this machine, and every other trial kills only after a save has finished, so the
+    test exercises both cases on a fast or a slow disk."""
     out_dir = tmp_path / "models"
     out_dir.mkdir()
     out = out_dir / "model.safetensors"
@@ -665,18 +682,21 @@ def test_sigkill_during_save_never_leaves_a_broken_model(padim_file, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SAVER, str(padim_file), str(out)], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     rng = random.Random(1234)
-    present = 0
+    present, save_time = 0, 0.0
     try:
         assert proc.stdout.readline().strip() == "ready"
         for trial in range(12):
+            out.unlink(missing_ok=True)  # each trial starts with no model at the path
             proc.stdin.write("go\n")
             proc.stdin.flush()
             child = int(proc.stdout.readline())
-            time.sleep(rng.uniform(0.0, 0.15))
-            os.kill(child, signal.SIGKILL)
-            reaped = proc.stdout.readline().split()
-            assert reaped[0] == "reaped"
-            assert os.WIFSIGNALED(int(reaped[1])), "the saver stopped before it was killed"
+            if trial % 2 == 0:  # kill after one finished save, somewhere inside the next ones
+                started = time.perf_counter()
+                assert proc.stdout.readline().strip() == "saved"
+                save_time = max(save_time, time.perf_counter() - started)
+            time.sleep(rng.uniform(0.0, 1.5 * save_time))
+            status = _kill_and_reap(proc, child)
+            assert os.WIFSIGNALED(status), "the saver stopped before it was killed"
             if out.exists():  # whatever is at the path is a complete model
                 present += 1
                 load_model(out)  # verifies the checksum
@@ -693,7 +713,7 @@ def test_sigkill_during_save_never_leaves_a_broken_model(padim_file, tmp_path):
         proc.stdin.close()
         proc.kill()
         proc.wait()
-    assert present >= 1, "no save ever completed: the test did not exercise anything"
+    assert present >= 6, "a kill after a finished save left no model at the path"
     img = textured_images(1, seed=9)[0]
     a, b = Detector.load(out).predict(img), Detector.load(padim_file).predict(img)
     assert a.score == b.score and np.array_equal(a.heatmap, b.heatmap)
