@@ -234,17 +234,17 @@ class Detector:
             mark = _add_lap(split, "waiting for images", mark)
             for i, msg in batch.errors:
                 errors["training" if i < n_train else "threshold"].append(msg)
-            is_train = torch.tensor([i < n_train for i in batch.indices], dtype=torch.bool)
-            if not bool(is_train.all()):
-                held_images.append(batch.images[~is_train])
-            if bool(is_train.any()):
-                emb = self._embed(scorer, batch.images if bool(is_train.all())
-                                  else batch.images[is_train])
+            # batches come in item order and the training items come first: a prefix of each
+            k = sum(i < n_train for i in batch.indices)
+            if k < len(batch.indices):  # a copy, so that a mixed batch is not kept whole
+                held_images.append(batch.images[k:].clone() if k else batch.images)
+            if k:
+                emb = self._embed(scorer, batch.images[:k])
                 mark = _add_lap(split, "features", mark, self.device)
                 scorer.partial_fit(emb)
                 del emb
                 mark = _add_lap(split, "statistics", mark, self.device)
-                n_used += int(is_train.sum())
+                n_used += k
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
         self._handle_errors(errors)

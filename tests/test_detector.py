@@ -49,6 +49,31 @@ def test_threshold_from_good_images_only(fitted):
     assert all(b.mask.any() for b in bads)
 
 
+def test_threshold_is_computed_from_the_threshold_images_scores(small_cfg, tmp_path):
+    """The threshold images are decoded in the training pass (6 training + 5 threshold items in
+    batches of 4: one batch holds both kinds); the threshold equals one computed from predict()
+    on those images afterwards."""
+    from PIL import Image
+
+    from anomaly_hooks.threshold import Threshold
+
+    folder = tmp_path / "good"
+    folder.mkdir()
+    paths = []
+    for i, img in enumerate(textured_images(5, seed=31)):
+        paths.append(folder / f"{i}.png")
+        Image.fromarray(img).save(paths[-1])
+    det = Detector.from_config(small_cfg, threshold__folder=str(folder))
+    det.fit(textured_images(6, seed=30), progress=False)
+    assert det.fit_info_["n_train"] == 6
+    ref = Threshold.from_good_scores([p.score for p in det.predict(paths)],
+                                     det.cfg.threshold.quantile, det.cfg.threshold.margin)
+    got = det.threshold_
+    assert got.n_images == ref.n_images == 5
+    for field in ("value", "good_min", "good_median", "good_max"):
+        assert getattr(got, field) == pytest.approx(getattr(ref, field), rel=1e-5), field
+
+
 def test_list_predict_equals_single(fitted):
     imgs = textured_images(3, seed=4)
     batch = fitted.predict(imgs, batch_size=3)
