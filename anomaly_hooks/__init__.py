@@ -1,27 +1,45 @@
 """anomaly_hooks: visual anomaly detection (PaDiM, PatchCore) on a hook-based feature extractor.
 
-Scores everywhere mean "higher = more anomalous".
+Scores everywhere mean "higher = more anomalous". The names below are imported on first use
+(PEP 562), so ``import anomaly_hooks`` is cheap, imports no torch and changes nothing in the
+process (the torch-free ``anomaly_hooks.runtime`` relies on that).
 """
-import os as _os
-import sys as _sys
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-# Transparent huge pages for large CPU tensors (PyTorch reads this once, at its first allocation,
-# so it only takes effect when anomaly_hooks is imported before torch: the CLIs always are).
-# Multi-GB tensors (PaDiM sums and factors, per-batch work buffers) are page-faulted 2 MB at a
-# time instead of 4 kB: several times faster where the kernel has THP in "madvise" mode. Set
-# THP_MEM_ALLOC_ENABLE=0 to opt out.
-if "torch" not in _sys.modules:
-    _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+__version__ = "0.2.0"
 
-from anomaly_hooks.config import ConfigError, load_config  # noqa: E402
-from anomaly_hooks.detector import Detector, FitError, Prediction  # noqa: E402
-from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo, layer_names  # noqa: E402
-from anomaly_hooks.images import ImageReadError, read_image  # noqa: E402
-from anomaly_hooks.modelfile import ModelFileError  # noqa: E402
-from anomaly_hooks.scorers import NotFittedError  # noqa: E402
+_EXPORTS = {
+    "AnomalyHooksError": "anomaly_hooks.errors",
+    "ConfigError": "anomaly_hooks.errors",
+    "DataError": "anomaly_hooks.errors",
+    "FitError": "anomaly_hooks.errors",
+    "ImageReadError": "anomaly_hooks.errors",
+    "ModelFileError": "anomaly_hooks.errors",
+    "NotFittedError": "anomaly_hooks.errors",
+    "Prediction": "anomaly_hooks.prediction",
+    "Detector": "anomaly_hooks.detector",
+    "load_config": "anomaly_hooks.config",
+    "HookFeatureExtractor": "anomaly_hooks.extractor",
+    "LayerInfo": "anomaly_hooks.extractor",
+    "describe_layers": "anomaly_hooks.extractor",
+    "layer_names": "anomaly_hooks.extractor",
+    "read_image": "anomaly_hooks.images",
+}
 
-__all__ = ["ConfigError", "Detector", "FitError", "HookFeatureExtractor", "ImageReadError",
-           "LayerInfo", "ModelFileError", "NotFittedError", "Prediction", "layer_names",
-           "load_config", "read_image", "__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'anomaly_hooks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

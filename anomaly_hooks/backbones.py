@@ -11,6 +11,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from anomaly_hooks.errors import BackboneError
+
 log = logging.getLogger(__name__)
 
 CUSTOM = "custom"
@@ -21,10 +23,6 @@ OFFLINE_HELP = (
     "nn.Module with Detector.from_config(cfg, backbone=module), or set backbone.weights=null "
     "for a random init (poor results; for tests only)."
 )
-
-
-class BackboneError(ValueError):
-    """The backbone or its weights could not be built or loaded."""
 
 
 def looks_like_path(weights: str) -> bool:
@@ -39,10 +37,10 @@ def _torchvision_builder(name: str):
     try:
         return tvm.get_model_builder(name)
     except ValueError:
-        names = ", ".join(sorted(tvm.list_models(module=tvm)))
         raise BackboneError(
-            f"backbone.name={name!r} is not a torchvision classification model. "
-            f"Valid names: {names}; or use backbone.name=custom with your own nn.Module."
+            f"backbone.name={name!r} is not a torchvision classification model nor "
+            f"{EFFICIENTNET_LITE0}. Valid names: {', '.join(backbone_names())}; or pass your own "
+            "nn.Module (backbone.name=custom)."
         ) from None
 
 
@@ -132,17 +130,14 @@ def _random(name: str, seed: int) -> nn.Module:
 
 EFFICIENTNET_LITE0 = "efficientnet_lite0"
 PACKAGED = "PACKAGED"
-# Blocks of EfficientNet-Lite0 whose outputs have strides 4, 8 and 16 (24, 40, 112 channels).
-EXTRA_DEFAULT_LAYERS = {
-    EFFICIENTNET_LITE0: {"padim": ["_blocks.2", "_blocks.4", "_blocks.10"],
-                         "patchcore": ["_blocks.4", "_blocks.10"]},
-}
 
 
-def default_layers(name: str, method: str) -> Optional[list[str]]:
-    """Layers to tap when the config gives none, for backbones whose names differ from the
-    ResNets' ``layer1``..``layer4``; None = the scorer's own default."""
-    return EXTRA_DEFAULT_LAYERS.get(name, {}).get(method)
+def backbone_names() -> list[str]:
+    """Every name ``backbone.name`` accepts (torchvision classification models and
+    ``efficientnet_lite0``)."""
+    import torchvision.models as tvm
+
+    return sorted([*tvm.list_models(module=tvm), EFFICIENTNET_LITE0])
 
 
 def _efficientnet_lite0(weights: Optional[str], seed: int) -> nn.Module:

@@ -1,22 +1,28 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate ...`` (also ``scripts/fit.py`` etc.)."""
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers ...`` (also
+``scripts/fit.py`` etc.).
+
+Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
+unwritable path) print one ``error:`` line and exit with 2; anything else is a bug and shows its
+traceback. torch is imported only inside the commands, after ``main`` has set up the process.
+"""
 from __future__ import annotations
 
 import argparse
 import csv
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from anomaly_hooks.config import ConfigError, load_config
-from anomaly_hooks.data import DataError
-from anomaly_hooks.images import ImageReadError, is_image_file
+from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
+from anomaly_hooks.images import is_image_file
 
 log = logging.getLogger("anomaly_hooks")
 
-USER_ERRORS = (ConfigError, DataError, ImageReadError, ValueError, FileNotFoundError)
+USER_ERRORS = (AnomalyHooksError, OSError)
 
 
 def _fit_parser(sub) -> None:
@@ -38,8 +44,47 @@ def _score_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None)
 
 
+def _layers_parser(sub) -> None:
+    p = sub.add_parser("layers", help="list the layers of a backbone that can be tapped")
+    p.add_argument("backbone", help="a torchvision model name (resnet18, wide_resnet50_2, ...) "
+                                    "or efficientnet_lite0")
+    p.add_argument("--input", type=int, nargs="+", default=[224], metavar="SIZE",
+                   help="input size of the dry run: one int or HEIGHT WIDTH (default 224)")
+    p.add_argument("--all", action="store_true",
+                   help="also modules whose output is not a [B, C, H, W] map")
+
+
+def cmd_layers(args: argparse.Namespace) -> int:
+    """Print every tappable module of a backbone with its output shape, channels and stride."""
+    import warnings
+
+    from anomaly_hooks.backbones import build_backbone
+    from anomaly_hooks.extractor import describe_layers
+    from anomaly_hooks.scorers import registered
+
+    if len(args.input) not in (1, 2) or min(args.input) < 8:
+        raise ConfigError(f"--input {args.input}: give one size or HEIGHT WIDTH, each >= 8")
+    size = (args.input[0], args.input[-1])
+    with warnings.catch_warnings():  # random weights are fine for shapes
+        warnings.simplefilter("ignore")
+        model = build_backbone(args.backbone, None)
+    defaults = {name: cls.layers_for(args.backbone) for name, cls in registered().items()}
+    rows = [d for d in describe_layers(model, size, defaults) if args.all or d.tappable]
+    width = max(len(d.name) for d in rows)
+    print(f"{'layer':<{width}}  {'type':<18} {'output shape':<20} {'channels':>8} {'stride':>6}"
+          "  default for")
+    for d in rows:
+        print(f"{d.name:<{width}}  {d.type:<18} {str(list(d.shape)):<20} "
+              f"{'' if d.channels is None else d.channels:>8} "
+              f"{'' if d.stride is None else d.stride:>6}  {', '.join(d.default_for)}")
+    print(f"{len(rows)} modules at input {size[0]}x{size[1]}; tap them with "
+          "backbone.layers=[name, ...] (names as listed)")
+    return 0
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     """Fit and save; print the model path."""
+    from anomaly_hooks.config import load_config
     from anomaly_hooks.detector import Detector
 
     overrides = list(args.overrides)
@@ -166,7 +211,7 @@ def _evaluate_parser(sub) -> None:
 
 
 def _eval_datasets(args: argparse.Namespace) -> list:
-    from anomaly_hooks.datasets import folders, open_dataset
+    from anomaly_hooks.evaluation.datasets import folders, open_dataset
 
     found = [open_dataset(d) for d in args.data]
     if args.good:
@@ -183,7 +228,8 @@ def _eval_datasets(args: argparse.Namespace) -> list:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Evaluate each dataset; print a table; write results.json/csv and the HTML reports."""
-    from anomaly_hooks.evaluate import evaluate, format_table, write_results
+    from anomaly_hooks.config import load_config
+    from anomaly_hooks.evaluation.runner import evaluate, format_table, write_results
 
     datasets = _eval_datasets(args)
     load_config(args.config, list(args.overrides))  # fail fast on a bad config
@@ -202,7 +248,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate}
+COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,12 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _fit_parser(sub)
     _score_parser(sub)
     _evaluate_parser(sub)
-    for extra in EXTRA_PARSERS:
-        extra(sub)
+    _layers_parser(sub)
     return parser
-
-
-EXTRA_PARSERS: list = []
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -236,6 +278,12 @@ def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> ar
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; user errors print one line (no traceback) and exit 2."""
+    # Transparent huge pages for large CPU tensors: PyTorch reads this once, at its first
+    # allocation, so it is set before any command imports torch. Multi-GB tensors (PaDiM sums
+    # and factors, per-batch work buffers) are page-faulted 2 MB at a time instead of 4 kB.
+    # THP_MEM_ALLOC_ENABLE=0 opts out.
+    if "torch" not in sys.modules:
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = _parse(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

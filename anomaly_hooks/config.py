@@ -1,25 +1,36 @@
 """Typed configuration (omegaconf structured configs).
 
 A config is built from the schema below, merged with a YAML file or mapping, then with
-``key=value`` overrides. Unknown keys and wrong types are rejected with a one-line message that
-names the key. The resolved config is saved with every model.
+``key=value`` overrides. Unknown keys, wrong types and values outside a choice (the
+:class:`Choice` enums) are rejected by omegaconf with a one-line message that names the key;
+:func:`validate_config` adds the range checks a type cannot express. The resolved config is
+saved with every model.
+
+The schema is the core sections below plus one section per registered method, each owned by
+its scorer (``Scorer.config_class``, e.g. ``padim:`` from ``scorers/padim/config.py``): a new
+method adds its section by registering, without touching this module.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Type, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-IMAGENET_MEAN = [0.485, 0.456, 0.406]
-IMAGENET_STD = [0.229, 0.224, 0.225]
+from anomaly_hooks.choices import Choice, check, choices
+from anomaly_hooks.errors import ConfigError
+from anomaly_hooks.images import DEFAULT_MAX_PIXELS
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or not allowed."""
+Precision = choices("Precision", ["float32", "bfloat16", "float16"])
+OnError = choices("OnError", ["raise", "skip"])
 
 
 @dataclass
@@ -29,7 +40,7 @@ class BackboneConfig:
     name: str = "wide_resnet50_2"  # torchvision model name, or "custom" for a user nn.Module
     weights: Optional[str] = "DEFAULT"  # torchvision weights name, a local file, or null (random)
     layers: Optional[List[str]] = None  # dotted module names; null = the method's default
-    precision: str = "float32"  # float32 | bfloat16 | float16 (autocast of the forward; GPU)
+    precision: Precision = Precision["float32"]  # autocast of the forward (GPU)
     channels_last: bool = False  # channels-last memory format (faster convolutions on GPU)
 
 
@@ -41,38 +52,6 @@ class PreprocessConfig:
     crop: Optional[List[int]] = field(default_factory=lambda: [224, 224])
     mean: List[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: List[float] = field(default_factory=lambda: list(IMAGENET_STD))
-
-
-@dataclass
-class PadimConfig:
-    """PaDiM: a Gaussian per patch position."""
-
-    n_features: Optional[int] = None  # random channel subset; null = 550 (WRN50) / 100 (ResNet18)
-    epsilon: float = 0.01  # added to the covariance diagonal
-    factor_dtype: str = "float32"  # float32 | float16 (dense factors only; half the memory)
-    covariance: str = "auto"  # auto | dense | lowrank (auto: lowrank for <= 0.4 D train images)
-
-
-@dataclass
-class PatchCoreConfig:
-    """PatchCore: coreset memory bank + nearest-neighbour distance."""
-
-    local_pool: int = 3  # neighbourhood averaging (kernel size, stride 1)
-    reduce_dim: Optional[int] = None  # target embedding dimension; null = keep all channels
-    reduce_method: str = "pool"  # "pool" (adaptive average pooling) or "project" (random)
-    coreset_ratio: Optional[float] = 0.1
-    coreset_count: Optional[int] = None  # absolute size; overrides the ratio when set
-    projection_dim: Optional[int] = 128  # for the selection only; null = no projection
-    max_bank_points: Optional[int] = None  # bounded-memory fit: merge-reduce when set
-    knn_backend: str = "auto"  # auto | projected | faiss-flat | faiss-ivf | faiss-hnsw | torch
-    k: int = 1
-    reweight: bool = False  # eq. 7 of the paper
-    reweight_neighbors: int = 9  # b in eq. 7
-    nlist: int = 1024  # faiss-ivf: number of lists (reduced for small banks)
-    nprobe: int = 16  # faiss-ivf: lists searched
-    hnsw_m: int = 32  # faiss-hnsw: graph degree
-    ef_search: int = 128  # faiss-hnsw: search breadth
-    bank_dtype: str = "float32"  # float32 | float16
 
 
 @dataclass
@@ -92,8 +71,8 @@ class DataConfig:
     train: Optional[str] = None  # folder of good images (an MVTec root uses train/good)
     batch_size: int = 16
     num_workers: int = 2
-    on_error: str = "raise"  # raise | skip: what fit does with unreadable images
-    max_pixels: int = 100_000_000  # decompression-bomb guard
+    on_error: OnError = OnError["raise"]  # what fit does with unreadable images
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
 
 @dataclass
@@ -105,20 +84,46 @@ class ResourcesConfig:
 
 
 @dataclass
-class Config:
-    """Everything that defines a model; saved with it."""
+class CoreConfig:
+    """The sections every method shares; :func:`schema` adds ``method`` and one section per
+    registered method."""
 
-    method: str = "padim"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     output: str = "models/model.safetensors"
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
-    padim: PadimConfig = field(default_factory=PadimConfig)
-    patchcore: PatchCoreConfig = field(default_factory=PatchCoreConfig)
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
     data: DataConfig = field(default_factory=DataConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+
+@lru_cache(maxsize=1)
+def schema() -> type:
+    """The full config dataclass: :class:`CoreConfig`, ``method`` (a :class:`Choice` of the
+    registered methods) and each method's section."""
+    from anomaly_hooks.scorers import DEFAULT_METHOD, registered
+
+    scorers = registered()
+    method = choices("Method", list(scorers))
+    sections = [(name, cls.config_class, field(default_factory=cls.config_class))
+                for name, cls in scorers.items()]
+    core = [(f.name, f.type, field(default=f.default, default_factory=f.default_factory))
+            for f in fields(CoreConfig)]
+    cls = make_dataclass("Config", [("method", method, field(default=method[DEFAULT_METHOD])),
+                                    *core, *sections])
+    cls.__module__ = __name__
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """``Method`` and ``Config`` exist once the scorers are registered (also lets pickle find
+    them)."""
+    if name == "Config":
+        return schema()
+    if name == "Method":
+        return schema().__dataclass_fields__["method"].type
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any], DictConfig, None]
@@ -134,7 +139,7 @@ def _as_pair(value: Any) -> Any:
 def _normalise_raw(raw: Any) -> Any:
     """Friendly shorthands before the typed merge (an int size means a square)."""
     if isinstance(raw, DictConfig):
-        raw = OmegaConf.to_container(raw, resolve=True)
+        raw = to_container(raw)
     if isinstance(raw, Mapping) and isinstance(raw.get("preprocess"), Mapping):
         pre = dict(raw["preprocess"])
         for key in ("resize", "crop"):
@@ -208,7 +213,7 @@ def load_config(
     Raises:
         ConfigError: unknown key, wrong type, or a value outside what is allowed.
     """
-    cfg = OmegaConf.structured(Config)
+    cfg = OmegaConf.structured(schema())
     cfg = _merge(cfg, _normalise_raw(_read_source(source)), "config")
     if overrides:
         cfg = _merge(cfg, _normalise_raw(_parse_overrides(overrides)), "override")
@@ -226,103 +231,50 @@ def load_config(
     return cfg
 
 
-def _check(cond: bool, key: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
-
-
 def _check_size(key: str, value: Optional[List[int]]) -> None:
     if value is None:
         return
-    _check(len(value) == 2 and all(v >= 1 for v in value), key,
-           "an int or [height, width] of positive ints", list(value))
+    check(len(value) == 2 and all(v >= 1 for v in value), key,
+          "an int or [height, width] of positive ints", list(value))
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Cross-field checks that the schema's types cannot express."""
-    from anomaly_hooks.scorers import available_methods
+    """Range and cross-field checks that the schema's types cannot express; each method's
+    section is checked by its scorer."""
+    from anomaly_hooks.scorers import registered
 
-    _check(cfg.method in available_methods(), "method", f"one of {available_methods()}", cfg.method)
-    _check(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"),
-           "device", "auto, cpu, cuda or cuda:N", cfg.device)
+    check(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"),
+          "device", "auto, cpu, cuda or cuda:N", cfg.device)
     pre = cfg.preprocess
     _check_size("preprocess.resize", pre.resize)
     _check_size("preprocess.crop", pre.crop)
     if pre.crop is not None:
-        _check(pre.crop[0] <= pre.resize[0] and pre.crop[1] <= pre.resize[1], "preprocess.crop",
-               f"at most the resize {list(pre.resize)} in each dimension", list(pre.crop))
-    _check(len(pre.mean) == 3 and len(pre.std) == 3 and min(pre.std) > 0, "preprocess.mean/std",
-           "three values each, std > 0", (list(pre.mean), list(pre.std)))
-    _check(cfg.backbone.precision in ("float32", "bfloat16", "float16"), "backbone.precision",
-           "float32, bfloat16 or float16", cfg.backbone.precision)
+        check(pre.crop[0] <= pre.resize[0] and pre.crop[1] <= pre.resize[1], "preprocess.crop",
+              f"at most the resize {list(pre.resize)} in each dimension", list(pre.crop))
+    check(len(pre.mean) == 3 and len(pre.std) == 3 and min(pre.std) > 0, "preprocess.mean/std",
+          "three values each, std > 0", (list(pre.mean), list(pre.std)))
     if cfg.backbone.layers is not None:
-        _check(len(cfg.backbone.layers) >= 1, "backbone.layers", "at least one layer name", [])
-    pad = cfg.padim
-    if pad.n_features is not None:
-        _check(pad.n_features >= 1, "padim.n_features", "a positive int or null", pad.n_features)
-    _check(pad.epsilon > 0, "padim.epsilon", "a positive float", pad.epsilon)
-    _check(pad.factor_dtype in ("float32", "float16"), "padim.factor_dtype",
-           "float32 or float16", pad.factor_dtype)
-    _check(pad.covariance in ("auto", "dense", "lowrank"), "padim.covariance",
-           "auto, dense or lowrank", pad.covariance)
-    _check(not (pad.covariance == "lowrank" and pad.factor_dtype == "float16"),
-           "padim.factor_dtype", "float32 with padim.covariance=lowrank (float16 applies to "
-           "dense factors only: the low-rank form loses up to 15 % in float16); use "
-           "padim.covariance=dense or auto", pad.factor_dtype)
-    _validate_patchcore(cfg.patchcore)
+        check(len(cfg.backbone.layers) >= 1, "backbone.layers", "at least one layer name", [])
     thr = cfg.threshold
-    _check(0.0 <= thr.holdout_fraction < 1.0, "threshold.holdout_fraction", "0 <= f < 1",
-           thr.holdout_fraction)
-    _check(0.0 < thr.quantile <= 1.0, "threshold.quantile", "0 < q <= 1", thr.quantile)
-    _check(thr.margin >= 0, "threshold.margin", ">= 0", thr.margin)
+    check(0.0 <= thr.holdout_fraction < 1.0, "threshold.holdout_fraction", "0 <= f < 1",
+          thr.holdout_fraction)
+    check(0.0 < thr.quantile <= 1.0, "threshold.quantile", "0 < q <= 1", thr.quantile)
+    check(thr.margin >= 0, "threshold.margin", ">= 0", thr.margin)
     data = cfg.data
-    _check(data.batch_size >= 1, "data.batch_size", ">= 1", data.batch_size)
-    _check(data.num_workers >= 0, "data.num_workers", ">= 0", data.num_workers)
-    _check(data.on_error in ("raise", "skip"), "data.on_error", "raise or skip", data.on_error)
-    _check(data.max_pixels >= 1, "data.max_pixels", ">= 1", data.max_pixels)
+    check(data.batch_size >= 1, "data.batch_size", ">= 1", data.batch_size)
+    check(data.num_workers >= 0, "data.num_workers", ">= 0", data.num_workers)
+    check(data.max_pixels >= 1, "data.max_pixels", ">= 1", data.max_pixels)
     res = cfg.resources
     if res.memory_limit_gb is not None:
-        _check(res.memory_limit_gb > 0, "resources.memory_limit_gb", "> 0 or null",
-               res.memory_limit_gb)
-    _check(0.0 < res.memory_fraction <= 1.0, "resources.memory_fraction", "0 < f <= 1",
-           res.memory_fraction)
-
-
-def _validate_patchcore(pc: DictConfig) -> None:
-    _check(pc.local_pool >= 1 and pc.local_pool % 2 == 1, "patchcore.local_pool",
-           "an odd int >= 1", pc.local_pool)
-    if pc.coreset_ratio is not None:
-        _check(0.0 < pc.coreset_ratio <= 1.0, "patchcore.coreset_ratio", "0 < ratio <= 1",
-               pc.coreset_ratio)
-    if pc.coreset_count is not None:
-        _check(pc.coreset_count >= 1, "patchcore.coreset_count", ">= 1", pc.coreset_count)
-    _check(pc.coreset_ratio is not None or pc.coreset_count is not None,
-           "patchcore.coreset_ratio", "a ratio or a coreset_count must be set", None)
-    if pc.reduce_dim is not None:
-        _check(pc.reduce_dim >= 1, "patchcore.reduce_dim", ">= 1 or null", pc.reduce_dim)
-    _check(pc.reduce_method in ("pool", "project"), "patchcore.reduce_method", "pool or project",
-           pc.reduce_method)
-    if pc.projection_dim is not None:
-        _check(pc.projection_dim >= 1, "patchcore.projection_dim", ">= 1 or null", pc.projection_dim)
-    if pc.max_bank_points is not None:
-        _check(pc.max_bank_points >= 1, "patchcore.max_bank_points", ">= 1 or null",
-               pc.max_bank_points)
-    _check(pc.knn_backend in ("auto", "projected", "faiss-flat", "faiss-ivf", "faiss-hnsw",
-                              "torch"),
-           "patchcore.knn_backend", "auto, projected, faiss-flat, faiss-ivf, faiss-hnsw or torch",
-           pc.knn_backend)
-    _check(pc.k >= 1, "patchcore.k", ">= 1", pc.k)
-    _check(pc.reweight_neighbors >= 1, "patchcore.reweight_neighbors", ">= 1",
-           pc.reweight_neighbors)
-    _check(pc.bank_dtype in ("float32", "float16"), "patchcore.bank_dtype", "float32 or float16",
-           pc.bank_dtype)
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML text."""
-    return OmegaConf.to_yaml(cfg, resolve=True)
+        check(res.memory_limit_gb > 0, "resources.memory_limit_gb", "> 0 or null",
+              res.memory_limit_gb)
+    check(0.0 < res.memory_fraction <= 1.0, "resources.memory_fraction", "0 < f <= 1",
+          res.memory_fraction)
+    for name, scorer in registered().items():
+        scorer.validate_config(cfg[name])
 
 
 def to_container(cfg: DictConfig) -> dict:
     """The resolved config as plain Python objects (JSON-serialisable)."""
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(cfg, resolve=True,  # type: ignore[return-value]
+                                  enum_to_str=True)

@@ -14,14 +14,11 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from anomaly_hooks.images import ImageReadError, describe, is_image_file, read_image
+from anomaly_hooks.errors import DataError, ImageReadError
+from anomaly_hooks.images import describe, is_image_file, read_image
 from anomaly_hooks.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """A source of images is empty, missing, or holds unreadable images."""
 
 
 def list_images(folder: Path) -> List[Path]:

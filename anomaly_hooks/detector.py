@@ -10,68 +10,43 @@ Example (in a service: load once, predict from many threads)::
 from __future__ import annotations
 
 import logging
-import math
+import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from PIL import Image
 from torch import nn
 from tqdm.auto import tqdm
 
 from anomaly_hooks import __version__
-from anomaly_hooks.backbones import CUSTOM, build_backbone, default_layers, fingerprint
+from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, load_config, to_container
-from anomaly_hooks.data import (DataError, describe, format_errors, iter_batches, list_images,
-                                resolve_items)
+from anomaly_hooks.data import format_errors, iter_batches, list_images, resolve_items
+from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, read_image
-from anomaly_hooks.modelfile import ModelFileError, load_model, save_model
+from anomaly_hooks.modelfile import load_model, save_model
+from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.resources import check_fit_memory
-from anomaly_hooks.scorers import NotFittedError, Scorer, get_scorer
+from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import Threshold
 
 log = logging.getLogger(__name__)
 
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
-
-
-class FitError(ValueError):
-    """Fitting could not proceed (bad images, too few images); the message says what to do."""
-
-
-@dataclass
-class Prediction:
-    """The result for one image. Scores: higher = more anomalous.
-
-    Attributes:
-        score: raw image score (max of the heatmap).
-        normalized_score: in (0, 1); the threshold maps to 0.5.
-        is_anomalous: ``score > threshold``.
-        heatmap: float32 ``[H, W]`` patch-score map in the frame of the input image.
-        mask: bool ``[H, W]``, ``heatmap > threshold``.
-        threshold: the raw threshold used.
-    """
-
-    score: float
-    normalized_score: float
-    is_anomalous: bool
-    heatmap: np.ndarray
-    mask: np.ndarray
-    threshold: float
+ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray, torch.Tensor)  # else: a sequence
 
 
 def resolve_layer_names(cfg: DictConfig) -> List[str]:
-    """The layers to tap: the config's, else the backbone's default for the method (e.g.
-    EfficientNet blocks), else the scorer's (ResNet ``layerN`` names)."""
-    return list(cfg.backbone.layers or default_layers(cfg.backbone.name, cfg.method)
-                or get_scorer(cfg.method).default_layers)
+    """The layers to tap: the config's, else the method's default for the backbone."""
+    return list(cfg.backbone.layers or get_scorer(cfg.method).layers_for(cfg.backbone.name))
 
 
 def _add_lap(acc: Dict[str, float], key: str, since: float,
@@ -90,14 +65,19 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available here: use device=auto or cpu")
+        raise ConfigError(f"device={name!r} but CUDA is not available here: use device=auto "
+                          "or cpu")
     return dev
 
 
 class Detector:
     """Anomaly detector: a hooked backbone, a patch embedder and a scorer (PaDiM, PatchCore).
 
-    Build with :meth:`from_config` or :meth:`load`. Thread-safe for :meth:`predict`.
+    Build with :meth:`from_config` or :meth:`load`. Follows scikit-learn's conventions: ``fit``
+    returns ``self``; what fitting learns ends in ``_`` (``scorer_``, ``threshold_``,
+    ``fit_info_``, ``fit_timings_``) and reading it before ``fit`` raises
+    :class:`NotFittedError`. Scores are "higher = more anomalous" (unlike scikit-learn's
+    ``score_samples``). Thread-safe for :meth:`predict` and :meth:`decision_function`.
     """
 
     def __init__(self, cfg: DictConfig, *, backbone: Optional[nn.Module] = None,
@@ -114,11 +94,13 @@ class Detector:
                                               probe_size=self.preprocessor.input_size,
                                               precision=cfg.backbone.precision,
                                               channels_last=cfg.backbone.channels_last)
-        self.scorer: Optional[Scorer] = None
-        self.threshold_: Optional[Threshold] = None
-        self.fit_info_: Dict[str, Any] = {}
-        self.fit_seconds_: Optional[float] = None
-        self.fit_timings_: Dict[str, float] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for missing attributes: a fitted one (``threshold_``) before fit()
+        if name.endswith("_") and not name.startswith("__"):
+            raise NotFittedError(f"this Detector is not fitted ({name} is set by fit()): call "
+                                 "fit() first, or Detector.load() a saved model")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -133,8 +115,8 @@ class Detector:
             overrides: ``key=value`` strings; kw_overrides: ``padim__n_features=100`` style.
         """
         if backbone is not None and not isinstance(backbone, nn.Module):
-            raise ValueError("backbone= takes an nn.Module; to override config keys of the "
-                             "backbone section use backbone__layers=[...] or overrides=[...]")
+            raise ConfigError("backbone= takes an nn.Module; to override config keys of the "
+                              "backbone section use backbone__layers=[...] or overrides=[...]")
         cfg = load_config(source, overrides, **kw_overrides)
         if backbone is not None:
             cfg = load_config(to_container(cfg), backbone={"name": CUSTOM})
@@ -145,18 +127,35 @@ class Detector:
         """Channels and stride of each tapped layer (from the extractor's dry run)."""
         return self.extractor.info
 
+    def __sklearn_is_fitted__(self) -> bool:
+        return "scorer_" in self.__dict__ and "threshold_" in self.__dict__
+
     @property
     def is_fitted(self) -> bool:
-        return self.scorer is not None and self.scorer.fitted and self.threshold_ is not None
+        """True once fitted (or loaded)."""
+        return self.__sklearn_is_fitted__()
+
+    @property
+    def scorer(self) -> Optional[Scorer]:
+        """Alias of ``scorer_`` (None before fit), kept for code written before 0.2."""
+        return self.__dict__.get("scorer_")
+
+    def _check_fitted(self) -> None:
+        if not self.is_fitted:
+            raise NotFittedError("this Detector is not fitted: call fit() first, or "
+                                 "Detector.load() a saved model")
 
     # -- fitting --------------------------------------------------------------------------
-    def fit(self, source: Any, *, progress: bool = True) -> "Detector":
-        """Fit on good images: a folder (an MVTec root uses ``train/good``), a list of paths,
-        or an iterable of images. Sets the threshold from held-out good images (or
-        ``threshold.folder``). Returns ``self``.
+    def fit(self, X: Any, y: None = None, *, progress: bool = True) -> "Detector":
+        """Fit on good images ``X``: a folder (an MVTec root uses ``train/good``), a list of
+        paths, or an iterable of images (``y`` only for scikit-learn's signature: it must be
+        None, every training image is good). Sets the threshold from held-out good images (or
+        ``threshold.folder``). Returns ``self``; a failed fit leaves a fitted detector as it was.
         """
+        if y is not None:
+            raise FitError("fit() takes good images only: y must be None (no labels)")
         cfg = self.cfg
-        items = resolve_items(source, training=True)
+        items = resolve_items(X, training=True)
         train, held = self._split(items)
         scorer_cls = get_scorer(cfg.method)
         if len(train) < scorer_cls.min_train_images:
@@ -165,9 +164,8 @@ class Detector:
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
         scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
                                    cfg.seed + SEED_SCORER)
-        self.memory_estimate_ = check_fit_memory(cfg, self.layer_info,
-                                                 self.preprocessor.input_size, len(train),
-                                                 self.device, n_threshold=len(held))
+        memory = check_fit_memory(scorer_cls, cfg, self.layer_info, self.preprocessor.input_size,
+                                  len(train), self.device, n_threshold=len(held))
         scorer.begin(len(train))
         clock = [time.perf_counter()]
 
@@ -181,17 +179,16 @@ class Detector:
         timings["finalize"] = lap()
         timings.update({f"finalize: {k}": v
                         for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-        self.scorer = scorer
-        good_scores = self._score_images(held_images)
+        good_scores = self._score_images(scorer, held_images)
         timings["threshold"] = lap()
-        self.threshold_ = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
-                                                     cfg.threshold.margin)
+        threshold = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
+                                               cfg.threshold.margin)
+        self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
                           "skipped": errors,
                           "threshold_source": cfg.threshold.folder or "holdout"}
         # Timings are not saved: model files are byte-identical across fits.
         self.fit_timings_ = {**timings, "total": clock[-1] - clock[0]}
-        self.fit_seconds_ = self.fit_timings_["total"]
         return self
 
     def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
@@ -262,15 +259,15 @@ class Detector:
             log.warning("skipped %d unreadable %s image(s):\n%s", len(errs), what,
                         format_errors(errs))
 
-    def _score_images(self, batches: List[torch.Tensor]) -> List[float]:
+    def _score_images(self, scorer: Scorer, batches: List[torch.Tensor]) -> List[float]:
         """Image scores of preprocessed images (``[b, 3, h, w]`` tensors), in batches."""
         scores: List[float] = []
         if not batches:
             return scores
         images = torch.cat(batches)
-        for start in range(0, images.shape[0], self.cfg.data.batch_size):
-            img_scores, _ = self._infer(images[start:start + self.cfg.data.batch_size])
-            scores.extend(img_scores.tolist())
+        step = self.cfg.data.batch_size
+        for start in range(0, images.shape[0], step):
+            scores.extend(self._infer(images[start:start + step], scorer)[0].tolist())
         return scores
 
     # -- inference ------------------------------------------------------------------------
@@ -279,9 +276,10 @@ class Detector:
         with torch.inference_mode():
             return scorer.embedder(self.extractor(images))
 
-    def _infer(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` at the network input size."""
-        scorer = self.scorer
+    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` at the network input size."""
+        scorer = scorer if scorer is not None else self.scorer_
         with torch.inference_mode():
             emb = self._embed(scorer, images)
             patch = scorer.score(emb)
@@ -289,23 +287,39 @@ class Detector:
             scores = scorer.image_scores(emb, patch, maps)
         return scores.float().cpu(), maps
 
-    def predict(self, images: Union[ImageInput, Sequence[ImageInput]], *,
+    def predict(self, X: Union[ImageInput, Sequence[ImageInput]], *,
                 batch_size: Optional[int] = None) -> Union[Prediction, List[Prediction]]:
-        """Score one image (-> :class:`Prediction`) or a list (-> list, batched internally).
+        """Score one image (-> :class:`Prediction`) or a sequence of images (-> a list of
+        them, batched internally), always.
 
         An image is a path, a PIL image, a numpy array (HxW or HxWxC, uint8 or float in [0, 1])
-        or a ``[C, H, W]`` tensor. Safe to call from many threads at once.
+        or a ``[C, H, W]`` tensor; anything else iterable is a sequence of images. Safe to call
+        from many threads at once. Raises :class:`ImageReadError` for an unreadable image
+        (use :meth:`iter_predict` to go on past bad files).
         """
-        if not self.is_fitted:
-            raise NotFittedError("this Detector is not fitted: call fit() first, or "
-                                 "Detector.load() a saved model")
-        single = not isinstance(images, (list, tuple))
-        items = [images] if single else list(images)
+        self._check_fitted()
+        single = isinstance(X, ONE_IMAGE)
+        items = [X] if single else list(X)
         size = batch_size or self.cfg.data.batch_size
         out: List[Prediction] = []
         for start in range(0, len(items), size):
             out.extend(self._predict_batch(items[start:start + size]))
         return out[0] if single else out
+
+    def decision_function(self, X: Union[ImageInput, Sequence[ImageInput]], *,
+                          batch_size: Optional[int] = None) -> np.ndarray:
+        """Raw image scores ``[N]`` float64 of one image or a sequence (higher = more
+        anomalous; compare with ``threshold_.value``), batched, without keeping heatmaps."""
+        self._check_fitted()
+        items = [X] if isinstance(X, ONE_IMAGE) else list(X)
+        size = batch_size or self.cfg.data.batch_size
+        scores: List[float] = []
+        for start in range(0, len(items), size):
+            canon = [read_image(item, self.cfg.data.max_pixels)
+                     for item in items[start:start + size]]
+            batch = torch.stack([self.preprocessor(img) for img in canon])
+            scores.extend(self._infer(batch)[0].tolist())
+        return np.asarray(scores, dtype=np.float64)
 
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
                      num_workers: Optional[int] = None
@@ -315,9 +329,7 @@ class Detector:
         Yields ``(index, Prediction)`` in input order, or ``(index, ImageReadError)`` for an
         item that could not be read — one bad file never stops the rest.
         """
-        if not self.is_fitted:
-            raise NotFittedError("this Detector is not fitted: call fit() first, or "
-                                 "Detector.load() a saved model")
+        self._check_fitted()
         data = self.cfg.data
         for batch in iter_batches(list(items), self.preprocessor,
                                   batch_size=batch_size or data.batch_size,
@@ -349,12 +361,11 @@ class Detector:
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:
         """Write the model atomically (safetensors + JSON metadata). Returns the path."""
-        if not self.is_fitted:
-            raise NotFittedError("nothing to save: call fit() first")
-        tensors, scorer_meta = self.scorer.state()
+        self._check_fitted()
+        tensors, scorer_meta = self.scorer_.state()
         meta = {
             "anomaly_hooks_version": __version__,
-            "method": self.cfg.method,
+            "method": str(self.cfg.method),
             "config": to_container(self.cfg),
             "preprocess": self.preprocessor.as_dict(),
             "layers": [vars(info) for info in self.layer_info],
@@ -366,7 +377,7 @@ class Detector:
             "fit": self.fit_info_,
             "torch_version": torch.__version__.split("+")[0],
         }
-        return save_model(path, tensors, meta, version=self.scorer.format_version())
+        return save_model(path, tensors, meta, version=self.scorer_.format_version())
 
     @classmethod
     def load(cls, path: Union[str, Path], *, device: Optional[str] = None,
@@ -411,7 +422,7 @@ class Detector:
             raise ModelFileError(f"{path}: the backbone's layers {det.layer_info} differ from "
                                  f"the saved {saved_layers}")
         scorer_cls = get_scorer(meta["method"])
-        det.scorer = scorer_cls.from_state(cfg[cfg.method], det.layer_info, tensors,
+        det.scorer_ = scorer_cls.from_state(cfg[cfg.method], det.layer_info, tensors,
                                            meta["scorer"], det.device)
         det.threshold_ = Threshold.from_dict(meta["threshold"])
         det.fit_info_ = dict(meta.get("fit", {}))

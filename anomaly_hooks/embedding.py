@@ -68,11 +68,6 @@ class PatchEmbedder:
             return int(self.channel_idx.numel())
         return self.total_channels
 
-    def grid(self, input_size: Sequence[int]) -> tuple[int, int]:
-        """(h, w) of the embedding grid for an input of size (H, W)."""
-        stride = min(info.stride for info in self.layers)
-        return -(-int(input_size[0]) // stride), -(-int(input_size[1]) // stride)
-
     def __call__(self, feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """``{layer: [B, C_l, h_l, w_l]}`` -> ``[B, D, h, w]`` float32 in **channels-last**
         memory: ``emb.permute(0, 2, 3, 1)`` is a contiguous ``[B, h, w, D]`` tensor, so a

@@ -5,6 +5,9 @@ hook handles and removes them on :meth:`HookFeatureExtractor.close` or on leavin
 The forward pass stops right after the last requested layer *in execution order* (found by a dry
 run), so later stages (layer4, pooling, classifier) never run. Captured outputs live in
 thread-local storage, so one extractor can serve many threads at once.
+
+:func:`describe_layers` answers the first question about a new backbone: which module names can
+be tapped, and what each gives (output shape, channels, stride), from one dry run.
 """
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ import contextlib
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from anomaly_hooks.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -46,16 +51,17 @@ def resolve_layers(model: nn.Module, layers: Sequence[str]) -> Dict[str, nn.Modu
     """Map each requested name to its submodule.
 
     Raises:
-        ValueError: an unknown name (the message lists the valid names), or an empty/duplicate list.
+        ConfigError: an unknown name (the message lists the valid names), or an empty/duplicate
+            list.
     """
     if not layers:
-        raise ValueError("no layers requested: give at least one module name, e.g. ['layer2']")
+        raise ConfigError("no layers requested: give at least one module name, e.g. ['layer2']")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"duplicate layer names in {list(layers)}")
+        raise ConfigError(f"duplicate layer names in {list(layers)}")
     modules = dict(model.named_modules())
     unknown = [name for name in layers if name not in modules or not name]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown layer name(s) {unknown} for {type(model).__name__}. Valid names: "
             f"{_describe_valid(model)}"
         )
@@ -67,7 +73,8 @@ def _first_tensor(output: Any) -> torch.Tensor:
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ValueError(f"layer output of type {type(output).__name__} is not a tensor")
+    raise ConfigError(f"layer output of type {type(output).__name__} is not a tensor: pick a "
+                      "module whose output is a [B, C, H, W] tensor")
 
 
 # Optional mixed precision of the backbone forward (features are used in float32 afterwards).
@@ -78,7 +85,9 @@ class HookFeatureExtractor:
     """Capture the outputs of named layers of ``model``.
 
     Args:
-        model: any ``nn.Module`` taking a ``[B, 3, H, W]`` tensor. Put in eval mode.
+        model: any ``nn.Module`` taking a ``[B, 3, H, W]`` tensor. The extractor puts *this*
+            module in eval mode and moves it to ``device`` (in place: a module shared with
+            other code is changed for it too).
         layers: dotted module names, in any order; outputs come back in this order.
         device: where the model runs.
         probe_size: ``(H, W)`` of the dry run that finds execution order, channels and strides.
@@ -98,7 +107,7 @@ class HookFeatureExtractor:
         channels_last: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
+            raise ConfigError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
         self.precision = PRECISIONS[precision]
         self.channels_last = channels_last
         self.model = model.eval().to(device)
@@ -146,16 +155,17 @@ class HookFeatureExtractor:
         outputs = self._run(probe)
         missing = [n for n in self.layers if n not in outputs]
         if missing:
-            raise ValueError(f"layers {missing} did not run in a forward pass of "
-                             f"{type(self.model).__name__}: pick modules on the forward path")
+            raise ConfigError(f"layers {missing} did not run in a forward pass of "
+                              f"{type(self.model).__name__}: pick modules on the forward path")
         self.order: List[str] = list(outputs["__order__"])  # requested layers, execution order
         self._last = self.order[-1]
         info = []
         for name in self.layers:
             feat = outputs[name]
             if feat.dim() != 4:
-                raise ValueError(f"layer {name!r} gives a {feat.dim()}-d output {tuple(feat.shape)};"
-                                 " pick a convolutional layer with a [B, C, H, W] output")
+                raise ConfigError(f"layer {name!r} gives a {feat.dim()}-d output "
+                                  f"{tuple(feat.shape)}; pick a convolutional layer with a "
+                                  "[B, C, H, W] output")
             info.append(LayerInfo(name, int(feat.shape[1]), max(1, round(size[0] / feat.shape[2]))))
         return info
 
@@ -186,3 +196,70 @@ class HookFeatureExtractor:
             self.close()
         except Exception:
             pass
+
+
+@dataclass(frozen=True)
+class LayerDescription:
+    """One module seen in a dry run: its output ``shape`` (first call, batch of 1), and for a
+    ``[1, C, H, W]`` output its ``channels`` and ``stride``; ``calls`` per forward pass (a
+    tapped module gives its first call's output); ``default_for``: the methods whose default
+    layers include it."""
+
+    name: str
+    type: str
+    shape: Tuple[int, ...]
+    channels: Optional[int]
+    stride: Optional[int]
+    calls: int
+    default_for: Tuple[str, ...] = ()
+
+    @property
+    def tappable(self) -> bool:
+        """True when the output is a ``[B, C, H, W]`` map (what the embedders need)."""
+        return len(self.shape) == 4
+
+
+def describe_layers(model: nn.Module, input_size: Sequence[int] = (224, 224),
+                    defaults: Optional[Mapping[str, Sequence[str]]] = None
+                    ) -> List[LayerDescription]:
+    """Every named module of ``model`` that runs in a forward pass, in execution order, with
+    its output shape, channels and stride: one dry run of a ``[1, 3, H, W]`` zero image with a
+    forward hook on every module (all removed afterwards; the model is put in eval mode).
+
+    Args:
+        input_size: ``(H, W)`` (or one int) of the dry run; strides are relative to it.
+        defaults: method -> its default layer names, to mark in ``default_for``.
+    """
+    size = (int(input_size), int(input_size)) if isinstance(input_size, int) else \
+        tuple(int(v) for v in input_size)
+    seen: Dict[str, List[Any]] = {}
+
+    def record(name: str, module: nn.Module, _inputs: Any, output: Any) -> None:
+        if name in seen:
+            seen[name][1] += 1
+            return
+        try:
+            shape = tuple(_first_tensor(output).shape)
+        except ConfigError:
+            shape = ()
+        seen[name] = [type(module).__name__, 1, shape]
+
+    handles = [module.register_forward_hook(partial(record, name))
+               for name, module in model.named_modules() if name]
+    try:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with torch.inference_mode():
+            model.eval()(torch.zeros(1, 3, *size, device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    marks = {name: tuple(m for m, names in (defaults or {}).items() if name in names)
+             for name in seen}
+    out = []
+    for name, (kind, calls, shape) in seen.items():
+        four_d = len(shape) == 4
+        out.append(LayerDescription(
+            name, kind, shape, int(shape[1]) if four_d else None,
+            max(1, round(size[0] / shape[2])) if four_d and shape[2] else None, calls,
+            marks[name]))
+    return out

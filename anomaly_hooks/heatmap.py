@@ -10,9 +10,10 @@ DEFAULT_SIGMA = 4.0
 
 
 def gaussian_kernel1d(sigma: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Normalised 1-d Gaussian of size ``2 * floor(4 sigma + 0.5) + 1`` (33 for sigma 4)."""
+    """Normalised 1-d Gaussian of size ``2 * floor(4 sigma + 0.5) + 1`` (33 for sigma 4),
+    float64 (callers round it to the maps' dtype): scipy's ``gaussian_filter`` kernel."""
     radius = int(4.0 * sigma + 0.5)
-    x = torch.arange(-radius, radius + 1, dtype=torch.float32, device=device)
+    x = torch.arange(-radius, radius + 1, dtype=torch.float64, device=device)
     k = torch.exp(-0.5 * (x / sigma) ** 2)
     return k / k.sum()
 

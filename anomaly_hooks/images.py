@@ -1,5 +1,8 @@
 """Read any supported image input into one canonical form: float32 RGB ``[3, H, W]`` in [0, 1].
 
+The decoding itself is torch-free (numpy float32 ``[H, W, 3]``, :func:`decode`), so the ONNX
+runtime reads images exactly as the PyTorch path does; :func:`read_image` gives the tensor.
+
 Accepted: a path (str / Path), a PIL image, a numpy array (``HxW`` or ``HxWxC`` with C in 1, 3, 4;
 uint8, uint16 or float in [0, 1]) or a torch tensor ``[C, H, W]`` (uint8 or float in [0, 1]).
 Grayscale, palette, RGBA, CMYK and 16-bit images become RGB; EXIF orientation is applied.
@@ -10,21 +13,21 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
-ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, torch.Tensor]
+from anomaly_hooks.errors import ImageReadError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, "torch.Tensor"]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm",
                   ".ppm", ".pbm"}
-DEFAULT_MAX_PIXELS = 100_000_000
-
-
-class ImageReadError(ValueError):
-    """An image could not be read; the message names the file and the reason."""
+DEFAULT_MAX_PIXELS = 100_000_000  # decompression-bomb guard (data.max_pixels)
 
 
 def _check_pixels(width: int, height: int, max_pixels: int, label: str) -> None:
@@ -86,7 +89,24 @@ def _pil_to_array(img: Image.Image) -> np.ndarray:
     return np.asarray(img)
 
 
-def _array_to_tensor(arr: np.ndarray, label: str) -> torch.Tensor:
+def _to_array(tensor: Any, label: str) -> np.ndarray:
+    """A torch tensor ``[C, H, W]`` (or ``[H, W]``) -> numpy ``[H, W, C]`` (torch is already
+    imported when a tensor exists, so this module never imports it itself)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dim() == 2:
+        tensor = tensor.unsqueeze(0)
+    if tensor.dim() != 3 or tensor.shape[0] not in (1, 3, 4):
+        raise ImageReadError(f"{label}: tensor of shape {tuple(tensor.shape)} is not [C, H, W] "
+                             "with C in 1, 3, 4")
+    try:
+        return tensor.permute(1, 2, 0).numpy()
+    except TypeError:  # bfloat16 and other dtypes numpy lacks
+        raise ImageReadError(f"{label}: unsupported dtype {tensor.dtype}; use uint8, uint16 or "
+                             "float") from None
+
+
+def _channels(arr: np.ndarray, label: str) -> np.ndarray:
+    """``[H, W]`` or ``[H, W, C]`` (C in 1, 3, 4) -> ``[H, W, 3]`` (alpha dropped, gray repeated)."""
     if arr.ndim == 2:
         arr = arr[:, :, None]
     if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
@@ -95,51 +115,29 @@ def _array_to_tensor(arr: np.ndarray, label: str) -> torch.Tensor:
         arr = arr[:, :, :3]
     if arr.shape[2] == 1:
         arr = np.repeat(arr, 3, axis=2)
-    if not arr.dtype.isnative:  # e.g. big-endian uint16 from np.frombuffer(..., ">u2")
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    arr = np.ascontiguousarray(arr)
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    try:
-        tensor = torch.from_numpy(arr).permute(2, 0, 1)
-    except TypeError:  # object, string, ... arrays
-        raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or "
-                             "float") from None
-    return _scale(tensor, label)
+    return arr
 
 
-def _scale(tensor: torch.Tensor, label: str) -> torch.Tensor:
-    if tensor.dtype == torch.uint8:
-        return tensor.to(torch.float32).div_(255.0)
-    if tensor.dtype == torch.uint16 or tensor.dtype == torch.int32:
-        out = tensor.to(torch.float32)
-        if out.numel() and (out.min() < 0 or out.max() > 65535):
-            raise ImageReadError(f"{label}: {tensor.dtype} image values must be in [0, 65535]")
-        return out.div_(65535.0)
-    if tensor.is_floating_point():
-        out = tensor.to(torch.float32)
-        if out.numel() and (not torch.isfinite(out).all() or out.min() < 0 or out.max() > 1):
+def _scale(arr: np.ndarray, label: str) -> np.ndarray:
+    """Pixel values -> float32 in [0, 1] by dtype: uint8 / 255, uint16 and int32 / 65535,
+    float as is (must be finite and in [0, 1])."""
+    if arr.dtype == np.uint8:
+        return arr.astype(np.float32) / np.float32(255.0)
+    if arr.dtype in (np.uint16, np.int32):
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):
+            raise ImageReadError(f"{label}: {arr.dtype} image values must be in [0, 65535]")
+        return arr.astype(np.float32) / np.float32(65535.0)
+    if arr.dtype.kind == "f" and arr.dtype.itemsize in (2, 4, 8):
+        out = arr.astype(np.float32)
+        if out.size and (not np.isfinite(out).all() or out.min() < 0 or out.max() > 1):
             raise ImageReadError(f"{label}: float image values must be finite and in [0, 1]")
         return out
-    raise ImageReadError(f"{label}: unsupported dtype {tensor.dtype}; use uint8, uint16 or float")
+    raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or float")
 
 
-def _tensor_input(tensor: torch.Tensor, label: str) -> torch.Tensor:
-    tensor = tensor.detach().cpu()
-    if tensor.dim() == 2:
-        tensor = tensor.unsqueeze(0)
-    if tensor.dim() != 3 or tensor.shape[0] not in (1, 3, 4):
-        raise ImageReadError(f"{label}: tensor of shape {tuple(tensor.shape)} is not [C, H, W] "
-                             "with C in 1, 3, 4")
-    if tensor.shape[0] == 4:
-        tensor = tensor[:3]
-    if tensor.shape[0] == 1:
-        tensor = tensor.expand(3, -1, -1)
-    return _scale(tensor.contiguous(), label)
-
-
-def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
-    """Canonical float32 RGB tensor ``[3, H, W]`` in [0, 1] of any supported input.
+def decode(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Canonical float32 RGB array ``[H, W, 3]`` in [0, 1] of any supported input (torch-free:
+    the ONNX runtime uses it as it is).
 
     Raises:
         ImageReadError: unreadable file, unsupported type/shape/dtype, too many pixels.
@@ -160,20 +158,31 @@ def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch
     elif isinstance(image, np.ndarray):
         label = "numpy array"
         arr = image
-    elif isinstance(image, torch.Tensor):
-        tensor = _tensor_input(image, "tensor")
-        _check_pixels(tensor.shape[2], tensor.shape[1], max_pixels, "tensor")
-        return tensor
+    elif type(image).__module__.split(".")[0] == "torch" and hasattr(image, "permute"):
+        label = "tensor"
+        arr = _to_array(image, label)
     else:
         raise ImageReadError(
             f"unsupported image input of type {type(image).__name__}: give a path, a PIL image, "
             "a numpy array (HxW or HxWxC) or a [C, H, W] tensor"
         )
-    if arr.ndim >= 2:
-        _check_pixels(arr.shape[1], arr.shape[0], max_pixels, label)
-    if arr.dtype == np.uint16:
-        arr = arr.astype(np.int32)
-    return _array_to_tensor(arr, label)
+    arr = _channels(arr, label)
+    _check_pixels(arr.shape[1], arr.shape[0], max_pixels, label)
+    if not arr.dtype.isnative:  # e.g. big-endian uint16 from np.frombuffer(..., ">u2")
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return _scale(arr, label)
+
+
+def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> "torch.Tensor":
+    """Canonical float32 RGB tensor ``[3, H, W]`` in [0, 1] of any supported input (a view of
+    :func:`decode`'s ``[H, W, 3]`` array).
+
+    Raises:
+        ImageReadError: unreadable file, unsupported type/shape/dtype, too many pixels.
+    """
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(decode(image, max_pixels))).permute(2, 0, 1)
 
 
 def describe(image: Any) -> str:
@@ -182,7 +191,7 @@ def describe(image: Any) -> str:
         return str(image)
     if isinstance(image, np.ndarray):
         return f"array{tuple(image.shape)}"
-    if isinstance(image, torch.Tensor):
+    if type(image).__module__.split(".")[0] == "torch":
         return f"tensor{tuple(image.shape)}"
     if isinstance(image, Image.Image):
         return f"PIL{image.size}"

@@ -18,15 +18,13 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from anomaly_hooks.errors import ModelFileError
+
 FORMAT_NAME = "anomaly_hooks"
 FORMAT_VERSION = 2  # the newest format this version reads and writes
 # 1: the original format; 2: adds PaDiM's low-rank covariance form (a file is written with the
 # oldest version that holds its content, so older readers still open what they can read)
 HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
-
-
-class ModelFileError(ValueError):
-    """A model file is missing, damaged, of another format/version, or not what was expected."""
 
 
 def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:

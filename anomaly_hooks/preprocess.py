@@ -3,10 +3,12 @@ for heatmaps, so that a heatmap comes back in the frame of the image the caller 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from anomaly_hooks.config import IMAGENET_MEAN, IMAGENET_STD
 
 
 @dataclass(frozen=True)
@@ -18,8 +20,8 @@ class Preprocessor:
 
     resize: Tuple[int, int] = (256, 256)
     crop: Optional[Tuple[int, int]] = (224, 224)
-    mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: Tuple[float, float, float] = IMAGENET_MEAN
+    std: Tuple[float, float, float] = IMAGENET_STD
 
     @classmethod
     def from_config(cls, pre) -> "Preprocessor":
@@ -71,8 +73,3 @@ class Preprocessor:
         """JSON-serialisable description (stored with the model)."""
         return {"resize": list(self.resize), "crop": list(self.crop) if self.crop else None,
                 "mean": list(self.mean), "std": list(self.std)}
-
-
-def stack_batch(images: Sequence[torch.Tensor], pre: Preprocessor) -> torch.Tensor:
-    """Preprocess and stack canonical images into ``[B, 3, h, w]``."""
-    return torch.stack([pre(img) for img in images])

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from anomaly_hooks.config import load_config  # noqa: E402
-from anomaly_hooks.coreset import (StreamingCoreset, coreset_size, coverage_radius,  # noqa: E402
+from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size, coverage_radius,  # noqa: E402
                                    greedy_coreset)
 from anomaly_hooks.data import iter_batches, list_images, train_folder  # noqa: E402
-from anomaly_hooks.knn import NearestNeighbors  # noqa: E402
+from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors  # noqa: E402
 
 
 def training_features(cfg, data: Path) -> tuple[torch.Tensor, int]:
@@ -52,12 +52,12 @@ def fit_peak_memory(config: str, data: Path, overrides: list[str]) -> dict:
     code = (
         "import json, sys, time\n"
         "from anomaly_hooks import Detector\n"
-        "from anomaly_hooks.bench import PeakMemory\n"
+        "from anomaly_hooks.evaluation.benchmark import PeakMemory\n"
         "det = Detector.from_config(sys.argv[1], overrides=sys.argv[3:])\n"
         "with PeakMemory(det.device) as mem:\n"
         "    t = time.perf_counter(); det.fit(sys.argv[2], progress=False)\n"
         "    secs = time.perf_counter() - t\n"
-        "print(json.dumps({'fit_seconds': secs, 'bank': int(det.scorer.bank.shape[0]),"
+        "print(json.dumps({'fit_seconds': secs, 'bank': int(det.scorer_.bank.shape[0]),"
         " 'peak_rss_above_start_mb': mem.peak_mb, 'timings': det.fit_timings_}))\n")
     out = subprocess.run([sys.executable, "-c", code, config, str(data), *overrides],
                          capture_output=True, text=True, check=True,

@@ -21,13 +21,13 @@ from omegaconf import read_write  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from anomaly_hooks import Detector, load_config  # noqa: E402
-from anomaly_hooks.bench import _test_items  # noqa: E402
+from anomaly_hooks.evaluation.benchmark import _test_items  # noqa: E402
 from anomaly_hooks.data import list_images, train_folder  # noqa: E402
 
 
 def to_float16(det: Detector) -> None:
     """Convert the fitted model's stored tensor to float16, in place."""
-    sc = det.scorer
+    sc = det.scorer_
     if det.cfg.method == "padim":
         sc.gaussians.chol = sc.gaussians.chol.half()
     else:  # what a bank_dtype=float16 fit stores, with its index rebuilt

@@ -14,6 +14,16 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 warnings.filterwarnings("ignore", message="backbone.weights is null")
 
+# Compute-path tests take the ``device`` fixture: always the CPU, plus CUDA where a GPU is
+# present, so the same suite checks the GPU paths when run on one (../shared/gpu/README.md).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """``cpu``, and ``cuda`` when available."""
+    return torch.device(request.param)
+
 
 def shared_dataset(name: str) -> Path:
     """A dataset under ../shared/data, or skip the test where it is absent."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from anomaly_hooks import bench
+from anomaly_hooks.evaluation import benchmark as bench
 from conftest import SAMPLE
 
 

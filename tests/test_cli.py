@@ -26,6 +26,7 @@ def _labels_scores(results_json: Path) -> tuple[list[int], list[float]]:
     return labels, [r["score"] for r in rows]
 
 
+@pytest.mark.slow
 def test_fit_and_score_scripts_end_to_end(tmp_path):
     model = tmp_path / "m.safetensors"
     fit = subprocess.run([sys.executable, "scripts/fit.py", "--config", "configs/padim.yaml",
@@ -65,6 +66,28 @@ def test_score_reports_unreadable_files_and_goes_on(tmp_path, fitted):
     assert len(data["failures"]) == 1 and "bad.png" in data["failures"][0]
 
 
+def test_bugs_keep_their_traceback_user_errors_do_not(monkeypatch, capsys, tmp_path):
+    """Any AnomalyHooksError or OSError is one 'error:' line and exit 2; anything else (an
+    internal bug, even a plain ValueError) propagates with its traceback."""
+    from anomaly_hooks import cli
+    from anomaly_hooks.errors import DataError
+
+    def fails_with(exc):
+        def command(args):
+            raise exc
+        return command
+
+    for exc in (DataError("no images in x"), PermissionError(13, "Permission denied", "/m")):
+        monkeypatch.setitem(cli.COMMANDS, "layers", fails_with(exc))
+        assert main(["layers", "resnet18"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and err.count("\n") == 1, err
+    for exc in (ValueError("bug: shapes do not match"), KeyError("oops"), RuntimeError("bug")):
+        monkeypatch.setitem(cli.COMMANDS, "layers", fails_with(exc))
+        with pytest.raises(type(exc)):
+            main(["layers", "resnet18"])
+
+
 def test_user_errors_are_one_line(tmp_path, capsys):
     assert main(["fit", "--config", "configs/padim.yaml", "padim.bogus=1"]) == 2
     err = capsys.readouterr().err
@@ -73,6 +96,7 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert "model file not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["padim", "patchcore"])
 def test_sample_data_auroc_with_random_wrn50(method, tmp_path, capsys):
     """Seeded random-init WRN50 (the README command's setting): defects score above good."""

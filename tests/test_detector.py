@@ -17,11 +17,56 @@ from conftest import ROOT, textured_images, with_defect
 
 
 def test_predict_before_fit_is_a_clear_error(small_cfg):
+    from anomaly_hooks import AnomalyHooksError
+
     det = Detector.from_config(small_cfg)
-    with pytest.raises(NotFittedError, match="call fit"):
-        det.predict(textured_images(1)[0])
-    with pytest.raises(NotFittedError):
-        det.save("never.safetensors")
+    for call in (lambda: det.predict(textured_images(1)[0]),
+                 lambda: det.decision_function(textured_images(1)),
+                 lambda: det.save("never.safetensors"),
+                 lambda: det.threshold_, lambda: det.scorer_, lambda: det.fit_info_):
+        with pytest.raises(NotFittedError, match="call fit"):
+            call()
+    # scikit-learn's conventions: a ValueError and an AttributeError; hasattr is False
+    assert issubclass(NotFittedError, (ValueError, AttributeError, AnomalyHooksError))
+    assert not hasattr(det, "threshold_") and det.scorer is None and not det.is_fitted
+    assert det.__sklearn_is_fitted__() is False
+    with pytest.raises(AttributeError, match="no attribute 'bogus'"):
+        det.bogus  # noqa: B018
+    with pytest.raises(FitError, match="y must be None"):
+        det.fit(textured_images(4), [0, 0, 0, 1])
+
+
+def test_sklearn_conventions_after_fit(fitted):
+    assert fitted.__sklearn_is_fitted__() is True
+    assert fitted.scorer is fitted.scorer_ and fitted.is_fitted
+    assert {"scorer_", "threshold_", "fit_info_", "fit_timings_"} <= set(vars(fitted))
+
+
+def test_predict_one_gives_a_prediction_a_sequence_gives_a_list(fitted):
+    from anomaly_hooks import Prediction
+
+    imgs = textured_images(3, seed=4)
+    one = fitted.predict(imgs[0])
+    assert isinstance(one, Prediction)
+    for seq in (imgs, tuple(imgs), (im for im in imgs), [imgs[0]]):
+        out = fitted.predict(seq)
+        assert isinstance(out, list) and all(isinstance(p, Prediction) for p in out)
+    assert fitted.predict([]) == []
+    assert fitted.predict([imgs[0]])[0].score == one.score
+
+
+def test_decision_function_equals_predict_scores(fitted, tmp_path):
+    from PIL import Image
+
+    imgs = textured_images(5, seed=44) + [with_defect(textured_images(1, seed=45)[0])]
+    Image.fromarray(imgs[0]).save(tmp_path / "a.png")
+    inputs = [tmp_path / "a.png", *imgs[1:]]
+    scores = fitted.decision_function(inputs, batch_size=4)
+    assert scores.dtype == np.float64 and scores.shape == (6,)
+    assert scores.tolist() == [p.score for p in fitted.predict(inputs, batch_size=4)]
+    single = fitted.decision_function(imgs[-1])
+    assert single.shape == (1,) and single[0] == pytest.approx(scores[-1], rel=1e-5)  # other batch
+    assert scores.argmax() == 5  # the defect
 
 
 def test_prediction_fields_and_frames(fitted):
@@ -103,6 +148,7 @@ def test_threads_match_serial(fitted, tmp_path):
         assert np.array_equal(pred.heatmap, serial[i].heatmap)
 
 
+@pytest.mark.slow
 def test_save_load_in_fresh_process_identical(fitted, tmp_path):
     path = fitted.save(tmp_path / "m.safetensors")
     imgs = textured_images(2, seed=21) + [with_defect(textured_images(1, seed=22)[0])]
@@ -190,3 +236,45 @@ def test_config_errors_name_the_key(small_cfg):
         Detector.from_config(small_cfg, backbone__layers=["layer9"])
     with pytest.raises(ValueError, match="takes an nn.Module"):
         Detector.from_config(small_cfg, backbone={"layers": ["layer1"]})
+
+
+def test_fit_save_load_round_trip_on_each_device(small_cfg, tmp_path, device):
+    det = Detector.from_config(small_cfg, device=str(device)).fit(textured_images(8),
+                                                                  progress=False)
+    assert det.device.type == device.type
+    imgs = textured_images(2, seed=61) + [with_defect(textured_images(1, seed=62)[0])]
+    before = det.predict(imgs)
+    loaded = Detector.load(det.save(tmp_path / "m.safetensors"), device=str(device))
+    after = loaded.predict(imgs)
+    assert [p.score for p in after] == [p.score for p in before]
+    assert all(np.array_equal(a.heatmap, b.heatmap) for a, b in zip(after, before))
+    assert after[2].score > max(after[0].score, after[1].score)  # the defect stands out
+
+
+def test_importing_the_package_is_light_and_changes_nothing():
+    """``import anomaly_hooks`` loads no torch and leaves the environment as it was; names come
+    on first use."""
+    code = ("import os, sys\n"
+            "before = dict(os.environ)\n"
+            "import anomaly_hooks\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert dict(os.environ) == before, 'environment changed'\n"
+            "from anomaly_hooks import AnomalyHooksError, Prediction, ImageReadError\n"
+            "assert 'torch' not in sys.modules, 'torch imported by the torch-free names'\n"
+            "from anomaly_hooks import Detector\n"
+            "assert 'torch' in sys.modules\n"
+            "print('ok')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_deliberate_error_derives_from_one_base():
+    from anomaly_hooks import errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.AnomalyHooksError)
+        if cls is not errors.AnomalyHooksError:
+            assert issubclass(cls, ValueError), name  # what they were before: still caught

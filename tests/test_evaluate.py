@@ -12,8 +12,8 @@ from sklearn.metrics import roc_auc_score
 
 from anomaly_hooks.cli import main
 from anomaly_hooks.data import DataError
-from anomaly_hooks.datasets import folders, mvtec, open_dataset
-from anomaly_hooks.evaluate import evaluate, format_table, write_results
+from anomaly_hooks.evaluation.datasets import folders, mvtec, open_dataset
+from anomaly_hooks.evaluation.runner import evaluate, format_table, write_results
 from conftest import SAMPLE
 
 

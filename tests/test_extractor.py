@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from anomaly_hooks.extractor import HookFeatureExtractor, layer_names, resolve_layers
+from anomaly_hooks.extractor import (HookFeatureExtractor, describe_layers, layer_names,
+                                     resolve_layers)
 
 
 def _hook_count(model: nn.Module) -> int:
@@ -78,26 +79,80 @@ def test_unknown_layer_lists_valid_names(resnet18):
     assert _hook_count(resnet18) == before
 
 
+class _TupleBlock(nn.Module):
+    """A block that returns ``(features, auxiliary)``, as some detection backbones do."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, y.mean((2, 3))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.blocks = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1),
+                                    nn.Conv2d(16, 32, 3, stride=2, padding=1))
+        self.pair = _TupleBlock(32, 24)
+        self.head = nn.Linear(24, 2)
+
+    def forward(self, x):
+        feats, _aux = self.pair(self.blocks(self.stem(x)))
+        return self.head(feats.mean((2, 3)))
+
+
 def test_custom_module_and_tuple_outputs():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
-            self.blocks = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1),
-                                        nn.Conv2d(16, 32, 3, stride=2, padding=1))
-            self.head = nn.Linear(32, 2)
-
-        def forward(self, x):
-            x = self.blocks(self.stem(x))
-            return self.head(x.mean((2, 3)))
-
-    model = Tiny().eval()
-    with HookFeatureExtractor(model, ["blocks.1", "blocks.0"], probe_size=(64, 64)) as ext:
+    torch.manual_seed(0)
+    model = _Tiny().eval()
+    x = torch.rand(1, 3, 64, 64)
+    with HookFeatureExtractor(model, ["blocks.1", "blocks.0", "pair"], probe_size=(64, 64)) as ext:
         assert [(i.name, i.channels, i.stride) for i in ext.info] == [
-            ("blocks.1", 32, 8), ("blocks.0", 16, 4)]
-        out = ext(torch.rand(1, 3, 64, 64))
-        ref = model.blocks[0](model.stem(torch.rand(1, 3, 64, 64)))
-        assert out["blocks.0"].shape == ref.shape
+            ("blocks.1", 32, 8), ("blocks.0", 16, 4), ("pair", 24, 16)]
+        out = ext(x)
+    with torch.no_grad():
+        b0 = model.blocks[0](model.stem(x))
+        pair, _ = model.pair(model.blocks[1](b0))
+    assert torch.equal(out["blocks.0"], b0)
+    assert torch.equal(out["pair"], pair)  # a tuple output gives its first tensor
+
+
+def test_describe_layers_lists_shapes_strides_and_defaults(resnet18):
+    hooks = _hook_count(resnet18)  # a shared fixture: other tests' extractors may hold some
+    rows = describe_layers(resnet18, (96, 128), defaults={"padim": ["layer1", "layer2", "layer3"],
+                                                          "patchcore": ["layer2", "layer3"]})
+    by_name = {r.name: r for r in rows}
+    assert [r.name for r in rows][:2] == ["conv1", "bn1"]  # execution order
+    assert by_name["layer2"].shape == (1, 128, 12, 16)
+    assert (by_name["layer2"].channels, by_name["layer2"].stride) == (128, 8)
+    assert by_name["layer3"].default_for == ("padim", "patchcore")
+    assert by_name["layer1"].default_for == ("padim",)
+    assert by_name["layer1.0.relu"].calls == 2  # reused inside the basic block
+    assert by_name["fc"].shape == (1, 1000) and not by_name["fc"].tappable
+    assert _hook_count(resnet18) == hooks  # all of its own removed
+    # what describe_layers reports is what the extractor gives
+    with HookFeatureExtractor(resnet18, ["layer3", "layer1"], probe_size=(96, 128)) as ext:
+        assert [(i.channels, i.stride) for i in ext.info] == [
+            (by_name["layer3"].channels, by_name["layer3"].stride),
+            (by_name["layer1"].channels, by_name["layer1"].stride)]
+    tuple_rows = {r.name: r for r in describe_layers(_Tiny().eval(), 64)}
+    assert tuple_rows["pair"].shape == (1, 24, 4, 4) and tuple_rows["pair"].stride == 16
+
+
+def test_layers_cli_lists_layers_and_refuses_unknown_backbones(capsys):
+    from anomaly_hooks.cli import main
+
+    assert main(["layers", "resnet18", "--input", "128"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("layer2 "))
+    assert "[1, 128, 16, 16]" in line and " 8 " in line and "padim, patchcore" in line
+    assert "fc" not in out.split()  # not a [B, C, H, W] map
+    assert main(["layers", "resnet_9000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "resnet18" in err and "efficientnet_lite0" in err
 
 
 def test_efficientnet_lite_blocks():
@@ -137,20 +192,26 @@ def _fresh_resnet18() -> nn.Module:
     return torchvision.models.resnet18(weights=None).eval()
 
 
-def test_channels_last_and_bfloat16_autocast_close_to_float32():
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_channels_last_and_autocast_close_to_float32(precision, device):
+    if precision == "float16" and device.type == "cpu":
+        pytest.skip("float16 autocast is a GPU feature (bfloat16 is the CPU's)")
     x = torch.rand(2, 3, 96, 96)
-    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96)) as ext:
-        ref = ext(x)
-    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96),
+    layers = ["layer2", "layer3"]
+    with HookFeatureExtractor(_fresh_resnet18(), layers, device, probe_size=(96, 96)) as ext:
+        ref = {k: v.float().cpu() for k, v in ext(x).items()}
+    with HookFeatureExtractor(_fresh_resnet18(), layers, device, probe_size=(96, 96),
                               channels_last=True) as ext:
-        cl = ext(x)
-    with HookFeatureExtractor(_fresh_resnet18(), ["layer2", "layer3"], probe_size=(96, 96),
-                              precision="bfloat16") as ext:
-        bf = ext(x)
+        cl = {k: v.float().cpu() for k, v in ext(x).items()}
+    with HookFeatureExtractor(_fresh_resnet18(), layers, device, probe_size=(96, 96),
+                              precision=precision) as ext:
+        half = ext(x)
     for name in ref:
-        torch.testing.assert_close(cl[name], ref[name], rtol=1e-4, atol=1e-4)
-        assert bf[name].dtype == torch.bfloat16
-        rel = (bf[name].float() - ref[name]).norm() / ref[name].norm()
+        torch.testing.assert_close(cl[name], ref[name], rtol=1e-3, atol=1e-3)
+        assert half[name].dtype == getattr(torch, precision) and half[name].device == device
+        rel = (half[name].float().cpu() - ref[name]).norm() / ref[name].norm()
         assert rel < 0.05, (name, float(rel))
+    with pytest.raises(ValueError, match="precision"):
+        HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")
     with pytest.raises(ValueError, match="precision"):
         HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")

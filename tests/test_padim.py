@@ -10,9 +10,9 @@ from scipy.spatial.distance import mahalanobis
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.config import ConfigError, load_config
-from anomaly_hooks.scorers.gaussians import (GaussianAccumulator, SampleStore, inverse_cholesky,
+from anomaly_hooks.scorers.padim.gaussians import (GaussianAccumulator, SampleStore, inverse_cholesky,
                                              choose_covariance, lowrank_capacity)
-from anomaly_hooks.scorers.padim import PadimScorer
+from anomaly_hooks.scorers.padim.scorer import PadimScorer
 
 
 def _embeddings(n=23, d=6, h=3, w=2, seed=0):
@@ -23,21 +23,21 @@ def _embeddings(n=23, d=6, h=3, w=2, seed=0):
 
 
 @pytest.mark.parametrize("buffer_samples", [4, 128])
-def test_streaming_mean_cov_equal_numpy(buffer_samples):
+def test_streaming_mean_cov_equal_numpy(buffer_samples, device):
     """float32 embeddings (what the backbone gives); the reference is float64 numpy on the same
     values. Samples are centred on the first batch's mean, so the float32 sums of outer products
     hold small numbers: relative error ~1e-6 despite the large offset."""
     emb = _embeddings().float()
     acc = GaussianAccumulator(buffer_samples=buffer_samples)
-    for chunk in torch.split(emb, [5, 1, 9, 8]):
+    for chunk in torch.split(emb.to(device), [5, 1, 9, 8]):
         acc.update(chunk.flatten(2).permute(2, 0, 1))
     x = emb.double().flatten(2).numpy()  # [N, D, P]
     chunks = list(acc.covariances())
     assert [lo for lo, _ in chunks] == [0]  # all 6 positions are in the first chunk
-    cov = chunks[0][1]
+    cov = chunks[0][1].cpu()
     for p in range(x.shape[2]):
         # the model keeps the mean in float32: float32 precision is what matters
-        np.testing.assert_allclose(acc.mean()[p].numpy(), x[:, :, p].mean(0), rtol=1e-7)
+        np.testing.assert_allclose(acc.mean()[p].cpu().numpy(), x[:, :, p].mean(0), rtol=1e-7)
         ref = np.cov(x[:, :, p], rowvar=False)
         np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     with pytest.raises(RuntimeError, match="already computed"):
@@ -85,31 +85,31 @@ def _reference(train: torch.Tensor, test: torch.Tensor, eps: float = 0.01) -> np
 
 
 def _fit(emb: torch.Tensor, covariance: str, splits=(12,), begin: bool = True,
-         factor_dtype: str = "float32") -> PadimScorer:
+         factor_dtype: str = "float32", device: torch.device | str = "cpu") -> PadimScorer:
     d = emb.shape[1]
     scorer = PadimScorer(PatchEmbedder([LayerInfo("a", d, 4)], channel_idx=torch.arange(d)),
                          0.01, factor_dtype, covariance)
     if begin:
         scorer.begin(emb.shape[0])
-    for chunk in torch.tensor_split(emb.float(), list(splits)):
+    for chunk in torch.tensor_split(emb.float().to(device), list(splits)):
         scorer.partial_fit(chunk)
     scorer.finalize()
     return scorer
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank", "auto"])
-def test_mahalanobis_equals_scipy(covariance):
+def test_mahalanobis_equals_scipy(covariance, device):
     """23 images of 6 dimensions: more images than dimensions, every form still exact."""
     emb = _embeddings()
-    scorer = _fit(emb, covariance)
+    scorer = _fit(emb, covariance, device=device)
     assert scorer.gaussians.kind == ("lowrank" if covariance == "lowrank" else "dense")
     test = _embeddings(n=3, seed=1)
-    got = scorer.score(test.float()).flatten(1).numpy()
+    got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
     np.testing.assert_allclose(got, _reference(emb, test), rtol=2e-4)
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank"])
-def test_fewer_images_than_dimensions(covariance):
+def test_fewer_images_than_dimensions(covariance, device):
     """PaDiM's usual case (e.g. 167 images, 550 channels): a rank-deficient covariance that
     only eps I makes invertible. Low-rank is as exact as the reference allows (the two
     non-negative terms never cancel); dense float32 is within its float32 sums' rounding."""
@@ -119,8 +119,8 @@ def test_fewer_images_than_dimensions(covariance):
     emb = torch.from_numpy(x.transpose(0, 2, 1).reshape(n, d, 3, 2))
     test = emb[:3] + torch.from_numpy(rng.normal(size=(3, d, 3, 2)))
     test = torch.cat([test, emb[3:4]])  # a training image too (small distances)
-    scorer = _fit(emb, covariance, splits=(4, 5))
-    got = scorer.score(test.float()).flatten(1).numpy()
+    scorer = _fit(emb, covariance, splits=(4, 5), device=device)
+    got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
     rtol = 2e-5 if covariance == "lowrank" else 2e-3
     np.testing.assert_allclose(got, _reference(emb.float(), test.float()), rtol=rtol)
 
@@ -131,8 +131,6 @@ def test_auto_picks_lowrank_for_few_images_and_dense_for_many():
     assert choose_covariance("auto", 221, 550, "float32") == "dense"
     assert choose_covariance("auto", 167, 550, "float16") == "dense"  # float16 is dense only
     assert choose_covariance("lowrank", 5000, 550, "float32") == "lowrank"
-    with pytest.raises(ValueError, match="one of auto, dense, lowrank"):
-        choose_covariance("diag", 10, 550, "float32")
     emb = _embeddings(n=23, d=60)  # capacity 24 for D = 60
     assert _fit(emb, "auto").gaussians.kind == "lowrank"
     assert _fit(torch.cat([emb, emb[:2]]), "auto").gaussians.kind == "dense"
@@ -194,11 +192,11 @@ def _inverse_factor64(mat: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [5, 32, 100, 167])
-def test_inverse_cholesky_equals_float64_lapack(m):
+def test_inverse_cholesky_equals_float64_lapack(m, device):
     """The recursive blocked factor (batched products) against float64 LAPACK."""
     y = torch.randn(4, m, 3 * m, generator=torch.Generator().manual_seed(m)) * 0.3
     gram = torch.baddbmm(0.01 * torch.eye(m), y, y.transpose(1, 2))
-    got = inverse_cholesky(gram)
+    got = inverse_cholesky(gram.to(device)).cpu()
     ref = _inverse_factor64(gram)
     assert bool((got.triu(1) == 0).all())
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
@@ -257,8 +255,8 @@ def test_subset_before_upsampling_equals_after():
     assert torch.equal(full, torch.cat([feats["l1"], up], dim=1))
 
 
-def test_float16_factors_score_close_to_float32():
-    emb = _embeddings(n=40, d=8, h=4, w=4).float()
+def test_float16_factors_score_close_to_float32(device):
+    emb = _embeddings(n=40, d=8, h=4, w=4).float().to(device)
     layers = [LayerInfo("a", 8, 4)]
     scores = {}
     for dtype in ("float32", "float16"):
@@ -267,7 +265,8 @@ def test_float16_factors_score_close_to_float32():
         scorer.partial_fit(emb)
         scorer.finalize()
         assert scorer.gaussians.chol.dtype == getattr(torch, dtype)
-        scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float())
+        scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float()
+                                     .to(device)).cpu()
     torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)
 
 

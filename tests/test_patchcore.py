@@ -7,11 +7,11 @@ import torch
 
 from anomaly_hooks import Detector
 from anomaly_hooks.config import load_config
-from anomaly_hooks.coreset import (StreamingCoreset, coreset_size, coverage_radius, first_index,
+from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size, coverage_radius, first_index,
                                    greedy_coreset, random_projection)
 from anomaly_hooks.extractor import LayerInfo
-from anomaly_hooks.knn import NearestNeighbors
-from anomaly_hooks.scorers.patchcore import PatchCoreScorer
+from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
+from anomaly_hooks.scorers.patchcore.scorer import PatchCoreScorer
 from conftest import textured_images, with_defect
 
 
@@ -39,12 +39,12 @@ def brute_force_greedy(features: torch.Tensor, k: int, projection_dim, seed: int
 # -- coreset ------------------------------------------------------------------------------
 @pytest.mark.parametrize("projection_dim", [None, 32])
 @pytest.mark.parametrize("k", [1, 7, 300])
-def test_fast_selection_equals_brute_force(projection_dim, k):
+def test_fast_selection_equals_brute_force(projection_dim, k, device):
     x = clustered()
     ref = brute_force_greedy(x, k, projection_dim, seed=5)
     for method in ("pruned", "dense"):
-        got = greedy_coreset(x, k, projection_dim, seed=5, method=method)
-        assert got.tolist() == ref, method
+        got = greedy_coreset(x.to(device), k, projection_dim, seed=5, method=method)
+        assert got.device.type == device.type and got.tolist() == ref, method
 
 
 def test_selection_is_seeded_and_includes_the_first_point():
@@ -125,12 +125,13 @@ def _brute_knn(q: torch.Tensor, bank: torch.Tensor, k: int):
 
 @pytest.mark.parametrize("backend", ["faiss-flat", "torch", "auto", "projected"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_exact_knn_equals_brute_force_float64(backend, k):
+def test_exact_knn_equals_brute_force_float64(backend, k, device):
     bank, q = clustered(n=1500, seed=1), clustered(n=200, seed=2)
-    dist, idx = NearestNeighbors(bank, backend=backend).search(q, k)
+    dist, idx = NearestNeighbors(bank.to(device), backend=backend).search(q.to(device), k)
+    assert dist.device.type == idx.device.type == device.type
     ref_d, ref_i = _brute_knn(q, bank, k)
-    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5)
-    assert torch.equal(idx, ref_i)
+    np.testing.assert_allclose(dist.cpu().numpy(), ref_d.numpy(), rtol=1e-5)
+    assert torch.equal(idx.cpu(), ref_i)
 
 
 def _low_rank(n: int, d: int = 256, rank: int = 12, seed: int = 0) -> torch.Tensor:
@@ -186,7 +187,7 @@ def test_projected_refinement_checks_only_rows_below_the_bound(monkeypatch, k):
     """With a single candidate per query most queries are not certified: the refinement checks
     every row whose lower bound is below the query's k-th distance (few rows on low-rank data,
     no full search) and still returns the float64 brute-force neighbours."""
-    import anomaly_hooks.knn as knn
+    import anomaly_hooks.scorers.patchcore.knn as knn
 
     monkeypatch.setattr(knn, "PROJECTED_CANDIDATES", 0)
     bank = _low_rank(3000, seed=1)
@@ -209,7 +210,7 @@ def test_projected_refinement_checks_only_rows_below_the_bound(monkeypatch, k):
 def test_augmented_bound_never_exceeds_the_distance():
     """The subspace coordinates plus the residual norm: a lower bound of every distance, and
     tighter than the subspace alone."""
-    from anomaly_hooks.knn import ProjectedSearch
+    from anomaly_hooks.scorers.patchcore.knn import ProjectedSearch
 
     bank, q = _low_rank(2500, seed=1), _low_rank(200, seed=2)
     ps = ProjectedSearch(bank)
@@ -229,13 +230,13 @@ def test_approximate_indexes_have_high_recall(backend):
     assert bool((dist.double() >= ref_d - 1e-4).all())  # never closer than the true nearest
 
 
-def test_float16_bank_is_searched_on_its_own_values():
+def test_float16_bank_is_searched_on_its_own_values(device):
     bank, q = clustered(n=800, seed=1), clustered(n=50, seed=2)
     half = bank.half()
-    dist, idx = NearestNeighbors(half).search(q, 1)
+    dist, idx = NearestNeighbors(half.to(device)).search(q.to(device), 1)
     ref_d, ref_i = _brute_knn(q, half.float(), 1)
-    np.testing.assert_allclose(dist.numpy(), ref_d.numpy(), rtol=1e-5)
-    assert torch.equal(idx, ref_i)
+    np.testing.assert_allclose(dist.cpu().numpy(), ref_d.numpy(), rtol=1e-5)
+    assert torch.equal(idx.cpu(), ref_i)
 
 
 def test_self_distance_is_zero_and_errors():
@@ -290,17 +291,18 @@ def patchcore_cfg(small_cfg):
             "patchcore": {"coreset_ratio": 0.25}}
 
 
-def test_detector_save_load_identical_and_detects(patchcore_cfg, tmp_path):
-    det = Detector.from_config(patchcore_cfg)
+def test_detector_save_load_identical_and_detects(patchcore_cfg, tmp_path, device):
+    det = Detector.from_config(patchcore_cfg, device=str(device))
     det.fit(textured_images(12), progress=False)
     good = textured_images(3, seed=31)
     bad = [with_defect(img) for img in textured_images(3, seed=32)]
     before = det.predict(good + bad)
     assert min(p.score for p in bad and before[3:]) > max(p.score for p in before[:3])
     loaded = Detector.load(det.save(tmp_path / "pc.safetensors"))
+    assert loaded.device.type == device.type
     after = loaded.predict(good + bad)
     assert [p.score for p in after] == [p.score for p in before]
-    assert loaded.scorer.bank.shape == det.scorer.bank.shape
+    assert loaded.scorer_.bank.shape == det.scorer_.bank.shape
 
 
 def test_bounded_fit_and_float16_bank(patchcore_cfg, tmp_path):
@@ -308,12 +310,12 @@ def test_bounded_fit_and_float16_bank(patchcore_cfg, tmp_path):
     full = Detector.from_config(patchcore_cfg).fit(imgs, progress=False)
     bounded = Detector.from_config(patchcore_cfg, patchcore__max_bank_points=150,
                                    patchcore__bank_dtype="float16").fit(imgs, progress=False)
-    assert bounded.scorer.bank.dtype == torch.float16
-    assert bounded.scorer.bank.shape[0] <= 150
+    assert bounded.scorer_.bank.dtype == torch.float16
+    assert bounded.scorer_.bank.shape[0] <= 150
     test = textured_images(2, seed=40) + [with_defect(textured_images(1, seed=41)[0])]
     a, b = full.predict(test), bounded.predict(test)
     assert b[2].score > max(b[0].score, b[1].score)
     loaded = Detector.load(bounded.save(tmp_path / "half.safetensors"))
-    assert loaded.scorer.bank.dtype == torch.float16
+    assert loaded.scorer_.bank.dtype == torch.float16
     assert [p.score for p in loaded.predict(test)] == [p.score for p in b]
     assert a[2].score > max(a[0].score, a[1].score)

@@ -37,6 +37,8 @@ from anomaly_hooks.config import ConfigError, load_config, to_container
 from anomaly_hooks.images import ImageReadError, read_image
 from anomaly_hooks.modelfile import FORMAT_VERSION, ModelFileError, checksum, load_model
 from anomaly_hooks.resources import GB, ResourceError, estimate_fit_memory
+from anomaly_hooks.scorers.padim import PadimScorer
+from anomaly_hooks.scorers.patchcore import PatchCoreScorer
 from conftest import (ROOT, rewrite_safetensors_header, safetensors_header, textured_images,
                       with_defect)
 
@@ -467,6 +469,45 @@ def test_truncated_model_file(padim_file, tmp_path, keep):
     assert str(bad) in str(err.value)
 
 
+def test_garbage_files_are_refused(tmp_path):
+    for name, data in (("text", b"hello, I am not a model"), ("zeros", bytes(4096)),
+                       ("png", _png(_good_rgb()))):
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(data)
+        with pytest.raises(ModelFileError, match="not an anomaly_hooks model file|too short"):
+            Detector.load(bad)
+
+
+def test_saved_model_has_ordinary_permissions(padim_file):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (padim_file.stat().st_mode & 0o777) == (0o666 & ~mask)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h["a"].update(shape=[3, 5]), "do not fit shape"),
+    (lambda h: h["a"].update(data_offsets=[0, 10 ** 9]), "do not fit shape"),
+    (lambda h: h["a"].update(shape=[10 ** 8], data_offsets=[0, 4 * 10 ** 8]), "past the end"),
+    (lambda h: h["a"].update(dtype="Q99"), "malformed header entry"),
+    (lambda h: h["a"].pop("data_offsets"), "malformed header entry"),
+])
+def test_reader_checks_offsets_before_reading(tmp_path, edit, message):
+    """The loader reads each tensor straight into an owned buffer: an entry whose offsets do not
+    match its shape, point past the file, or name an unknown dtype is refused before any read."""
+    from anomaly_hooks.modelfile import save_model
+
+    good = save_model(tmp_path / "m.safetensors",
+                      {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                       "b": torch.tensor([1, 2], dtype=torch.int64)}, {"x": 1})
+    tensors, meta = load_model(good)
+    assert torch.equal(tensors["a"], torch.arange(12.0).reshape(3, 4)) and meta["x"] == 1
+    assert tensors["a"].data_ptr() % 64 == 0  # owned, aligned memory
+    bad = tmp_path / "bad.safetensors"
+    rewrite_header(good, bad, edit)
+    with pytest.raises(ModelFileError, match=message):
+        load_model(bad)
+
+
 def test_newer_format_version_refused(padim_file, tmp_path):
     newer = tmp_path / "newer.safetensors"
     rewrite_header(padim_file, newer, lambda h: h["__metadata__"].update(
@@ -635,88 +676,97 @@ def test_model_files_record_the_oldest_format_that_holds_them(padim_file, dense_
 # =========================================================================================
 # 3. atomic saves
 # =========================================================================================
-SAVER = r"""
-import os, sys, torch
+KILLER = r"""
+import os, shutil, signal, sys
+import torch
 torch.set_num_threads(1)
-from anomaly_hooks import Detector
+import safetensors.torch as st
+from anomaly_hooks import Detector, modelfile
 det = Detector.load(sys.argv[1])
-out = sys.argv[2]
+old, out = sys.argv[2], sys.argv[3]
+
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(point):
+    if point == "mid-write":  # the temp file holds half of what safetensors writes
+        real = st.save_file
+        def half(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            os.truncate(filename, os.path.getsize(filename) // 2)
+            die()
+        st.save_file = half
+    elif point == "written":  # complete temp file, header not yet canonical
+        modelfile._canonicalise_header = die
+    elif point == "unsynced":  # before the temp file's fsync
+        os.fsync = die
+    elif point == "before-rename":
+        os.replace = die
+    elif point == "after-rename":  # renamed, folder not yet synced
+        real_replace = os.replace
+        def then_die(src, dst):
+            real_replace(src, dst)
+            die()
+        os.replace = then_die
+
+
 print("ready", flush=True)
 for line in sys.stdin:
+    point, existing = line.split()
+    if os.path.exists(out):
+        os.unlink(out)
+    if existing == "1":
+        shutil.copyfile(old, out)
     pid = os.fork()
-    if pid == 0:  # the child saves in a loop until it is killed, reporting each finished save
-        try:
-            while True:
-                det.save(out)
-                print("saved", flush=True)
-        finally:
-            os._exit(3)
-    print(pid, flush=True)
-    _, status = os.waitpid(pid, 0)
-    print("reaped", status, flush=True)
+    if pid == 0:
+        kill_at(point)
+        det.save(out)
+        os._exit(3)  # never reached when the kill point is hit
+    print(os.waitpid(pid, 0)[1], flush=True)
 """
+KILL_POINTS = ["mid-write", "written", "unsynced", "before-rename", "after-rename"]
 
 
-def _kill_and_reap(proc: subprocess.Popen, child: int) -> int:
-    """SIGKILL the saving child; skip its 'saved' lines; the wait status the parent reaped."""
-    os.kill(child, signal.SIGKILL)
-    while True:
-        words = proc.stdout.readline().split()
-        if not words:
-            raise AssertionError("the saver process died")
-        if words[0] == "reaped":
-            return int(words[1])
-        assert words == ["saved"], words
-
-
-def test_sigkill_during_save_never_leaves_a_broken_model(padim_file, tmp_path):
-    """SIGKILL at random moments of repeated saves: the path holds either nothing or the complete
-    model, and leftovers are never taken for a model. Kill delays are scaled to the save time
-    measured on this machine, and every other trial kills only after a save has finished, so the
-    test exercises both cases on a fast or a slow disk."""
+def test_sigkill_at_each_step_of_a_save_never_leaves_a_broken_model(padim_file,
+                                                                    dense_padim_file, tmp_path):
+    """SIGKILL of a saving process at each step of the atomic save, deterministically (the
+    process kills itself at that step), with and without a model already at the path: before
+    the rename the path holds exactly the old model (or nothing), after it exactly the new one;
+    a leftover is only ever a hidden ``.tmp`` file, never a ``.safetensors`` path."""
     out_dir = tmp_path / "models"
     out_dir.mkdir()
     out = out_dir / "model.safetensors"
-    reference = padim_file.read_bytes()  # saves are deterministic: same model, same bytes
+    new, old = padim_file.read_bytes(), dense_padim_file.read_bytes()  # saves are byte-identical
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(padim_file), str(out)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    rng = random.Random(1234)
-    present, save_time = 0, 0.0
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(padim_file), str(dense_padim_file),
+                             str(out)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        for trial in range(12):
-            out.unlink(missing_ok=True)  # each trial starts with no model at the path
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            child = int(proc.stdout.readline())
-            if trial % 2 == 0:  # kill after one finished save, somewhere inside the next ones
-                started = time.perf_counter()
-                assert proc.stdout.readline().strip() == "saved"
-                save_time = max(save_time, time.perf_counter() - started)
-            time.sleep(rng.uniform(0.0, 1.5 * save_time))
-            status = _kill_and_reap(proc, child)
-            assert os.WIFSIGNALED(status), "the saver stopped before it was killed"
-            if out.exists():  # whatever is at the path is a complete model
-                present += 1
-                load_model(out)  # verifies the checksum
-                assert out.read_bytes() == reference, f"trial {trial}: not the saved model"
-            for p in out_dir.iterdir():
-                if p == out:
-                    continue
-                assert p.name.startswith(".") and not p.name.endswith(".safetensors"), p.name
-                try:  # a leftover temp file is never mistaken for a good model
-                    load_model(p)
-                except ModelFileError:
-                    pass
+        for point in KILL_POINTS:
+            for existing in (False, True):
+                proc.stdin.write(f"{point} {int(existing)}\n")
+                proc.stdin.flush()
+                status = int(proc.stdout.readline())
+                case = f"{point}, {'old model there' if existing else 'no file'}"
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, case
+                if point == "after-rename":
+                    assert out.read_bytes() == new, case
+                    load_model(out)  # complete and verified
+                elif existing:
+                    assert out.read_bytes() == old, case
+                else:
+                    assert not out.exists(), case
+                for left in out_dir.iterdir():
+                    if left != out:
+                        assert left.name.startswith(".") and left.name.endswith(".tmp"), case
+                        left.unlink()
     finally:
         proc.stdin.close()
         proc.kill()
         proc.wait()
-    assert present >= 6, "a kill after a finished save left no model at the path"
-    img = textured_images(1, seed=9)[0]
-    a, b = Detector.load(out).predict(img), Detector.load(padim_file).predict(img)
-    assert a.score == b.score and np.array_equal(a.heatmap, b.heatmap)
 
 
 @pytest.mark.parametrize("fail_at", ["save_file", "canonicalise", "fsync", "replace"])
@@ -832,18 +882,24 @@ def test_predict_from_8_threads_equals_serial(fitted, tmp_path):
 DET_CFG = {"preprocess__resize": [64, 64], "preprocess__crop": None}
 
 
-@pytest.mark.parametrize("method", ["padim", "patchcore"])
+@pytest.mark.parametrize("method", ["padim", "padim-dense", "patchcore"])
 def test_same_seed_same_bytes_other_seed_other_bytes(method, small_cfg, tmp_path):
+    """...and a loaded model scores bit-identically to the fitted one."""
     imgs = textured_images(8, size=(64, 64), seed=11)
-    extra = {"patchcore__coreset_ratio": 0.25, "patchcore__knn_backend": "torch"} \
-        if method == "patchcore" else {}
-    files = []
+    extra = {"patchcore": {"patchcore__coreset_ratio": 0.25, "patchcore__knn_backend": "torch"},
+             "padim-dense": {"padim__covariance": "dense"}}.get(method, {})
+    files, dets = [], []
     for run, seed in enumerate((7, 7, 8)):
-        det = Detector.from_config(small_cfg, method=method, seed=seed, **DET_CFG, **extra)
+        det = Detector.from_config(small_cfg, method=method.split("-")[0], seed=seed, **DET_CFG,
+                                   **extra)
         det.fit(imgs, progress=False)
-        files.append(det.save(tmp_path / f"{method}_{run}.safetensors").read_bytes())
-    assert files[0] == files[1]
-    assert files[0] != files[2]
+        files.append(det.save(tmp_path / f"{method}_{run}.safetensors"))
+        dets.append(det)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    assert files[0].read_bytes() != files[2].read_bytes()
+    probe = textured_images(2, size=(64, 64), seed=9)
+    for got, want in zip(Detector.load(files[0]).predict(probe), dets[0].predict(probe)):
+        assert got.score == want.score and np.array_equal(got.heatmap, want.heatmap)
 
 
 # =========================================================================================
@@ -864,7 +920,9 @@ def test_same_seed_same_bytes_other_seed_other_bytes(method, small_cfg, tmp_path
      r"at most the resize"),
     (None, (), {"preprocess__resize": [64, 80], "preprocess__crop": [64, 96]}, "preprocess.crop",
      r"at most the resize"),
-    (None, ["data.on_error=ignore"], {}, "data.on_error", r"raise or skip"),
+    (None, ["data.on_error=ignore"], {}, "data.on_error", r"one of \[raise, skip\]"),
+    (None, ["patchcore.knn_backend=flat"], {}, "patchcore.knn_backend", r"faiss-flat"),
+    (None, ["backbone.precision=fp8"], {}, "backbone.precision", r"bfloat16"),
     (None, ["method=svm"], {}, "method", r"padim"),
 ])
 def test_config_errors_name_key_and_allowed(source, overrides, kw, key, allowed):
@@ -922,8 +980,9 @@ def test_resource_guard(method, key, small_cfg):
     msg = str(err.value)
     assert key in msg and "resources.memory_limit_gb" in msg
     n_held = max(1, round(0.25 * 6))
-    est = estimate_fit_memory(det.cfg, det.layer_info, det.preprocessor.input_size, 6 - n_held,
-                              n_held)
+    scorer = {"padim": PadimScorer, "patchcore": PatchCoreScorer}[method]
+    est = estimate_fit_memory(scorer, det.cfg, det.layer_info, det.preprocessor.input_size,
+                              6 - n_held, n_held)
     assert est["threshold images (preprocessed)"] == n_held * 3 * 64 * 80 * 4
     m = re.search(r"needs about ([0-9.eE+-]+) GB", msg)
     assert m, msg
@@ -945,14 +1004,37 @@ def test_padim_estimate_matches_the_formula_and_the_model(fitted):
     assert (h, w) == (64, 80) and stride == 4 and positions == 16 * 20
     d = cfg.padim.n_features
     n = fitted.fit_info_["n_train"]
-    assert n == 12 and fitted.scorer.gaussians.kind == "lowrank"  # 12 <= 0.4 * 40
-    est = estimate_fit_memory(cfg, layers, (h, w), n)
+    assert n == 12 and fitted.scorer_.gaussians.kind == "lowrank"  # 12 <= 0.4 * 40
+    est = estimate_fit_memory(PadimScorer, cfg, layers, (h, w), n)
     assert est["model"] == positions * (n * d + n * n + d) * 4
-    tensors, _ = fitted.scorer.state()
+    tensors, _ = fitted.scorer_.state()
     assert sum(t.nbytes for k, t in tensors.items() if k.startswith("padim.")) == est["model"]
     dense_cfg = load_config(to_container(cfg), padim__covariance="dense")
-    est = estimate_fit_memory(dense_cfg, layers, (h, w), n)
+    est = estimate_fit_memory(PadimScorer, dense_cfg, layers, (h, w), n)
     assert est["model"] == positions * d * d * 4 + positions * d * 4
+
+
+def test_wrn50_memory_estimates_match_the_tensor_sizes():
+    """WRN50 at 224, d = 550 (3136 positions): dense keeps one float32 [P, D, D] tensor (sums,
+    then covariances, then factors, in place); float16 factors halve the model; bottle's 167
+    training images keep the low-rank form, less than half the dense fit."""
+    from anomaly_hooks.extractor import LayerInfo
+
+    cfg = load_config(None, padim__n_features=550)
+    layers = [LayerInfo("layer1", 256, 4), LayerInfo("layer2", 512, 8),
+              LayerInfo("layer3", 1024, 16)]
+    est = estimate_fit_memory(PadimScorer, cfg, layers, (224, 224), 250)  # > 220: dense
+    assert est["model"] == 3136 * 550 * 550 * 4 + 3136 * 550 * 4
+    assert est["statistics (float32 sums, factorised in place)"] == 3136 * 550 * 550 * 4
+    assert est["float16 factors"] == 0
+    half = estimate_fit_memory(PadimScorer, load_config(None, padim__n_features=550,
+                                           padim__factor_dtype="float16"),
+                               layers, (224, 224), 200)  # float16: dense whatever n
+    assert half["float16 factors"] == 3136 * 550 * 550 * 2
+    assert half["model"] == 3136 * 550 * 550 * 2 + 3136 * 550 * 4
+    low = estimate_fit_memory(PadimScorer, cfg, layers, (224, 224), 167)
+    assert low["model"] == 3136 * (167 * 550 + 167 * 167 + 550) * 4
+    assert low["total"] < est["total"] / 2
 
 
 # =========================================================================================

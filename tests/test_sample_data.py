@@ -100,6 +100,7 @@ def test_no_masks_for_good_images(sample: Path) -> None:
     assert not list(sample.rglob("good/*_mask.png"))
 
 
+@pytest.mark.slow
 def test_regenerating_gives_identical_files(gen: ModuleType, sample: Path,
                                             tmp_path: Path) -> None:
     out = tmp_path / "sample"

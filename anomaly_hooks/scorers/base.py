@@ -6,32 +6,65 @@ state. Scores are "higher = more anomalous" everywhere (unlike scikit-learn's ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Sequence, Type
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
 from anomaly_hooks.embedding import PatchEmbedder
+from anomaly_hooks.errors import ConfigError, NotFittedError
 from anomaly_hooks.extractor import LayerInfo
-
-
-class NotFittedError(RuntimeError):
-    """A model was used before ``fit``."""
+from anomaly_hooks.resources import grid_positions
 
 
 class Scorer(ABC):
     """Fit on patch embeddings of good images; score patches (higher = more anomalous).
 
-    Life cycle: ``create`` -> ``partial_fit`` (any number of batches) -> ``finalize`` ->
-    ``score``; or ``from_state`` for a saved model.
+    A scorer owns everything about its method: its config section (``config_class``, validated
+    by :meth:`validate_config`), its default layers per backbone, its memory estimate, its
+    patch embedder and its model-file state. Nothing outside ``scorers/`` branches on a method.
+
+    Life cycle: ``create`` -> ``begin`` -> ``partial_fit`` (any number of batches) ->
+    ``finalize`` -> ``score``; or ``from_state`` for a saved model.
     """
 
     method: ClassVar[str]
-    default_layers: ClassVar[List[str]]
+    config_class: ClassVar[type]  # dataclass of the method's config section (``cfg.<method>``)
+    default_layers: ClassVar[Dict[str, List[str]]]  # backbone name -> layers; "*": any other
+    memory_advice: ClassVar[str]  # which keys lower the memory of a fit, for the guard's error
     min_train_images: ClassVar[int] = 1
+
+    # -- what the method needs, before any scorer exists --------------------------------
+    @classmethod
+    def layers_for(cls, backbone_name: str) -> List[str]:
+        """The layers to tap on ``backbone_name`` when the config gives none."""
+        return list(cls.default_layers.get(backbone_name, cls.default_layers["*"]))
+
+    @staticmethod
+    def validate_config(section: Any) -> None:
+        """Range and cross-field checks of the method's config section (raise ConfigError);
+        the choices themselves are enums that omegaconf checks."""
+
+    @classmethod
+    def estimate_memory(cls, cfg: Any, layers: Sequence[LayerInfo],
+                        input_size: Tuple[int, int], n_train: int) -> Dict[str, int]:
+        """Peak bytes of a fit on ``n_train`` images by part, plus ``total`` and ``model``
+        (what the fitted model holds); ``cfg`` is the whole config."""
+        positions = grid_positions(layers, input_size)
+        parts, model = cls.memory_parts(cfg, layers, input_size, positions, n_train)
+        return {**parts, "total": sum(parts.values()), "model": model}
+
+    @classmethod
+    @abstractmethod
+    def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
+                     positions: int, n_train: int) -> Tuple[Dict[str, int], int]:
+        """The fit's peak bytes by part, and the fitted model's bytes, for ``positions`` patch
+        positions (:meth:`estimate_memory` adds them up)."""
 
     def __init__(self, embedder: PatchEmbedder) -> None:
         self.embedder = embedder
         self.fitted = False
+        self.grid: Optional[Tuple[int, int]] = None  # the embedding grid (h, w) of the fit
+        self.n_train = 0
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -72,9 +105,22 @@ class Scorer(ABC):
         return heatmaps.flatten(1).amax(dim=1)
 
     # -- persistence ----------------------------------------------------------------------
-    @abstractmethod
     def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-        """(tensors, JSON-able metadata) that :meth:`from_state` rebuilds the scorer from."""
+        """(tensors, JSON-able metadata) that :meth:`from_state` rebuilds the scorer from: the
+        method's own (:meth:`method_state`), the embedder's tensors, the grid and the number of
+        training images."""
+        self.check_fitted()
+        tensors, meta = self.method_state()
+        return ({**tensors, **self.embedder.state_tensors()},
+                {"grid": list(self.grid), "n_train": self.n_train, **meta})
+
+    @abstractmethod
+    def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """The fitted state's own tensors and JSON-able metadata (see :meth:`state`)."""
+
+    def summary(self) -> Dict[str, Any]:
+        """A few JSON-able facts about the fitted state, for reports (e.g. the bank size)."""
+        return {}
 
     def format_version(self) -> int:
         """The oldest model-file format that can hold this scorer's state."""
@@ -99,11 +145,16 @@ def register(cls: Type[Scorer]) -> Type[Scorer]:
 def get_scorer(method: str) -> Type[Scorer]:
     """The scorer class registered under ``method``."""
     try:
-        return _REGISTRY[method]
+        return _REGISTRY[str(method)]
     except KeyError:
-        raise ValueError(f"unknown method {method!r}; available: {available_methods()}") from None
+        raise ConfigError(f"unknown method {method!r}; available: {available_methods()}") from None
 
 
 def available_methods() -> List[str]:
     """Names of the registered methods."""
     return sorted(_REGISTRY)
+
+
+def registered() -> Dict[str, Type[Scorer]]:
+    """Method name -> scorer class, in registration order."""
+    return dict(_REGISTRY)

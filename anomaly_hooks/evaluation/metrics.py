@@ -247,86 +247,77 @@ def _trapezoid(x: np.ndarray, y: np.ndarray, x_max: Optional[float] = None) -> f
 
 
 # --------------------------------------------------------------------------------------------
-# image level
+# image level: scikit-learn's, behind the same input checks as the pixel metrics
 # --------------------------------------------------------------------------------------------
-def _sorted_counts(y: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cumulative (tps, fps) at each distinct threshold, thresholds descending (each ``[T]``)."""
-    order = np.argsort(s, kind="mergesort")[::-1]
-    s_sorted = s[order]
-    y_sorted = y[order]
-    last = np.append(np.flatnonzero(np.diff(s_sorted)), s_sorted.shape[0] - 1)
-    tps = np.cumsum(y_sorted, dtype=np.int64)[last]
-    fps = (last + 1) - tps
-    return tps, fps, s_sorted[last]
+def _both_classes(y: np.ndarray, what: str) -> None:
+    n_pos = int(y.sum())
+    if n_pos == 0 or n_pos == y.shape[0]:
+        raise ValueError(f"only one class present in labels: {what} is undefined")
 
 
 def roc_curve_points(labels: ArrayLike, scores: ArrayLike
                      ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Exact ROC curve.
+    """``sklearn.metrics.roc_curve(labels, scores, drop_intermediate=False)``: ``(fpr, tpr,
+    thresholds)``, one point per distinct score (descending) after ``(0, 0)`` at ``+inf``.
 
     ``labels`` ``[N]`` (0/1 or bool, 1 = anomalous), ``scores`` ``[N]`` (higher = anomalous).
-    Returns ``(fpr, tpr, thresholds)``, each ``[T + 1]`` for ``T`` distinct scores: one point
-    per distinct score (descending), preceded by ``(0, 0)`` at threshold ``+inf``; tied scores
-    make one point. Identical to ``sklearn.metrics.roc_curve(..., drop_intermediate=False)``.
     Raises ValueError for empty / mismatched / non-finite input or when only one class is present.
     """
+    from sklearn.metrics import roc_curve
+
     y, s = _check_labels_scores(labels, scores)
-    n_pos = int(y.sum())
-    if n_pos == 0 or n_pos == y.shape[0]:
-        raise ValueError("only one class present in labels: the ROC curve is undefined")
-    tps, fps, thr = _sorted_counts(y, s)
-    fpr = np.concatenate(([0.0], fps / fps[-1]))
-    tpr = np.concatenate(([0.0], tps / tps[-1]))
-    return fpr, tpr, np.concatenate(([np.inf], thr))
+    _both_classes(y, "the ROC curve")
+    return roc_curve(y, s, drop_intermediate=False)
 
 
 def image_auroc(labels: ArrayLike, scores: ArrayLike) -> float:
-    """Area under the ROC curve; equals ``sklearn.metrics.roc_auc_score(labels, scores)``.
+    """``sklearn.metrics.roc_auc_score(labels, scores)``; ``labels`` ``[N]`` (0/1 or bool),
+    ``scores`` ``[N]``. Raises ValueError when only one class is present, for empty, mismatched
+    or non-finite input."""
+    from sklearn.metrics import roc_auc_score
 
-    ``labels`` ``[N]`` (0/1 or bool), ``scores`` ``[N]``. Raises ValueError when only one class
-    is present, for empty, mismatched or non-finite input.
-    """
-    fpr, tpr, _ = roc_curve_points(labels, scores)
-    return _trapezoid(fpr, tpr)
+    y, s = _check_labels_scores(labels, scores)
+    _both_classes(y, "AUROC")
+    return float(roc_auc_score(y, s))
 
 
 def f1_max(labels: ArrayLike, scores: ArrayLike) -> Tuple[float, float]:
-    """Maximum F1 over all thresholds (anomalous when ``score >= threshold``).
+    """Maximum F1 over all thresholds (anomalous when ``score >= threshold``), from
+    ``sklearn.metrics.precision_recall_curve``.
 
-    ``labels`` ``[N]`` (0/1 or bool), ``scores`` ``[N]``. Returns ``(best_f1, threshold)``;
-    ``best_f1`` equals the max of ``2PR / (P + R)`` over ``sklearn.metrics.precision_recall_curve``.
-    The threshold is always one of the anomalous samples' scores; where several thresholds
-    reach the maximum, the highest is returned. Raises ValueError if there is no anomalous
-    sample (F1 is undefined), for empty, mismatched or non-finite input.
+    ``labels`` ``[N]`` (0/1 or bool), ``scores`` ``[N]``. Returns ``(best_f1, threshold)``; the
+    threshold is one of the scores, the highest where several thresholds reach the maximum.
+    Raises ValueError if there is no anomalous sample (F1 is undefined), for empty, mismatched
+    or non-finite input.
     """
+    from sklearn.metrics import precision_recall_curve
+
     y, s = _check_labels_scores(labels, scores)
-    n_pos = int(y.sum())
-    if n_pos == 0:
+    if not y.any():
         raise ValueError("no anomalous samples (label 1): F1 is undefined")
-    tps, fps, thr = _sorted_counts(y, s)
-    f1 = 2.0 * tps / (n_pos + tps + fps)
-    best = int(np.argmax(f1))                 # first = highest threshold among ties
-    return float(f1[best]), float(thr[best])
+    precision, recall, thresholds = precision_recall_curve(y, s)
+    p, r = precision[:-1], recall[:-1]  # the last point (recall 0) has no threshold
+    denom = p + r
+    f1 = np.divide(2 * p * r, denom, out=np.zeros_like(denom), where=denom > 0)
+    best = np.flatnonzero(f1 == f1.max())[-1]  # thresholds ascend: the highest among ties
+    return float(f1[best]), float(thresholds[best])
 
 
 def precision_recall_at(labels: ArrayLike, scores: ArrayLike, threshold: float
                         ) -> Tuple[float, float]:
-    """Precision and recall when predicting anomalous for ``score >= threshold``.
+    """Precision and recall when predicting anomalous for ``score >= threshold``
+    (``sklearn.metrics.precision_score`` / ``recall_score`` with ``zero_division=0``).
 
     ``labels`` ``[N]`` (0/1 or bool), ``scores`` ``[N]``. Returns ``(precision, recall)``.
-    Precision is 0.0 when nothing is predicted anomalous, recall is 0.0 when there is no
-    anomalous sample (scikit-learn's ``zero_division=0``).
     """
+    from sklearn.metrics import precision_score, recall_score
+
     y, s = _check_labels_scores(labels, scores)
     if np.isnan(threshold):
         raise ValueError("threshold is NaN")
     pred = s >= threshold
-    tp = int(np.count_nonzero(pred & y))
-    n_pred = int(np.count_nonzero(pred))
-    n_pos = int(np.count_nonzero(y))
-    precision = tp / n_pred if n_pred else 0.0
-    recall = tp / n_pos if n_pos else 0.0
-    return float(precision), float(recall)
+    return (float(precision_score(y, pred, zero_division=0)),
+            float(recall_score(y, pred, zero_division=0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,69 +412,8 @@ def pixel_metrics(masks: ImageList, maps: ImageList, fpr_limit: float = 0.3
             "pro_curve": (fpr, pro)}
 
 
-def _region_increments(mask: np.ndarray) -> Tuple[np.ndarray, int]:
-    """Per-pixel PRO increment ``1 / region size`` (0 on normal pixels) and the region count."""
-    labeled, n_regions = ndimage.label(mask, structure=_STRUCTURE)
-    sizes = np.bincount(labeled.ravel()).astype(np.float64)
-    inc = np.zeros(sizes.shape[0], dtype=np.float64)
-    inc[1:] = 1.0 / sizes[1:]
-    return inc[labeled], n_regions
-
-
-def _full_pro(pairs: Sequence[Tuple[np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
-    """Official per-distinct-score PRO curve (memory O(number of distinct scores))."""
-    _require_pro_classes(pairs)
-    n_normal = _class_counts(pairs)[1]
-    vals, fps, pros = [], [], []
-    n_regions = 0
-    for mask, amap in pairs:
-        if mask.size == 0:
-            continue
-        inc, n = _region_increments(mask)
-        n_regions += n
-        u, inv = np.unique(amap.astype(np.float64).ravel(), return_inverse=True)
-        inv = inv.ravel()
-        vals.append(u)
-        fps.append(np.bincount(inv, weights=(~mask).ravel(), minlength=u.shape[0]))
-        pros.append(np.bincount(inv, weights=inc.ravel(), minlength=u.shape[0]))
-    u, inv = np.unique(np.concatenate(vals), return_inverse=True)
-    fp = np.bincount(inv, weights=np.concatenate(fps), minlength=u.shape[0])[::-1]
-    pr = np.bincount(inv, weights=np.concatenate(pros), minlength=u.shape[0])[::-1]
-    fpr = np.concatenate(([0.0], np.minimum(np.cumsum(fp) / n_normal, 1.0), [1.0]))
-    pro = np.concatenate(([0.0], np.minimum(np.cumsum(pr) / n_regions, 1.0), [1.0]))
-    return fpr, pro
-
-
-def _sampled_pro(pairs: Sequence[Tuple[np.ndarray, np.ndarray]], num_thresholds: int
-                 ) -> Tuple[np.ndarray, np.ndarray]:
-    _require_pro_classes(pairs)
-    n_normal = _class_counts(pairs)[1]
-    lo = min(float(a.min()) for m, a in pairs if a.size)
-    hi = max(float(a.max()) for m, a in pairs if a.size)
-    thr = np.linspace(lo, hi, num_thresholds)            # ascending
-    fp = np.zeros(num_thresholds + 1, dtype=np.float64)
-    pr = np.zeros(num_thresholds + 1, dtype=np.float64)
-    n_regions = 0
-    for mask, amap in pairs:
-        if mask.size == 0:
-            continue
-        inc, n = _region_increments(mask)
-        n_regions += n
-        # a pixel with value v counts for every threshold <= v: thresholds [0, idx)
-        idx = np.searchsorted(thr, amap.astype(np.float64).ravel(), side="right")
-        fp += np.bincount(idx, weights=(~mask).ravel(), minlength=num_thresholds + 1)
-        pr += np.bincount(idx, weights=inc.ravel(), minlength=num_thresholds + 1)
-    # count at threshold k = sum of pixels with idx > k; reorder to descending thresholds
-    fp_at = np.cumsum(fp[::-1])[:-1]
-    pr_at = np.cumsum(pr[::-1])[:-1]
-    fpr = np.concatenate(([0.0], np.minimum(fp_at / n_normal, 1.0), [1.0]))
-    pro = np.concatenate(([0.0], np.minimum(pr_at / n_regions, 1.0), [1.0]))
-    return fpr, pro
-
-
-def pro_curve(masks: ImageList, maps: ImageList, num_thresholds: Optional[int] = None,
-              drop_intermediate: bool = True) -> Tuple[np.ndarray, np.ndarray]:
-    """The MVTec AD per-region-overlap (PRO) curve.
+def pro_curve(masks: ImageList, maps: ImageList) -> Tuple[np.ndarray, np.ndarray]:
+    """The MVTec AD per-region-overlap (PRO) curve, exact.
 
     ``masks[i]`` ``[H_i, W_i]`` (bool / 0-1 / 0-255), ``maps[i]`` ``[H_i, W_i]`` float. The
     8-connected components of every mask are the regions. At threshold ``t``: PRO = mean over all
@@ -491,27 +421,15 @@ def pro_curve(masks: ImageList, maps: ImageList, num_thresholds: Optional[int] =
     fraction of all normal pixels (mask == 0) of all images with ``map >= t``.
 
     Returns ``(fpr, pro)``, each ``[K]``, FPR non-decreasing, starting at ``(0, 0)`` and ending
-    at ``(1, 1)`` (both clipped to 1), as in ``compute_pro`` of the MVTec AD evaluation code.
-
-    * ``num_thresholds=None, drop_intermediate=True`` (default): the exact curve, computed in
-      ``O(#defect pixels + one image)`` memory. Points where only normal pixels change (collinear
-      points on a horizontal run) are dropped: the polyline and its area are unchanged.
-    * ``drop_intermediate=False``: the exact curve with one point per distinct score of all
-      pixels, exactly the reference's point set (memory ``O(#distinct scores)``).
-    * ``num_thresholds=K``: approximate, the exact (FPR, PRO) at ``K`` thresholds evenly spaced
-      between the lowest and highest score (plus the two end points); cheap to plot.
+    at ``(1, 1)`` (both clipped to 1), as ``compute_pro`` of the MVTec AD evaluation code, in
+    ``O(#defect pixels + one image)`` memory. Points where only normal pixels change (collinear
+    points on a horizontal run) are dropped: the polyline and its area are unchanged.
 
     Raises ValueError for empty / mismatched input, NaN maps, no defect pixel in any mask,
     or no normal pixel at all.
     """
     pairs = _check_images(masks, maps, need_2d=True)
-    if num_thresholds is not None:
-        if int(num_thresholds) < 2:
-            raise ValueError(f"num_thresholds must be >= 2, got {num_thresholds}")
-        return _sampled_pro(pairs, int(num_thresholds))
     _require_pro_classes(pairs)
-    if not drop_intermediate:
-        return _full_pro(pairs)
     return _pro_from_curve(_binned_curve(pairs, region=True))
 
 

@@ -1,4 +1,4 @@
-"""Benchmark runner: fit on a dataset's good training images, score its test set, compute the
+"""Evaluation runner: fit on a dataset's good training images, score its test set, compute the
 image and pixel metrics, and write JSON, CSV and a visual report.
 
 Pixel metrics are computed at each mask's own resolution (heatmaps come back in the frame of
@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from anomaly_hooks import metrics
 from anomaly_hooks.config import load_config, to_container
-from anomaly_hooks.datasets import AnomalyDataset
-from anomaly_hooks.images import ImageReadError
+from anomaly_hooks.errors import ImageReadError
+from anomaly_hooks.evaluation import metrics
+from anomaly_hooks.evaluation.datasets import AnomalyDataset
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     ``report_dir``: where to write the per-image report pictures (None = no pictures).
     """
     from anomaly_hooks.detector import Detector
-    from anomaly_hooks.report import ReportWriter
+    from anomaly_hooks.evaluation.report import ReportWriter  # matplotlib: only when asked
 
     cfg = load_config(config, list(overrides))
     det = Detector(cfg, backbone=backbone)
@@ -118,7 +118,7 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     summary.update(pixel)
     result = EvalResult(summary, records, curves)
     if writer is not None:
-        writer.finish(result)
+        writer.finish(result.summary, result.curves)
     return result
 
 
@@ -142,16 +142,6 @@ def write_results(results: List[EvalResult], out: Path) -> None:
         writer.writeheader()
         for row in [r.summary for r in results] + [mean_row(results)]:
             writer.writerow(row)
-
-
-def load_results(path: Path | str) -> List[EvalResult]:
-    """Read back a ``results.json`` written by :func:`write_results`."""
-    data = json.loads(Path(path).read_text())
-    out = []
-    for entry in data["datasets"]:
-        images = entry.pop("images", [])
-        out.append(EvalResult(entry, images))
-    return out
 
 
 def _json_default(obj: Any) -> Any:

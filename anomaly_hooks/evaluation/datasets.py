@@ -14,14 +14,15 @@ folders of defective images, and an optional folder of masks (``<name>_mask.<ext
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import numpy as np
 from PIL import Image
 
-from anomaly_hooks.data import DataError, list_images
+from anomaly_hooks.data import list_images
+from anomaly_hooks.errors import DataError
 from anomaly_hooks.images import is_image_file
 
 GOOD = "good"
@@ -46,7 +47,6 @@ class AnomalyDataset:
     test: List[Sample]
     has_masks: bool
     root: Optional[Path] = None
-    notes: List[str] = field(default_factory=list)
 
     @property
     def labels(self) -> np.ndarray:

@@ -225,7 +225,7 @@ def greedy_pruned(x: np.ndarray, k: int, start: int, progress: bool = False) -> 
 def coverage_radius(features: torch.Tensor, bank: torch.Tensor, chunk: int = 4096) -> float:
     """Largest distance from any row of ``features`` ``[N, D]`` to its nearest row of ``bank``
     ``[M, D]`` (exact, chunked; float64 accumulation of the difference norms)."""
-    from anomaly_hooks.knn import NearestNeighbors
+    from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 
     index = NearestNeighbors(bank.float(), backend="auto")
     worst = 0.0

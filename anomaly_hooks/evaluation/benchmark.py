@@ -149,12 +149,12 @@ def _one_pass(det: Any, items: Sequence[Path], batch_size: int,
             with timed(acc, "backbone", dev):
                 feats = det.extractor(images)
             with timed(acc, "embedding", dev):
-                emb = det.scorer.embedder(feats)
+                emb = det.scorer_.embedder(feats)
             with timed(acc, "scorer", dev):
-                patch = det.scorer.score(emb)
+                patch = det.scorer_.score(emb)
             with timed(acc, "heatmap", dev):
                 maps = anomaly_maps(patch, det.preprocessor.input_size)
-                det.scorer.image_scores(emb, patch, maps)
+                det.scorer_.image_scores(emb, patch, maps)
                 for m, img in zip(maps, canon):
                     det._prediction(0.0, m, (img.shape[1], img.shape[2]))
         with timed(acc, "bare_backbone", dev):
@@ -200,12 +200,11 @@ def bench_fit(cfg: Any, train: List[Path], bare: Callable, batch_size: int) -> t
            "peak_rss_mb": mem.peak_mb, "peak_gpu_mb": mem.gpu_peak_mb,
            "timings": det.fit_timings_, "bare_backbone_seconds": bare_s,
            "ratio_to_bare_backbone": fit_s / bare_s}
-    if cfg.method == "patchcore":
-        coreset = det.fit_timings_.get("finalize: coreset", det.fit_timings_["finalize"])
+    coreset = det.fit_timings_.get("finalize: coreset")  # the selection alone, if the method has one
+    if coreset is not None:
         out["coreset_seconds"] = coreset
         out["coreset_ratio_to_bare_backbone"] = coreset / bare_s
-        out["bank_size"] = int(det.scorer.bank.shape[0])
-        out["patches"] = det.scorer.n_patches
+    out.update(det.scorer_.summary())
     return det, out
 
 

@@ -34,15 +34,12 @@ SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time (cache-sized)
 BUFFER_SAMPLES = 128  # samples per position collected before their products are added
 LOWRANK_MAX_FRACTION = 0.4  # auto: low-rank for n <= 0.4 D training images
-COVARIANCES = ("auto", "dense", "lowrank")
 
 
 def choose_covariance(covariance: str, n_images: int, dim: int, factor_dtype: str) -> str:
     """The representation for ``n_images`` training images of dimension ``dim``: ``dense`` or
     ``lowrank``. ``auto`` picks low-rank for ``n_images <= 0.4 dim`` (where it is also the
     faster one to score) unless float16 factors were asked for (those are dense only)."""
-    if covariance not in COVARIANCES:
-        raise ValueError(f"padim.covariance={covariance!r}: one of {', '.join(COVARIANCES)}")
     if covariance != "auto":
         return covariance
     if factor_dtype == "float16":

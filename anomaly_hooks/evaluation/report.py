@@ -13,9 +13,8 @@ from anomaly_hooks.images import read_image
 from anomaly_hooks.visualize import colorize, overlay, to_uint8_rgb
 
 if TYPE_CHECKING:  # pragma: no cover
-    from anomaly_hooks.datasets import Sample
-    from anomaly_hooks.detector import Prediction
-    from anomaly_hooks.evaluate import EvalResult
+    from anomaly_hooks.evaluation.datasets import Sample
+    from anomaly_hooks.prediction import Prediction
 
 THUMB = 256  # longest side of the report pictures, in pixels
 
@@ -56,11 +55,12 @@ class ReportWriter:
                           "files": files})
         return {"report_" + k: str(self.out / v) for k, v in files.items()}
 
-    def finish(self, result: "EvalResult") -> Path:
-        """Curves and the HTML page; returns the page's path."""
-        curves = self._plot_curves(result.curves)
+    def finish(self, summary: Dict[str, Any], curves: Dict[str, Any]) -> Path:
+        """Plot ``curves`` (``roc``, ``pro``: ``(x, y)`` arrays) and write the HTML page with
+        the ``summary`` metrics; returns the page's path."""
+        pictures = self._plot_curves(curves)
         page = self.out / "index.html"
-        page.write_text(self._html(result.summary, curves), encoding="utf-8")
+        page.write_text(self._html(summary, pictures), encoding="utf-8")
         return page
 
     def _plot_curves(self, curves: Dict[str, Any]) -> List[str]:

@@ -2,7 +2,7 @@
 distance.
 
 Fit: every training patch embedding goes into a bank, reduced by the greedy k-center coreset
-(:mod:`anomaly_hooks.coreset`). With ``max_bank_points`` set, the fit is *bounded*: each batch's
+(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``max_bank_points`` set, the fit is *bounded*: each batch's
 patches are reduced as they arrive and the kept set is re-reduced whenever it exceeds the budget
 (merge-reduce), so peak memory does not depend on the number of training images.
 Score: L2 distance (not squared) of each patch to its nearest bank feature.
@@ -10,17 +10,21 @@ Score: L2 distance (not squared) of each patch to its nearest bank feature.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from anomaly_hooks.coreset import (StreamingCoreset, coreset_size, greedy_coreset,
-                                   projection_matrix)
 from anomaly_hooks.embedding import PatchEmbedder
+from anomaly_hooks.errors import FitError
 from anomaly_hooks.extractor import LayerInfo
-from anomaly_hooks.knn import NearestNeighbors
+from anomaly_hooks.resources import batch_bytes
 from anomaly_hooks.scorers.base import Scorer, register
+from anomaly_hooks.scorers.patchcore.config import PatchCoreConfig, validate
+from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
+                                                     greedy_coreset, projection_matrix)
+from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,12 @@ class PatchCoreScorer(Scorer):
     """Coreset memory bank; patch score = distance to the nearest bank feature."""
 
     method = "patchcore"
-    default_layers = ["layer2", "layer3"]
+    config_class = PatchCoreConfig
+    validate_config = staticmethod(validate)
+    # stride 8 and 16 taps: ResNets' layer2-3; EfficientNet-Lite0's blocks 4, 10
+    default_layers = {"*": ["layer2", "layer3"], "efficientnet_lite0": ["_blocks.4", "_blocks.10"]}
+    memory_advice = ("set patchcore.max_bank_points (bounded-memory fit, e.g. 200000), lower "
+                     "patchcore.reduce_dim, or fit on fewer or smaller images")
     min_train_images = 1
 
     def __init__(self, embedder: PatchEmbedder, cfg: Any, seed: int) -> None:
@@ -63,9 +72,25 @@ class PatchCoreScorer(Scorer):
                 projection_dim=cfg.projection_dim, seed=seed + SEED_CORESET)
         self.bank: Optional[torch.Tensor] = None  # [M, D]
         self.index: Optional[NearestNeighbors] = None
-        self.grid: Optional[tuple[int, int]] = None
-        self.n_train = 0
         self.n_patches = 0
+
+    @classmethod
+    def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
+                     positions: int, n_train: int) -> Tuple[Dict[str, int], int]:
+        pc = cfg.patchcore
+        total_channels = sum(info.channels for info in layers)
+        d = pc.reduce_dim if pc.reduce_dim and pc.reduce_dim < total_channels else total_channels
+        patches = n_train * positions
+        kept = patches if pc.max_bank_points is None else min(patches, pc.max_bank_points)
+        kept += 0 if pc.max_bank_points is None else cfg.data.batch_size * positions
+        bank_rows = (min(patches, pc.coreset_count) if pc.coreset_count is not None
+                     else math.ceil(pc.coreset_ratio * patches))
+        bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
+        return ({"patch features before the coreset": kept * d * 4,
+                 "coreset selection (projection, distances)":
+                     kept * ((pc.projection_dim or d) + 4) * 4,
+                 "model (memory bank + index)": 2 * bank,
+                 "batch": batch_bytes(layers, input_size, cfg.data.batch_size, d)}, bank)
 
     @classmethod
     def create(cls, cfg: Any, layers: Sequence[LayerInfo], backbone_name: str,
@@ -89,7 +114,7 @@ class PatchCoreScorer(Scorer):
 
     def finalize(self, progress: bool = False) -> None:
         if self.n_train < self.min_train_images:
-            raise ValueError("PatchCore needs at least one training image")
+            raise FitError("PatchCore needs at least one training image")
         start = time.perf_counter()
         if self._stream is not None:
             bank = self._stream.finalize(progress)
@@ -173,12 +198,12 @@ class PatchCoreScorer(Scorer):
         return 1.0 - torch.softmax(dists, dim=1)[:, 0]
 
     # -- persistence ----------------------------------------------------------------------
-    def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-        self.check_fitted()
-        tensors = {"patchcore.bank": self.bank, **self.embedder.state_tensors()}
-        meta = {"grid": list(self.grid), "n_train": self.n_train, "n_patches": self.n_patches,
-                "bank_size": int(self.bank.shape[0]), "seed": self.seed}
-        return tensors, meta
+    def summary(self) -> Dict[str, Any]:
+        return {"bank_size": int(self.bank.shape[0]), "patches": self.n_patches}
+
+    def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        return {"patchcore.bank": self.bank}, {"n_patches": self.n_patches, "seed": self.seed,
+                                               "bank_size": int(self.bank.shape[0])}
 
     @classmethod
     def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],

@@ -1,6 +1,6 @@
 """PaDiM (Defard et al. 2020): a Gaussian per patch position, Mahalanobis distance.
 
-The Gaussians (:mod:`anomaly_hooks.scorers.gaussians`) are kept in one of two exact forms,
+The Gaussians (:mod:`anomaly_hooks.scorers.padim.gaussians`) are kept in one of two exact forms,
 ``padim.covariance``: ``dense`` Cholesky factors ``[P, D, D]`` fitted from streaming sums (memory
 independent of the number of images), or ``lowrank``: the centred training embeddings
 ``[P, n, D]`` and a small ``[P, n, n]`` factor, for fits on fewer images than dimensions (the
@@ -10,16 +10,20 @@ for ``n <= 0.4 D`` training images. The patch score is the Mahalanobis distance 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
+from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.extractor import LayerInfo
+from anomaly_hooks.resources import batch_bytes
 from anomaly_hooks.scorers.base import Scorer, register
-from anomaly_hooks.scorers.gaussians import (COVARIANCES, DenseGaussians, GaussianAccumulator,
-                                             LowRankGaussians, SampleStore, choose_covariance,
-                                             lowrank_capacity)
+from anomaly_hooks.scorers.padim.config import PadimConfig, validate
+from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussians,
+                                                   GaussianAccumulator, LowRankGaussians,
+                                                   SampleStore, choose_covariance,
+                                                   lowrank_capacity)
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
 Gaussians = Union[DenseGaussians, LowRankGaussians]
@@ -35,14 +39,19 @@ class PadimScorer(Scorer):
     """Per-position Gaussian; patch score = Mahalanobis distance (not squared)."""
 
     method = "padim"
-    default_layers = ["layer1", "layer2", "layer3"]
+    config_class = PadimConfig
+    validate_config = staticmethod(validate)
+    # stride 4, 8 and 16 taps: ResNets' layer1-3; EfficientNet-Lite0's blocks 2, 4, 10
+    default_layers = {"*": ["layer1", "layer2", "layer3"],
+                      "efficientnet_lite0": ["_blocks.2", "_blocks.4", "_blocks.10"]}
+    memory_advice = ("lower padim.n_features (dense memory grows with its square, low-rank "
+                     "with it times the number of images), or preprocess.crop / resize, or use "
+                     "layers with a coarser grid")
     min_train_images = 2
 
     def __init__(self, embedder: PatchEmbedder, epsilon: float,
                  factor_dtype: str = "float32", covariance: str = "auto") -> None:
         super().__init__(embedder)
-        if covariance not in COVARIANCES:
-            raise ValueError(f"covariance={covariance!r}: one of {', '.join(COVARIANCES)}")
         self.epsilon = epsilon
         self.factor_dtype = factor_dtype
         self.covariance = covariance  # as asked for; the fitted form is gaussians.kind
@@ -50,8 +59,26 @@ class PadimScorer(Scorer):
         self._acc: Optional[GaussianAccumulator] = None
         self._store: Optional[SampleStore] = None
         self.gaussians: Optional[Gaussians] = None
-        self.grid: Optional[tuple[int, int]] = None
-        self.n_train = 0
+
+    @classmethod
+    def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
+                     positions: int, n_train: int) -> Tuple[Dict[str, int], int]:
+        pad = cfg.padim
+        d = pad.n_features or default_n_features(cfg.backbone.name,
+                                                 sum(info.channels for info in layers))
+        batch = batch_bytes(layers, input_size, cfg.data.batch_size, d)
+        if choose_covariance(pad.covariance, n_train, d, pad.factor_dtype) == "lowrank":
+            # the stored samples become the centred embeddings Y in place; plus C^-1 [n, n]
+            samples, small = positions * n_train * d * 4, positions * n_train * n_train * 4
+            return ({"training embeddings (low-rank form, centred in place)": samples,
+                     "inverse Gram factors": small, "batch": batch},
+                    samples + small + positions * d * 4)
+        factor_bytes = 2 if pad.factor_dtype == "float16" else 4
+        # the float32 sums become the covariances, then the factors, in place
+        return ({"statistics (float32 sums, factorised in place)": positions * d * d * 4,
+                 "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
+                 "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch},
+                positions * d * d * factor_bytes + positions * d * 4)
 
     @classmethod
     def create(cls, cfg: Any, layers: Sequence[LayerInfo], backbone_name: str,
@@ -60,7 +87,7 @@ class PadimScorer(Scorer):
         n = cfg.n_features if cfg.n_features is not None else default_n_features(backbone_name,
                                                                                   total)
         if n > total:
-            raise ValueError(f"padim.n_features={n} is larger than the {total} channels the "
+            raise ConfigError(f"padim.n_features={n} is larger than the {total} channels the "
                              f"layers {[i.name for i in layers]} give: choose 1..{total}")
         idx = random_channel_subset(total, n, seed)
         return cls(PatchEmbedder(layers, upsample="nearest", channel_idx=idx), cfg.epsilon,
@@ -107,8 +134,8 @@ class PadimScorer(Scorer):
         source = self._store if self._store is not None else self._acc
         n = 0 if source is None else source.n
         if n < self.min_train_images:
-            raise ValueError(f"PaDiM needs at least {self.min_train_images} training images "
-                             f"for a covariance; got {n}")
+            raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
+                           f"for a covariance; got {n}")
         if self._store is not None:
             self.gaussians = LowRankGaussians.from_samples(self._store, self.epsilon)
         else:
@@ -133,12 +160,12 @@ class PadimScorer(Scorer):
     def format_version(self) -> int:
         return 2 if self.gaussians is not None and self.gaussians.kind == "lowrank" else 1
 
-    def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-        self.check_fitted()
-        tensors = {**self.gaussians.tensors(), **self.embedder.state_tensors()}
-        meta = {"grid": list(self.grid), "n_train": self.n_train, "epsilon": self.epsilon,
-                "covariance": self.gaussians.kind}
-        return tensors, meta
+    def summary(self) -> Dict[str, Any]:
+        return {"covariance": self.gaussians.kind, "n_train": self.n_train}
+
+    def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        return self.gaussians.tensors(), {"epsilon": self.epsilon,
+                                          "covariance": self.gaussians.kind}
 
     @classmethod
     def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],

@@ -1,0 +1,49 @@
+"""Every error anomaly_hooks raises on purpose derives from :class:`AnomalyHooksError`.
+
+Catch that one class to handle any problem of the input (config, images, model files, a fit
+that cannot proceed); anything else that escapes is a bug. The subclasses that were
+``ValueError`` before stay ``ValueError`` too, so existing ``except ValueError`` code still works.
+No third-party import here: the torch-free runtime shares these classes.
+"""
+from __future__ import annotations
+
+
+class AnomalyHooksError(Exception):
+    """Base class of every error anomaly_hooks raises about its input; the message says what
+    was wrong and how to fix it."""
+
+
+class ConfigError(AnomalyHooksError, ValueError):
+    """A configuration value is missing, unknown or not allowed (the message names the key)."""
+
+
+class BackboneError(AnomalyHooksError, ValueError):
+    """The backbone or its weights could not be built or loaded."""
+
+
+class DataError(AnomalyHooksError, ValueError):
+    """A source of images is empty, missing, or holds unreadable images."""
+
+
+class ImageReadError(AnomalyHooksError, ValueError):
+    """An image could not be read; the message names the file (or input) and the reason."""
+
+
+class ModelFileError(AnomalyHooksError, ValueError):
+    """A model file is missing, damaged, of another format/version, or not what was expected."""
+
+
+class FitError(AnomalyHooksError, ValueError):
+    """Fitting could not proceed (bad images, too few images); the message says what to do."""
+
+
+class ResourceError(AnomalyHooksError, ValueError):
+    """The fit would need more memory than allowed (the message gives the estimate)."""
+
+
+class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
+    """A model was used before ``fit`` (like scikit-learn's: a ValueError and an AttributeError)."""
+
+
+__all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "FitError",
+           "ImageReadError", "ModelFileError", "NotFittedError", "ResourceError"]

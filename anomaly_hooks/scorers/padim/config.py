@@ -1,0 +1,31 @@
+"""PaDiM's config section (``padim:``) and its checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from anomaly_hooks.choices import check, choices
+
+FactorDtype = choices("FactorDtype", ["float32", "float16"])
+Covariance = choices("Covariance", ["auto", "dense", "lowrank"])
+
+
+@dataclass
+class PadimConfig:
+    """PaDiM: a Gaussian per patch position."""
+
+    n_features: Optional[int] = None  # random channel subset; null = 550 (WRN50) / 100 (ResNet18)
+    epsilon: float = 0.01  # added to the covariance diagonal
+    factor_dtype: FactorDtype = FactorDtype["float32"]  # float16: dense factors, half the memory
+    covariance: Covariance = Covariance["auto"]  # auto: lowrank for <= 0.4 D training images
+
+
+def validate(pad: Any) -> None:
+    """Range and cross-field checks of a ``padim`` section."""
+    if pad.n_features is not None:
+        check(pad.n_features >= 1, "padim.n_features", "a positive int or null", pad.n_features)
+    check(pad.epsilon > 0, "padim.epsilon", "a positive float", pad.epsilon)
+    check(not (pad.covariance == "lowrank" and pad.factor_dtype == "float16"),
+          "padim.factor_dtype", "float32 with padim.covariance=lowrank (float16 applies to "
+          "dense factors only: the low-rank form loses up to 15 % in float16); use "
+          "padim.covariance=dense or auto", pad.factor_dtype)

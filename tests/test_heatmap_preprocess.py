@@ -1,0 +1,70 @@
+"""The heatmap blur against scipy and the preprocessing against torchvision.transforms.v2."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import ndimage
+
+from anomaly_hooks.heatmap import anomaly_maps, gaussian_blur
+from anomaly_hooks.preprocess import Preprocessor
+
+
+@pytest.mark.parametrize("sigma", [1.0, 2.5, 4.0])
+@pytest.mark.parametrize("shape", [(40, 40), (70, 45)])
+def test_blur_equals_scipy_gaussian_filter(sigma, shape, device):
+    """Same kernel (radius ``int(4 sigma + 0.5)``) and border rule: torch's "reflect" padding is
+    scipy's "mirror" (the edge pixel is not repeated)."""
+    maps = torch.rand(3, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = gaussian_blur(maps.to(device), sigma).cpu()
+    ref = np.stack([ndimage.gaussian_filter(m, sigma, mode="mirror", truncate=4.0)
+                    for m in maps.numpy()])
+    np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-12)
+    f32 = gaussian_blur(maps.float().to(device), sigma).cpu()
+    np.testing.assert_allclose(f32.numpy(), ref, rtol=0, atol=2e-6)
+
+
+def test_blur_keeps_small_maps_and_sigma_zero():
+    tiny = torch.rand(2, 5, 7)
+    out = gaussian_blur(tiny, 4.0)  # kernel clipped to the map, renormalised
+    assert out.shape == tiny.shape
+    torch.testing.assert_close(out.sum(), tiny.sum(), rtol=0.3, atol=0)  # roughly conserved
+    assert torch.equal(gaussian_blur(tiny, 0.0), tiny)
+
+
+def test_anomaly_maps_upsample_bilinear_then_blur(device):
+    patch = torch.rand(2, 7, 9, generator=torch.Generator().manual_seed(1)).to(device)
+    got = anomaly_maps(patch, (56, 72), sigma=4.0).cpu()
+    up = torch.nn.functional.interpolate(patch.cpu()[:, None], size=(56, 72), mode="bilinear",
+                                         align_corners=False)[:, 0].double().numpy()
+    ref = np.stack([ndimage.gaussian_filter(m, 4.0, mode="mirror") for m in up])
+    np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("resize, crop", [((256, 256), (224, 224)), ((96, 128), (80, 112)),
+                                          ((64, 80), None), ((257, 255), (224, 223))])
+@pytest.mark.parametrize("size", [(300, 410), (50, 61), (256, 256)])
+def test_preprocessing_equals_torchvision_transforms_v2(resize, crop, size):
+    from torchvision.transforms import v2
+
+    pre = Preprocessor(resize, crop)
+    steps = [v2.Resize(list(resize), interpolation=v2.InterpolationMode.BILINEAR, antialias=True)]
+    if crop is not None:
+        steps.append(v2.CenterCrop(list(crop)))
+    steps.append(v2.Normalize(list(pre.mean), list(pre.std)))
+    image = torch.rand(3, *size, generator=torch.Generator().manual_seed(sum(size)))
+    got = pre(image)
+    ref = v2.Compose(steps)(image)
+    assert got.shape == ref.shape == (3, *pre.input_size)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_heatmap_goes_back_to_the_original_frame():
+    pre = Preprocessor((64, 64), (48, 48))
+    heat = torch.zeros(48, 48)
+    heat[20:28, 20:28] = 1.0
+    back = pre.to_original(heat, (128, 96), fill=-1.0)
+    assert back.shape == (128, 96)
+    assert float(back[0, 0]) == -1.0  # cut off by the crop: not inspected
+    ys, xs = np.nonzero(back.numpy() > 0.5)
+    assert abs(ys.mean() - 63.5) < 1 and abs(xs.mean() - 47.5) < 1  # still at the centre
