@@ -52,6 +52,7 @@ REL = 1e-4  # float32 slack on squared distances, relative to |x|^2 + |c|^2 (bou
 POOL = 2048  # pool size of the batched selection
 MIN_BATCH = 4  # a pool certifying fewer picks is followed by one plain step
 CHUNK = 8192  # rows per GEMM block when applying a batch
+RESIDUAL = 0.01  # bounds use the leading principal directions holding all but 1 % of the variance
 METHODS = ("auto", "dense", "batched")
 
 
@@ -153,19 +154,17 @@ def greedy_dense(x: torch.Tensor, k: int, start: int, progress: bool = False) ->
 
 
 def greedy_batched(x: np.ndarray, k: int, start: int, progress: bool = False,
-                   stats: Optional[Dict[str, float]] = None, pool: int = POOL) -> np.ndarray:
+                   stats: Optional[Dict[str, float]] = None, pool: int = POOL,
+                   dims: Optional[int] = None) -> np.ndarray:
     """Exact greedy k-center on ``x`` ``[N, p]`` (float32 numpy, CPU): ``[k]`` int64 indices in
-    selection order, the same as the brute-force float64 greedy (module docstring). ``stats``
+    selection order, the same as the brute-force float64 greedy (module docstring). ``dims``:
+    principal directions used by the GEMM bounds (None: chosen from the spectrum). ``stats``
     (a dict) receives counters: batches, plain steps, exact float64 checks per centre."""
-    x = np.asarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
     n, p = x.shape
-    # a = [x, |x|^2, 1]: one GEMM with [-2c, 1, |c|^2 - slack] gives squared distances
-    a = np.empty((n, p + 2), dtype=np.float32)
-    a[:, :p] = x
     sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-    a[:, p] = sq
-    a[:, p + 1] = 1.0
-    xs = a[:, :p]  # the features (a view; rows of p+2)
+    a = _bound_rows(x, dims)
+    xs = x
     slack_abs = REL * 1e-3 * float(sq.max()) + 1e-30
     m = np.full(n, np.inf)  # exact float64 squared distance to the selected set; -1: selected
     selected = np.empty(k, dtype=np.int64)
@@ -178,7 +177,7 @@ def greedy_batched(x: np.ndarray, k: int, start: int, progress: bool = False,
         centres = np.asarray(batch, dtype=np.int64)
         selected[got:got + len(centres)] = centres
         got += len(centres)
-        count["exact_checks"] += _apply(a, sq, m, centres, slack_abs)
+        count["exact_checks"] += _apply(a, xs, sq, m, centres, slack_abs)
         if bar is not None:
             bar.update(len(centres))
         if got >= k:
@@ -205,37 +204,74 @@ def greedy_batched(x: np.ndarray, k: int, start: int, progress: bool = False,
                      centres_per_batch=k / max(1, count["batches"]),
                      exact_per_centre=count["exact_checks"] / k,
                      exact_fraction=count["exact_checks"] / k / n,
-                     pool_checks_per_centre=count["pool_checks"] / k)
+                     pool_checks_per_centre=count["pool_checks"] / k,
+                     bound_dims=a.shape[1] - 2)
     return selected
 
 
-def _apply(a: np.ndarray, sq: np.ndarray, m: np.ndarray, centres: np.ndarray,
+def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
+    """``[N, q + 2]`` float32 rows ``[y, |y|^2, 1]`` with ``y`` the coordinates of ``x`` along its
+    ``q`` leading principal directions (``y = x`` when ``q = p``): ``|y_x - y_c|^2 <= |x - c|^2``,
+    so one GEMM with ``[-2 y_c, 1, |y_c|^2]`` bounds every squared distance from below. ``y`` is
+    computed in float64 and rounded once, so the bound holds up to ~1e-7 relative."""
+    n, p = x.shape
+    if dims is None:
+        dims = p
+        if n >= 4 * p:  # the smallest multiple of 8 keeping all but FLOOR of the variance
+            ev = np.linalg.eigvalsh(_gram(x))[::-1]
+            left = 1.0 - np.cumsum(ev) / max(float(ev.sum()), 1e-300)
+            dims = min(p, 8 * math.ceil((int(np.argmax(left <= RESIDUAL)) + 1) / 8))
+    dims = max(1, min(int(dims), p))
+    a = np.empty((n, dims + 2), dtype=np.float32)
+    if dims == p:
+        a[:, :p] = x
+        a[:, p] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    else:
+        _, vecs = np.linalg.eigh(_gram(x))
+        v = np.ascontiguousarray(vecs[:, ::-1][:, :dims])
+        for lo in range(0, n, 65536):
+            y = x[lo:lo + 65536].astype(np.float64) @ v
+            a[lo:lo + len(y), :dims] = y
+            a[lo:lo + len(y), dims] = np.einsum("ij,ij->i", y, y)
+    a[:, dims + 1] = 1.0
+    return a
+
+
+def _gram(x: np.ndarray) -> np.ndarray:
+    """``x^T x`` in float64 (chunked)."""
+    out = np.zeros((x.shape[1], x.shape[1]))
+    for lo in range(0, len(x), 65536):
+        chunk = x[lo:lo + 65536].astype(np.float64)
+        out += chunk.T @ chunk
+    return out
+
+
+def _apply(a: np.ndarray, xs: np.ndarray, sq: np.ndarray, m: np.ndarray, centres: np.ndarray,
            slack_abs: float) -> int:
-    """Lower ``m`` by the squared distances to ``centres`` (exact float64 values), via float32
-    GEMM bounds; returns the number of float64 recomputations."""
-    n, p2 = a.shape
-    p = p2 - 2
-    cx = a[centres, :p]
-    b = np.empty((p2, len(centres)), dtype=np.float32)
-    b[:p] = -2.0 * cx.T
-    b[p] = 1.0
-    b[p + 1] = sq[centres] * (1.0 - REL) - slack_abs  # the slack, folded into the product
-    c64 = cx.astype(np.float64)
+    """Lower ``m`` by the squared distances to ``centres`` (exact float64 values): the GEMM of
+    the bound rows ``a`` excludes most pairs; returns the number of float64 recomputations."""
+    n, q2 = a.shape
+    q = q2 - 2
+    b = np.empty((q2, len(centres)), dtype=np.float32)
+    b[:q] = -2.0 * a[centres, :q].T
+    b[q] = 1.0
+    # the centre's share of the slack, folded into the product
+    b[q + 1] = a[centres, q].astype(np.float64) - REL * sq[centres] - slack_abs
+    c64 = xs[centres].astype(np.float64)
     checks = 0
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
-        d2 = a[lo:hi] @ b  # [rows, B] float32 squared distances minus the centre's slack
+        d2 = a[lo:hi] @ b  # [rows, B]: lower bounds of the squared distances, minus slack
         limit = m[lo:hi] + (REL * sq[lo:hi] + slack_abs)
         rows = np.flatnonzero(d2.min(axis=1) < limit)
         if rows.size == 0:
             continue
         r, j = np.nonzero(d2[rows] < limit[rows, None])
-        r = rows[r]
-        diff = a[lo + r, :p].astype(np.float64)
+        r = rows[r] + lo
+        diff = xs[r].astype(np.float64)
         diff -= c64[j]
-        d64 = np.einsum("ij,ij->i", diff, diff)
         checks += len(r)
-        np.minimum.at(m, lo + r, d64)
+        np.minimum.at(m, r, np.einsum("ij,ij->i", diff, diff))
     m[centres] = -1.0
     return checks
 

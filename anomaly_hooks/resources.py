@@ -70,7 +70,10 @@ def _method_memory(cfg: Any, layers: Sequence[LayerInfo], input_size: Sequence[i
         bank_rows = math.ceil(pc.coreset_ratio * patches)
     bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
     parts = {"patch features before the coreset": kept * d * 4,
-             "coreset selection (projection, distances)": kept * ((pc.projection_dim or d) + 4) * 4,
+             # projected features, their GEMM bound rows, float64 norms and distances, and
+             # two [8192, pool 2048] float32 blocks of the batched selection
+             "coreset selection (projection, distances)":
+                 kept * (2 * (pc.projection_dim or d) + 6) * 4 + 2 * 8192 * 2048 * 4,
              "model (memory bank + index)": 2 * bank,
              "batch": _batch_bytes(cfg, layers, input_size, d)}
     return {**parts, "total": sum(parts.values()), "model": bank}

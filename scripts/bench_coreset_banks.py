@@ -26,6 +26,15 @@ quoted as a ratio to the backbone pass.
 
 Writes ``<out>/<bank>.npy`` (float32 [N, 128], projected and centred), and ``<out>/<bank>.json``
 (N, feature dim, seed, first index, patches per image, backbone/embedding seconds).
+
+``--export DIR`` instead writes the bank's images as PNGs in the MVTec layout (``DIR/<bank>/
+train/good``, and ``test/good`` with the first 8 source images un-augmented), for an end-to-end
+fit with scripts/bench.py, e.g.::
+
+    python scripts/bench_coreset_banks.py --export /tmp/banks --bank weld222
+    python scripts/bench.py --config configs/patchcore_effnet_lite0.yaml --data /tmp/banks/weld222 \
+        --batch-size 16 --passes 1 --repeats 3 preprocess.crop=null \
+        threshold.folder=/tmp/banks/weld222/test/good
 """
 from __future__ import annotations
 
@@ -136,12 +145,36 @@ def build(name: str, out: Path, batch_size: int) -> dict:
     return meta
 
 
+def export(name: str, root: Path) -> None:
+    """The bank's images as PNG files (8-bit RGB) in an MVTec layout."""
+    from PIL import Image
+
+    def save(img: torch.Tensor, path: Path) -> None:
+        arr = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        Image.fromarray(arr).save(path)
+
+    train, test = root / "train" / "good", root / "test" / "good"
+    train.mkdir(parents=True, exist_ok=True)
+    test.mkdir(parents=True, exist_ok=True)
+    for i, img in enumerate(BANKS[name][1]()):
+        save(img, train / f"{i:04d}.png")
+    source = {"bottle": BOTTLE, "sample": SAMPLE}.get(name, WELD)
+    for i, path in enumerate(list_images(source)[:8]):
+        save(read_image(path), test / f"{i:03d}.png")
+    print(f"{name}: images in {root}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "banks")
     parser.add_argument("--bank", action="append", choices=sorted(BANKS))
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR")
     args = parser.parse_args()
+    if args.export is not None:
+        for name in args.bank or ["weld222"]:
+            export(name, args.export / name)
+        return 0
     for name in args.bank or ["sample", "weld222", "bottle", "mix610"]:
         start = time.perf_counter()
         meta = build(name, args.out, args.batch_size)

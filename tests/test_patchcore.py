@@ -61,17 +61,18 @@ def brute_force_points(x: np.ndarray, k: int, start: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("pool", [2, 16, 2048])
-def test_batched_equals_brute_force_with_duplicates_and_small_pools(pool):
+@pytest.mark.parametrize("pool,dims", [(2, None), (16, 4), (2048, None), (2048, 24)])
+def test_batched_equals_brute_force_with_duplicates_and_small_pools(pool, dims):
     # exact duplicates (ties broken by the lowest index), near-ties and a few far outliers
     rng = np.random.default_rng(0)
     base = rng.normal(size=(400, 24)).astype(np.float32)
     x = np.concatenate([base, base[:150], base[:50] + np.float32(1e-3),
                         rng.normal(size=(5, 24)).astype(np.float32) * 20])
     st = {}
-    got = greedy_batched(x, 500, 3, stats=st, pool=pool)
+    got = greedy_batched(x, 500, 3, stats=st, pool=pool, dims=dims)
     assert got.tolist() == brute_force_points(x, 500, 3)
     assert st["batches"] >= 1 and st["exact_fraction"] <= 1.0
+    assert st["bound_dims"] == (dims or st["bound_dims"]) and 1 <= st["bound_dims"] <= 24
 
 
 def test_batched_falls_back_to_plain_steps_when_the_pool_cannot_certify():
