@@ -205,12 +205,12 @@ def greedy_batched(x: np.ndarray, k: int, start: int, progress: bool = False,
                      exact_per_centre=count["exact_checks"] / k,
                      exact_fraction=count["exact_checks"] / k / n,
                      pool_checks_per_centre=count["pool_checks"] / k,
-                     bound_dims=a.shape[1] - 2)
+                     bound_dims=a.shape[1] - 3)
     return selected
 
 
 def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
-    """``[N, q + 2]`` float32 rows ``[y, |y|^2, 1]`` with ``y`` the coordinates of ``x`` along its
+    """``[N, q + 3]`` float32 rows ``[y, |y|^2, 1, .]`` with ``y`` the coordinates of ``x`` along its
     ``q`` leading principal directions (``y = x`` when ``q = p``): ``|y_x - y_c|^2 <= |x - c|^2``,
     so one GEMM with ``[-2 y_c, 1, |y_c|^2]`` bounds every squared distance from below. ``y`` is
     computed in float64 and rounded once, so the bound holds up to ~1e-7 relative."""
@@ -222,7 +222,7 @@ def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
             left = 1.0 - np.cumsum(ev) / max(float(ev.sum()), 1e-300)
             dims = min(p, 8 * math.ceil((int(np.argmax(left <= RESIDUAL)) + 1) / 8))
     dims = max(1, min(int(dims), p))
-    a = np.empty((n, dims + 2), dtype=np.float32)
+    a = np.empty((n, dims + 3), dtype=np.float32)  # the last column: -limit, set per batch
     if dims == p:
         a[:, :p] = x
         a[:, p] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
@@ -248,26 +248,34 @@ def _gram(x: np.ndarray) -> np.ndarray:
 
 def _apply(a: np.ndarray, xs: np.ndarray, sq: np.ndarray, m: np.ndarray, centres: np.ndarray,
            slack_abs: float) -> int:
-    """Lower ``m`` by the squared distances to ``centres`` (exact float64 values): the GEMM of
-    the bound rows ``a`` excludes most pairs; returns the number of float64 recomputations."""
-    n, q2 = a.shape
-    q = q2 - 2
-    b = np.empty((q2, len(centres)), dtype=np.float32)
+    """Lower ``m`` by the squared distances to ``centres`` (exact float64 values). The bound rows
+    ``a`` end with ``-limit`` (``m`` plus the rounding slack), so the GEMM with the centre columns
+    ``[-2 y_c, 1, |y_c|^2 - slack_c, 1]`` is negative exactly where a pair may lower ``m``; only
+    those pairs are recomputed in float64. Returns their number."""
+    n, q3 = a.shape
+    q = q3 - 3
+    # -limit: m plus slack for every rounding the GEMM can make (its error is at most
+    # ~1e-5 x (|y|^2 + |y_c|^2 + |limit|) for these 3 + q terms; REL = 1e-4)
+    a[:, q + 2] = -(m * (1.0 + REL) + (REL * sq + slack_abs))
+    b = np.empty((q3, len(centres)), dtype=np.float32)
     b[:q] = -2.0 * a[centres, :q].T
     b[q] = 1.0
-    # the centre's share of the slack, folded into the product
     b[q + 1] = a[centres, q].astype(np.float64) - REL * sq[centres] - slack_abs
+    b[q + 2] = 1.0
     c64 = xs[centres].astype(np.float64)
+    rows = min(n, CHUNK)
+    out = np.empty((rows, len(centres)), dtype=np.float32)
+    neg = np.empty((rows, len(centres)), dtype=bool)
     checks = 0
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
-        d2 = a[lo:hi] @ b  # [rows, B]: lower bounds of the squared distances, minus slack
-        limit = m[lo:hi] + (REL * sq[lo:hi] + slack_abs)
-        rows = np.flatnonzero(d2.min(axis=1) < limit)
-        if rows.size == 0:
+        d = np.matmul(a[lo:hi], b, out=out[:hi - lo])
+        mask = np.less(d, 0.0, out=neg[:hi - lo])
+        flat = np.flatnonzero(mask)
+        if flat.size == 0:
             continue
-        r, j = np.nonzero(d2[rows] < limit[rows, None])
-        r = rows[r] + lo
+        r, j = np.divmod(flat, len(centres))
+        r += lo
         diff = xs[r].astype(np.float64)
         diff -= c64[j]
         checks += len(r)
