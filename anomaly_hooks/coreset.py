@@ -9,7 +9,9 @@ Two implementations of the same rule:
 
 * :func:`greedy_dense` — the plain loop: one pass over all points per selected point
   (memory-bound). Used on CUDA, where a pass is cheap; it never synchronises with the host
-  (the selected index stays on the device: ``index_select`` / ``index_fill_``). float32.
+  (the selected index stays on the device: ``index_select`` / ``index_fill_``). Distances in
+  float64 by default (float32 passes resolve near-ties differently about once per 1000
+  centres on real banks: measured on 61k EfficientNet patches).
 * :func:`greedy_batched` — the CPU path, exact in float64. A pass per selected point is
   memory-bound (~12 ms for 227k x 128 on this kind of machine), so the passes are *batched*:
 
@@ -130,12 +132,17 @@ def _bar(total: int, enabled: bool, desc: str = "coreset"):
     return tqdm(total=total, desc=desc, unit="pt", dynamic_ncols=True, leave=False)
 
 
-def greedy_dense(x: torch.Tensor, k: int, start: int, progress: bool = False) -> torch.Tensor:
-    """The plain loop on ``x`` ``[N, p]`` (any device, float32): ``k`` passes over all points.
-    Already selected points are never selected again (ties go to the lowest index). The
-    selected index never leaves the device (no host synchronisation per point on CUDA)."""
+def greedy_dense(x: torch.Tensor, k: int, start: int, progress: bool = False,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The plain loop on ``x`` ``[N, p]`` (any device): ``k`` passes over all points, distances
+    in ``dtype`` (float64 by default: the brute-force rule, the same points as
+    :func:`greedy_batched`; float32 halves the traffic but may resolve near-ties, ~1 per 1000
+    centres on real banks, differently). Already selected points are never selected again
+    (ties go to the lowest index). The selected index never leaves the device (no host
+    synchronisation per point on CUDA)."""
     n = x.shape[0]
-    min_d = torch.full((n,), float("inf"), device=x.device)
+    x = x.to(dtype)
+    min_d = torch.full((n,), float("inf"), dtype=dtype, device=x.device)
     selected = torch.empty(k, dtype=torch.long, device=x.device)
     bar = _bar(k, progress)
     idx = torch.full((1,), start, dtype=torch.long, device=x.device)

@@ -3,7 +3,7 @@
 
 Methods, each on the same projected, centred float32 bank (what greedy_coreset selects on):
 
-* ``plain``: :func:`greedy_dense` on the CPU (torch float32, one pass over all points per
+* ``plain``: :func:`greedy_dense` on the CPU (torch, float32 distances, one pass over all points per
   centre; memory-bound). Its cost per centre is constant, so it is timed over ``--plain-steps``
   centres and its centres/s extrapolated.
 * ``legacy``: the former CPU method (triangle-inequality blocks around selected centres,
@@ -179,7 +179,8 @@ def bench_bank(name: str, banks: Path, ratios, plain_steps: int, legacy_seconds:
     load0 = os.getloadavg()[0]
 
     k_plain = min(plain_steps, n)
-    sel_plain, wall, cpu = timed(greedy_dense, torch.from_numpy(x), k_plain, start)
+    sel_plain, wall, cpu = timed(greedy_dense, torch.from_numpy(x), k_plain, start,
+                                 dtype=torch.float32)
     sel_plain = sel_plain.numpy()
     out["runs"].append({"method": "plain", "k": k_plain, "done": k_plain, "wall_s": wall,
                         "cpu_s": cpu, "centres_per_s": k_plain / wall,

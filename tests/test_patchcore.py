@@ -95,10 +95,19 @@ def test_dense_coreset_never_synchronises_on_cuda():
     torch.cuda.set_sync_debug_mode("error")
     try:
         got = greedy_dense(xp, 50, 7)
+        greedy_dense(xp, 50, 7, dtype=torch.float32)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got.is_cuda and got.cpu().unique().numel() == 50
     assert greedy_coreset(x, 50, 32, seed=1).cpu().tolist() == ref.tolist()
+
+
+def test_plain_loop_in_float64_is_the_batched_selection():
+    x = clustered(n=1500, d=16).numpy()
+    dense = greedy_dense(torch.from_numpy(x), 200, 11).numpy()
+    assert greedy_batched(x, 200, 11).tolist() == dense.tolist()
+    f32 = greedy_dense(torch.from_numpy(x), 200, 11, dtype=torch.float32)
+    assert f32.dtype == torch.long and f32.unique().numel() == 200
 
 
 def test_selection_is_seeded_and_includes_the_first_point():
