@@ -22,17 +22,20 @@ Two implementations of the same rule:
      ``T`` it *is* the global farthest point, so the pick is the brute-force pick. When it no
      longer exceeds ``T`` the batch ends (typically after tens to hundreds of picks).
   2. *Apply.* The batch's ``B`` centres are applied to every point with one float32 matrix
-     product per chunk of rows, ``[x, |x|^2, 1] @ [-2c, 1, |c|^2]`` = the squared distances, a
-     compute-bound GEMM instead of ``B`` memory-bound passes (both cores through BLAS). A pair
-     can lower ``m`` only if its float32 distance is below ``m`` plus a rigorous rounding bound
-     (``REL`` x (|x|^2 + |c|^2), six times the worst-case GEMM error); only those pairs are
-     recomputed exactly in float64 (a few per point of the pool, a fraction of a percent of
-     the points per centre), and ``m`` holds exact float64 values.
+     product per block of rows: ``[y, |y|^2, 1, -limit] @ [-2 y_c, 1, |y_c|^2 - slack, 1]``,
+     where ``y`` are the coordinates along the leading principal directions of the bank (those
+     holding all but ``RESIDUAL`` of its variance; all ``p`` on spread-out banks), so the product
+     is a lower bound of ``|x - c|^2 - m(x)`` up to rounding: a compute-bound GEMM instead of
+     ``B`` memory-bound passes (both cores through BLAS). A pair can lower ``m`` only where the
+     product is negative; the slack (``REL`` x (|x|^2 + |c|^2 + m), six times the worst-case
+     float32 error of the product) keeps that test conservative. Only those pairs are
+     recomputed exactly in float64 (0.05-0.5 % of the points per centre on real banks), so
+     ``m`` always holds exact float64 values.
 
   The selection is therefore the one of the brute-force float64 greedy on the float32 projected
-  features (same indices, same order); it can differ only where two distances agree to float64
-  rounding (~1e-16 relative), i.e. on exact duplicates, which are resolved to the lowest index
-  exactly as the brute force does. When the pool certifies fewer than ``MIN_BATCH`` picks (data
+  features (same indices, same order); it could differ only where two different distances agree
+  to within float64 rounding (~1e-16 relative, a different summation order); exact ties
+  (duplicate points) go to the lowest index, as in the brute force. When the pool certifies fewer than ``MIN_BATCH`` picks (data
   whose farthest points all sit together), the following picks are plain steps (argmax over
   all points, one pass each, as the plain loop) and the pool is retried after exponentially
   more of them, so the method adapts and does not fall far behind the plain loop.
