@@ -7,8 +7,10 @@ import torch
 
 from anomaly_hooks import Detector
 from anomaly_hooks.config import load_config
-from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size, coverage_radius, first_index,
-                                   greedy_coreset, random_projection)
+from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
+                                                     coverage_radius, first_index, greedy_batched,
+                                                     greedy_coreset, greedy_dense,
+                                                     random_projection)
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.scorer import PatchCoreScorer
@@ -42,9 +44,71 @@ def brute_force_greedy(features: torch.Tensor, k: int, projection_dim, seed: int
 def test_fast_selection_equals_brute_force(projection_dim, k, device):
     x = clustered()
     ref = brute_force_greedy(x, k, projection_dim, seed=5)
-    for method in ("pruned", "dense"):
+    for method in ("batched", "pruned", "dense"):
         got = greedy_coreset(x.to(device), k, projection_dim, seed=5, method=method)
         assert got.device.type == device.type and got.tolist() == ref, method
+
+
+def brute_force_points(x: np.ndarray, k: int, start: int) -> list[int]:
+    """The greedy rule in float64 on given float32 points (no projection, no centring)."""
+    x64 = x.astype(np.float64)
+    m = np.full(len(x), np.inf)
+    idx, out = start, []
+    for _ in range(k):
+        out.append(idx)
+        m = np.minimum(m, ((x64 - x64[idx]) ** 2).sum(1))
+        m[idx] = -1.0
+        idx = int(np.argmax(m))
+    return out
+
+
+@pytest.mark.parametrize("pool,dims", [(2, None), (16, 4), (2048, None), (2048, 24)])
+def test_batched_equals_brute_force_with_duplicates_and_small_pools(pool, dims):
+    # exact duplicates (ties broken by the lowest index), near-ties and a few far outliers
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(400, 24)).astype(np.float32)
+    x = np.concatenate([base, base[:150], base[:50] + np.float32(1e-3),
+                        rng.normal(size=(5, 24)).astype(np.float32) * 20])
+    st = {}
+    got = greedy_batched(x, 500, 3, stats=st, pool=pool, dims=dims)
+    assert got.tolist() == brute_force_points(x, 500, 3)
+    assert st["batches"] >= 1 and st["exact_fraction"] <= 1.0
+    assert st["bound_dims"] == (dims or st["bound_dims"]) and 1 <= st["bound_dims"] <= 24
+
+
+def test_batched_falls_back_to_plain_steps_when_the_pool_cannot_certify():
+    # every point but one is a duplicate of two others: the pool's top values tie with the
+    # points left outside, so picks come from plain steps; still the brute-force order
+    rng = np.random.default_rng(1)
+    x = np.repeat(rng.normal(size=(60, 8)).astype(np.float32), 3, axis=0)
+    st = {}
+    got = greedy_batched(x, 150, 0, stats=st, pool=8)
+    assert got.tolist() == brute_force_points(x, 150, 0)
+    assert st["plain_steps"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_coreset_never_synchronises_on_cuda():
+    x = clustered(n=2000).cuda()
+    ref = greedy_coreset(x.cpu(), 50, 32, seed=1, method="dense")
+    xp = x - x.mean(dim=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = greedy_dense(xp, 50, 7)
+        greedy_dense(xp, 50, 7, dtype=torch.float32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.is_cuda and got.cpu().unique().numel() == 50
+    assert greedy_coreset(x, 50, 32, seed=1).cpu().tolist() == ref.tolist()
+
+
+def test_plain_loop_in_float64_is_the_batched_selection():
+    x = clustered(n=1500, d=16).numpy()
+    dense = greedy_dense(torch.from_numpy(x), 200, 11).numpy()
+    assert greedy_batched(x, 200, 11).tolist() == dense.tolist()
+    f32 = greedy_dense(torch.from_numpy(x), 200, 11, dtype=torch.float32)
+    assert f32.dtype == torch.long and f32.unique().numel() == 200
 
 
 def test_selection_is_seeded_and_includes_the_first_point():

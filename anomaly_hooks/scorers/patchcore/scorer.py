@@ -87,8 +87,10 @@ class PatchCoreScorer(Scorer):
                      else math.ceil(pc.coreset_ratio * patches))
         bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
         return ({"patch features before the coreset": kept * d * 4,
+                 # projected features, their bound rows, float64 norms and distances, and two
+                 # [8192, pool 2048] float32 blocks of the batched selection
                  "coreset selection (projection, distances)":
-                     kept * ((pc.projection_dim or d) + 4) * 4,
+                     kept * (2 * (pc.projection_dim or d) + 6) * 4 + 2 * 8192 * 2048 * 4,
                  "model (memory bank + index)": 2 * bank,
                  "batch": batch_bytes(layers, input_size, cfg.data.batch_size, d)}, bank)
 
