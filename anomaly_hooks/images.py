@@ -275,8 +275,11 @@ def _block_mean(rows: Callable[[int, int], np.ndarray], height: int, width: int,
 
 
 def _decode_pil(img: Image.Image, label: str, max_pixels: int,
-                min_size: Optional[Tuple[int, int]]) -> Tuple[np.ndarray, Tuple[int, int]]:
-    """A PIL image (possibly not loaded yet) -> (float32 ``[h, w, 3]``, original (H, W))."""
+                min_size: Optional[Tuple[int, int]], own: bool = True
+                ) -> Tuple[np.ndarray, Tuple[int, int]]:
+    """A PIL image (possibly not loaded yet) -> (float32 ``[h, w, 3]``, original (H, W)).
+    ``own``: the image was opened here, so its JPEG decoding may be drafted (a caller's image
+    object is never changed that way)."""
     if getattr(img, "is_animated", False):
         img.seek(0)
     orientation = _orientation(img)
@@ -285,7 +288,7 @@ def _decode_pil(img: Image.Image, label: str, max_pixels: int,
         width, height = height, width
     _check_pixels(width, height, max_pixels, label)
     k = _factor((height, width), min_size)
-    if k > 1 and img.format in ("JPEG", "MPO") and getattr(img, "tile", None):
+    if k > 1 and own and img.format in ("JPEG", "MPO") and getattr(img, "tile", None):
         # libjpeg scales by 1/2, 1/4 or 1/8 while decoding (at most k): never the full image
         img.draft(None, (math.ceil(img.size[0] / k), math.ceil(img.size[1] / k)))
         img.load()
@@ -428,7 +431,7 @@ def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, in
     if isinstance(image, Image.Image):
         label = "PIL image"
         try:
-            return _decode_pil(image, label, max_pixels, min_size)
+            return _decode_pil(image, label, max_pixels, min_size, own=False)
         except (ImageReadError, MemoryError):
             raise
         except Exception as exc:  # an image PIL cannot convert, or lazy data that is broken

@@ -259,6 +259,9 @@ def test_huge_images_are_reduced_but_score_as_at_full_resolution(tmp_path, fitte
     pred = fitted.predict(source)
     assert pred.heatmap.shape == (1200, 1400)
     assert abs(pred.score - full.score) <= 0.02 * full.score
+    if kind == "jpg":  # a caller's own (lazy) PIL image is never drafted in place
+        with Image.open(source) as img:
+            assert fitted.predict(img).heatmap.shape == (1200, 1400) and img.size == (1400, 1200)
 
 
 def _peak_rss_mb(argv: list) -> float:
