@@ -288,13 +288,22 @@ _INTERPOLATION = re.compile(r"(\\*)\$\{")
 def literal(container: Any) -> Any:
     """``container`` with every string escaped so that omegaconf reads it literally: a
     ``${...}`` in a value (a stored, already resolved config) stays text, never an
-    interpolation that would read the environment or other keys on load."""
+    interpolation that would read the environment or other keys on load.
+
+    Raises:
+        ConfigError: a structure too deep or too large to be a config.
+    """
+    _check_structure(container, "the stored config")
+    return _escaped(container)
+
+
+def _escaped(container: Any) -> Any:
     if isinstance(container, str):
         return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", container)
     if isinstance(container, Mapping):
-        return {k: literal(v) for k, v in container.items()}
+        return {k: _escaped(v) for k, v in container.items()}
     if isinstance(container, (list, tuple)):
-        return [literal(v) for v in container]
+        return [_escaped(v) for v in container]
     return container
 
 

@@ -975,3 +975,16 @@ def test_names_the_system_cannot_look_up_are_reported_not_fatal(model_file, tmp_
     assert "File name too long" in capsys.readouterr().err
     rows = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
     assert [r["path"] for r in rows] == [str(ok)]
+
+
+def test_deep_stored_config_is_a_model_file_error(model_file, tmp_path):
+    tensors, meta = load_model(model_file)
+    deep: list = []
+    node = deep
+    for _ in range(900):
+        node.append([])
+        node = node[0]
+    meta["config"]["backbone"]["layers"] = deep
+    forged = save_model(tmp_path / "deep.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError, match="inconsistent model file .*nested more than 32"):
+        Detector.load(forged)
