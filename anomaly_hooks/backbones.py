@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
@@ -13,7 +12,6 @@ from torch import nn
 
 from anomaly_hooks.errors import BackboneError
 
-log = logging.getLogger(__name__)
 
 CUSTOM = "custom"
 
@@ -87,16 +85,26 @@ def load_state_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
                name: str) -> nn.Module:
-    """Load ``state`` into ``model``; missing keys are an error, unexpected ones a warning."""
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys:
-        raise BackboneError(
-            f"{path} does not fit {name}: {len(result.missing_keys)} missing keys, e.g. "
-            f"{result.missing_keys[:3]}. Save it with torch.save(model.state_dict(), path)."
-        )
-    if result.unexpected_keys:
-        log.warning("%s: %d unexpected keys ignored, e.g. %s", path, len(result.unexpected_keys),
-                    result.unexpected_keys[:3])
+    """Load ``state`` into ``model``: it must be exactly that architecture's state dict (a
+    missing or unexpected key, or another shape, means other weights: refused, naming a few),
+    and hold finite values."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
+              for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = [f"{len(found)} {what}, e.g. {found[:3]}" for what, found in
+                (("missing keys", missing), ("unexpected keys", unexpected),
+                 ("tensors of another shape", shapes)) if found]
+    if problems:
+        raise BackboneError(f"{path} does not fit {name} (weights of another architecture?): "
+                            f"{'; '.join(problems)}. Give the state dict of a {name}, saved "
+                            "with torch.save(model.state_dict(), path).")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise BackboneError(f"{path}: {len(bad)} tensors hold inf or NaN values, e.g. "
+                            f"{bad[:3]}: the weights file is damaged")
+    model.load_state_dict(state, strict=True)
     return model
 
 
@@ -107,8 +115,7 @@ def _from_file(name: str, path: Path) -> nn.Module:
 def _warn_random(name: str, seed: int) -> None:
     msg = (f"backbone.weights is null: {name} is RANDOMLY initialised (seed {seed}). "
            "Detection quality will be poor; use pretrained weights for real inspection.")
-    warnings.warn(msg, UserWarning, stacklevel=4)
-    log.warning(msg)
+    warnings.warn(msg, UserWarning, stacklevel=4)  # once: a warning, not also a log line
 
 
 @contextlib.contextmanager

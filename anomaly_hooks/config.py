@@ -12,12 +12,15 @@ method adds its section by registering, without touching this module.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields, make_dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Type, Union
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -139,7 +142,7 @@ def _as_pair(value: Any) -> Any:
 def _normalise_raw(raw: Any) -> Any:
     """Friendly shorthands before the typed merge (an int size means a square)."""
     if isinstance(raw, DictConfig):
-        raw = to_container(raw)
+        raw = _resolved(raw, "config")
     if isinstance(raw, Mapping) and isinstance(raw.get("preprocess"), Mapping):
         pre = dict(raw["preprocess"])
         for key in ("resize", "crop"):
@@ -149,6 +152,74 @@ def _normalise_raw(raw: Any) -> Any:
     return raw
 
 
+# Limits checked before any text reaches the YAML parser (libyaml recurses in C: a 200 KB file
+# of "[" overflows the C stack and kills the process) and before a mapping reaches omegaconf.
+MAX_CONFIG_BYTES = 1 << 20  # a config file
+MAX_OVERRIDE_CHARS = 10_000  # one key=value override
+MAX_OVERRIDES = 1_000
+MAX_DEPTH = 32  # nesting of sections / lists (the schema itself is 3 deep)
+MAX_NODES = 100_000  # values in a config
+INT64 = (-(1 << 63), (1 << 63) - 1)
+DEVICE_RE = re.compile(r"(auto|cpu|cuda(:[0-9]{1,4})?)\Z")
+
+
+def _text_depth(text: str) -> int:
+    """An estimate (never much below the truth) of the nesting depth of YAML ``text``:
+    open flow brackets plus block levels (indentation changes and leading ``- `` / ``? ``
+    markers). Brackets inside quotes count too: the estimate errs on the deep side."""
+    deepest = flow = 0
+    indents = [-1]
+    for line in text.splitlines():
+        body = line.lstrip(" \t")
+        if flow == 0 and body and not body.startswith("#"):
+            column = len(line) - len(body)
+            while indents[-1] >= column:
+                indents.pop()
+            indents.append(column)
+            markers = len(body) - len(body.lstrip("-? \t").lstrip())
+            block = len(indents) - 1 + body[:markers].count("-") + body[:markers].count("?")
+        else:
+            block = len(indents) - 1
+        deepest = max(deepest, block)
+        for ch in line:
+            if ch in "[{":
+                flow += 1
+                deepest = max(deepest, block + flow)
+            elif ch in "]}":
+                flow = max(0, flow - 1)
+    return deepest
+
+
+def _check_text(text: str, what: str, limit: int) -> None:
+    """Refuse YAML text too long or too deeply nested to parse safely."""
+    if len(text) > limit:
+        raise ConfigError(f"{what} is {len(text):,} characters long; the limit is {limit:,}: "
+                          "a config is a few hundred lines at most")
+    depth = _text_depth(text)
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{what} is nested {depth} levels deep; the limit is {MAX_DEPTH}")
+
+
+def _check_structure(obj: Any, what: str) -> None:
+    """Refuse a (parsed or given) config structure nested deeper than :data:`MAX_DEPTH` or with
+    more than :data:`MAX_NODES` values (walked without recursion; shared or cyclic
+    references count at each use, so they cannot hide)."""
+    stack = [(obj, 0)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_DEPTH or nodes > MAX_NODES:
+            raise ConfigError(f"{what} is nested more than {MAX_DEPTH} levels deep or holds "
+                              f"more than {MAX_NODES:,} values")
+        if isinstance(node, DictConfig):
+            node = OmegaConf.to_container(node, resolve=False)
+        if isinstance(node, Mapping):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node)
+
+
 def _read_source(source: ConfigSource) -> Any:
     if source is None:
         return {}
@@ -156,23 +227,84 @@ def _read_source(source: ConfigSource) -> Any:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is {size:,} bytes; the limit is "
+                              f"{MAX_CONFIG_BYTES:,}: a config is a few hundred lines at most")
         try:
-            loaded = OmegaConf.load(path)
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        _check_text(text, f"config file {path}", MAX_CONFIG_BYTES)
+        try:
+            top = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+            if top is not None and not isinstance(top, dict):
+                raise ConfigError(f"config file {path}: the top level must be a mapping of "
+                                  "sections (method:, backbone:, ...), not a "
+                                  f"{type(top).__name__}")
+            loaded = OmegaConf.create(text) if top is not None else OmegaConf.create({})
+        except ConfigError:
+            raise
         except Exception as exc:  # yaml errors carry the line number
-            raise ConfigError(f"cannot parse config file {path}: {exc}") from None
-        return OmegaConf.to_container(loaded, resolve=True) or {}
+            raise ConfigError(f"cannot parse config file {path}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                              ) from None
+        return _resolved(loaded, f"config file {path}")
+    if isinstance(source, DictConfig):
+        return source
+    if not isinstance(source, Mapping):
+        raise ConfigError(f"a config is a YAML path, a mapping or a DictConfig, not a "
+                          f"{type(source).__name__}")
+    _check_structure(source, "the config")
     return source
+
+
+def _resolved(cfg: Any, what: str) -> Any:
+    """Plain containers with interpolations resolved (an unresolvable one is a ConfigError)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True) or {}
+    except (OmegaConfBaseException, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{what}: {str(exc).splitlines()[0]}") from None
 
 
 def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
     items = list(overrides)
+    if len(items) > MAX_OVERRIDES:
+        raise ConfigError(f"{len(items):,} overrides; the limit is {MAX_OVERRIDES:,}")
     for item in items:
-        if "=" not in item:
+        if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (example: padim.n_features=100)")
+        _check_text(item, f"override {item[:40]!r}...", MAX_OVERRIDE_CHARS)
     try:
         return OmegaConf.from_dotlist(items)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {items}: {exc}") from None
+    except Exception as exc:  # omegaconf's and the YAML parser's errors
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot parse overrides {items}: {first}") from None
+
+
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
+
+
+def literal(container: Any) -> Any:
+    """``container`` with every string escaped so that omegaconf reads it literally: a
+    ``${...}`` in a value (a stored, already resolved config) stays text, never an
+    interpolation that would read the environment or other keys on load.
+
+    Raises:
+        ConfigError: a structure too deep or too large to be a config.
+    """
+    _check_structure(container, "the stored config")
+    return _escaped(container)
+
+
+def _escaped(container: Any) -> Any:
+    if isinstance(container, str):
+        return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", container)
+    if isinstance(container, Mapping):
+        return {k: _escaped(v) for k, v in container.items()}
+    if isinstance(container, (list, tuple)):
+        return [_escaped(v) for v in container]
+    return container
 
 
 def _merge(base: DictConfig, other: Any, what: str) -> DictConfig:
@@ -225,17 +357,41 @@ def load_config(
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = value
+        _check_structure(nested, "the overrides")
         cfg = _merge(cfg, _normalise_raw(nested), "override")
-    validate_config(cfg)
+    _check_values(_resolved(cfg, "config"))
+    try:
+        validate_config(cfg)
+    except (OmegaConfBaseException, RecursionError) as exc:  # an interpolation gone wrong
+        raise ConfigError(f"config: {str(exc).splitlines()[0]}") from None
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _check_values(container: Any, prefix: str = "") -> None:
+    """Every number of the config is usable: floats finite (``inf`` or ``nan`` would make a
+    threshold or a regulariser meaningless without an error), integers within 64 bits (the
+    seeds and sizes reach torch and numpy as int64)."""
+    items = container.items() if isinstance(container, Mapping) else enumerate(container) \
+        if isinstance(container, list) else ()
+    for key, value in items:
+        name = f"{prefix}{key}" if isinstance(key, str) else f"{prefix[:-1]}[{key}]"
+        if isinstance(value, (Mapping, list)):
+            _check_values(value, f"{name}.")
+        elif isinstance(value, float):
+            check(math.isfinite(value), name, "a finite number", value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            check(INT64[0] <= value <= INT64[1], name, "an integer within 64 bits", value)
+
+
+MAX_SIDE = 8192  # a network input side: beyond it no backbone fits in memory
 
 
 def _check_size(key: str, value: Optional[List[int]]) -> None:
     if value is None:
         return
-    check(len(value) == 2 and all(v >= 1 for v in value), key,
-          "an int or [height, width] of positive ints", list(value))
+    check(len(value) == 2 and all(1 <= v <= MAX_SIDE for v in value), key,
+          f"an int or [height, width] of ints in 1..{MAX_SIDE}", list(value))
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -243,8 +399,9 @@ def validate_config(cfg: DictConfig) -> None:
     section is checked by its scorer."""
     from anomaly_hooks.scorers import registered
 
-    check(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"),
-          "device", "auto, cpu, cuda or cuda:N", cfg.device)
+    check(isinstance(cfg.device, str) and DEVICE_RE.match(cfg.device) is not None, "device",
+          "auto, cpu, cuda or cuda:N (N a device number)", cfg.device)
+    check(0 <= cfg.seed < (1 << 63), "seed", "an integer in [0, 2**63)", cfg.seed)
     pre = cfg.preprocess
     _check_size("preprocess.resize", pre.resize)
     _check_size("preprocess.crop", pre.crop)
@@ -261,9 +418,9 @@ def validate_config(cfg: DictConfig) -> None:
     check(0.0 < thr.quantile <= 1.0, "threshold.quantile", "0 < q <= 1", thr.quantile)
     check(thr.margin >= 0, "threshold.margin", ">= 0", thr.margin)
     data = cfg.data
-    check(data.batch_size >= 1, "data.batch_size", ">= 1", data.batch_size)
-    check(data.num_workers >= 0, "data.num_workers", ">= 0", data.num_workers)
-    check(data.max_pixels >= 1, "data.max_pixels", ">= 1", data.max_pixels)
+    check(1 <= data.batch_size <= 65_536, "data.batch_size", "1 to 65536", data.batch_size)
+    check(0 <= data.num_workers <= 256, "data.num_workers", "0 to 256", data.num_workers)
+    check(1 <= data.max_pixels <= 1 << 40, "data.max_pixels", "1 to 2**40", data.max_pixels)
     res = cfg.resources
     if res.memory_limit_gb is not None:
         check(res.memory_limit_gb > 0, "resources.memory_limit_gb", "> 0 or null",

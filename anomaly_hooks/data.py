@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from anomaly_hooks.errors import DataError, ImageReadError
-from anomaly_hooks.images import describe, is_image_file, read_image
+from anomaly_hooks.images import describe, is_folder, is_image_file, read_image_reduced
 from anomaly_hooks.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def resolve_items(source: Any, *, training: bool = False) -> List[Any]:
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if path.is_dir():
+        if is_folder(path):
             return list_images(train_folder(path) if training else path)
         if not path.exists():
             raise DataError(f"{path}: no such file or folder")
@@ -68,13 +68,22 @@ def resolve_items(source: Any, *, training: bool = False) -> List[Any]:
                         "list of paths, or an iterable of images") from None
     out: List[Any] = []
     for item in items:
-        if isinstance(item, (str, os.PathLike)) and Path(item).is_dir():
+        if isinstance(item, (str, os.PathLike)) and is_folder(item):
             out.extend(list_images(Path(item)))
         else:
             out.append(item)
     if not out:
         raise DataError("no images given")
     return out
+
+
+def load_preprocessed(item: Any, pre: Preprocessor, max_pixels: int
+                      ) -> Tuple[torch.Tensor, Tuple[int, int]]:
+    """One image, decoded (a huge one at a reduced scale that keeps at least twice the resize:
+    ``images.decode_reduced``) and preprocessed: ``[3, h, w]`` and the image's own (H, W).
+    Only the preprocessed tensor outlives the call, whatever the image's size."""
+    image, size = read_image_reduced(item, pre.min_source_size, max_pixels)
+    return pre(image), size
 
 
 @dataclass
@@ -96,10 +105,9 @@ class _ItemDataset(Dataset):
 
     def __getitem__(self, i: int) -> Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]:
         try:
-            img = read_image(self.items[i], self.max_pixels)
+            return (i, *load_preprocessed(self.items[i], self.pre, self.max_pixels), "")
         except ImageReadError as exc:
             return i, None, (0, 0), str(exc)
-        return i, self.pre(img), (int(img.shape[1]), int(img.shape[2])), ""
 
 
 def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]]) -> Batch:

@@ -24,12 +24,13 @@ from tqdm.auto import tqdm
 
 from anomaly_hooks import __version__
 from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
-from anomaly_hooks.config import ConfigSource, load_config, to_container
-from anomaly_hooks.data import format_errors, iter_batches, list_images, resolve_items
+from anomaly_hooks.config import ConfigSource, literal, load_config, to_container
+from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_preprocessed,
+                                resolve_items)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
-from anomaly_hooks.images import ImageInput, ImageReadError, read_image
+from anomaly_hooks.images import ImageInput, ImageReadError
 from anomaly_hooks.modelfile import load_model, save_model
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
@@ -119,7 +120,7 @@ class Detector:
                               "backbone section use backbone__layers=[...] or overrides=[...]")
         cfg = load_config(source, overrides, **kw_overrides)
         if backbone is not None:
-            cfg = load_config(to_container(cfg), backbone={"name": CUSTOM})
+            cfg = load_config(literal(to_container(cfg)), backbone={"name": CUSTOM})
         return cls(cfg, backbone=backbone)
 
     @property
@@ -315,9 +316,7 @@ class Detector:
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
         for start in range(0, len(items), size):
-            canon = [read_image(item, self.cfg.data.max_pixels)
-                     for item in items[start:start + size]]
-            batch = torch.stack([self.preprocessor(img) for img in canon])
+            batch, _ = self._load(items[start:start + size])
             scores.extend(self._infer(batch)[0].tolist())
         return np.asarray(scores, dtype=np.float64)
 
@@ -338,17 +337,24 @@ class Detector:
             results: Dict[int, Any] = {i: ImageReadError(msg) for i, msg in batch.errors}
             if batch.indices:
                 scores, maps = self._infer(batch.images)
-                for i, s, m, size in zip(batch.indices, scores, maps, batch.sizes):
-                    results[i] = self._prediction(float(s), m, size)
-            yield from sorted(results.items())
+                results.update({i: (float(s), m, size) for i, s, m, size
+                                in zip(batch.indices, scores, maps, batch.sizes)})
+            # each full-size heatmap is made as it is yielded: one at a time in memory
+            for i in sorted(results):
+                got = results.pop(i)
+                yield i, got if isinstance(got, ImageReadError) else self._prediction(*got)
+
+    def _load(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
+        """Preprocessed images ``[B, 3, h, w]`` and their own (H, W) sizes; each image is
+        decoded, preprocessed and dropped before the next (a batch never holds full images)."""
+        loaded = [load_preprocessed(item, self.preprocessor, self.cfg.data.max_pixels)
+                  for item in items]
+        return torch.stack([t for t, _ in loaded]), [size for _, size in loaded]
 
     def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
-        max_pixels = self.cfg.data.max_pixels
-        canon = [read_image(item, max_pixels) for item in items]
-        batch = torch.stack([self.preprocessor(img) for img in canon])
+        batch, sizes = self._load(items)
         scores, maps = self._infer(batch)
-        return [self._prediction(float(s), m, (img.shape[1], img.shape[2]))
-                for s, m, img in zip(scores, maps, canon)]
+        return [self._prediction(float(s), m, size) for s, m, size in zip(scores, maps, sizes)]
 
     def _prediction(self, score: float, heat: torch.Tensor, size: tuple[int, int]) -> Prediction:
         thr = self.threshold_
@@ -407,7 +413,7 @@ class Detector:
     def _from_saved(cls, path: Union[str, Path], tensors: Dict[str, torch.Tensor],
                     meta: Dict[str, Any], device: Optional[str],
                     backbone: Optional[nn.Module]) -> "Detector":
-        cfg = load_config(meta["config"])
+        cfg = load_config(literal(meta["config"]))  # stored resolved: read with no interpolation
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "
                                  f"({meta['backbone']['class']}): pass it again with "

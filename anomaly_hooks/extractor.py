@@ -177,6 +177,9 @@ class HookFeatureExtractor:
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"expected images [B, 3, H, W], got {tuple(images.shape)}")
         outputs = self._run(images.to(self.device, non_blocking=True))
+        missing = [name for name in self.layers if name not in outputs]
+        if missing:  # close() removed the hooks while this forward pass ran
+            raise RuntimeError("the extractor is closed; create a new one")
         return {name: outputs[name] for name in self.layers}
 
     def close(self) -> None:

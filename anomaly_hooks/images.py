@@ -4,19 +4,36 @@ The decoding itself is torch-free (numpy float32 ``[H, W, 3]``, :func:`decode`),
 runtime reads images exactly as the PyTorch path does; :func:`read_image` gives the tensor.
 
 Accepted: a path (str / Path), a PIL image, a numpy array (``HxW`` or ``HxWxC`` with C in 1, 3, 4;
-uint8, uint16 or float in [0, 1]) or a torch tensor ``[C, H, W]`` (uint8 or float in [0, 1]).
-Grayscale, palette, RGBA, CMYK and 16-bit images become RGB; EXIF orientation is applied.
-The same picture gives the same tensor whatever form it came in.
+uint8, uint16 / int32 holding 16-bit values, or float in [0, 1]) or a torch tensor ``[C, H, W]``
+(same dtypes). Grayscale, palette, RGBA, CMYK and 16-bit images become RGB; EXIF orientation is
+applied. The same picture gives the same tensor whatever form it came in: pixel values are scaled
+by their type's bit depth, never by their content, and the same range rules apply to files and
+arrays (a float image must hold values in [0, 1], whether a float TIFF or a float array).
+
+Hostile files: only regular files are opened (a FIFO, device or socket is refused without being
+read, so nothing blocks), only the formats of :data:`IMAGE_SUFFIXES` are decoded (no EPS and
+other plugins that run programs or rarely-used decoders), pixel counts are checked from the
+header before decoding (``max_pixels``), and JPEG entropy data is checked strictly (libjpeg's
+"premature end of data" / "corrupt data" warnings, which Pillow ignores, are errors).
+
+Memory: :func:`decode_reduced` decodes an image of more than :data:`FULL_DECODE_PIXELS` pixels
+at a reduced scale (JPEG: libjpeg's DCT scaling through Pillow's draft mode; other formats and
+arrays: a block mean over row bands) that still keeps it at least the given size, so that one
+huge image costs about its decoded 8-bit form, not several float32 copies.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
+import stat
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple, Union
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from anomaly_hooks.errors import ImageReadError
 
@@ -27,7 +44,43 @@ ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, "torch.Tensor"]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm",
                   ".ppm", ".pbm"}
+# The Pillow decoders a file may reach (whatever its suffix says): those of IMAGE_SUFFIXES
+# (JPEG includes multi-picture MPO files).
+PIL_FORMATS = ("PNG", "JPEG", "BMP", "TIFF", "WEBP", "GIF", "PPM")
 DEFAULT_MAX_PIXELS = 100_000_000  # decompression-bomb guard (data.max_pixels)
+# Images up to this many pixels are decoded at full resolution, exactly as always; larger ones
+# at a reduced scale by decode_reduced (4096 x 4096, a 16.8 MP camera frame, is still full).
+FULL_DECODE_PIXELS = 4096 * 4096
+_BAND_BYTES = 32 << 20  # float32 working set of one band of a reduced decode
+_FULL_SCALE_16 = 65535.0  # 16-bit data (uint16, or int32 / Pillow mode "I" holding it)
+# A JPEG holds well under 4 bytes per pixel even at quality 100 (cameras: 0.2-1); metadata
+# (EXIF, ICC, thumbnails) is bounded by its 64 KB segments times a few hundred.
+_JPEG_BYTES_PER_PIXEL = 4
+_JPEG_METADATA_BYTES = 16 << 20
+
+# libjpeg warnings about metadata only (the pixels are intact): not a reason to refuse a file.
+_BENIGN_JPEG_WARNINGS = ("bad ICC marker", "unknown JFIF revision", "Unknown Adobe color",
+                         "extraneous bytes before marker 0xd9")
+# libjpeg warnings about the entropy-coded data: parts of the picture are made up.
+_CORRUPT_JPEG_WARNINGS = ("Corrupt JPEG data", "Premature end", "Inconsistent progression",
+                          "Invalid SOS parameters", "too many scanlines")
+# EXIF orientation -> the transpose that shows the picture upright (as ImageOps.exif_transpose)
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def display(path: Any) -> str:
+    """A path for messages and tables: control characters (a newline in a file name) and
+    undecodable bytes escaped, so one name can never forge another line or break an encoder."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        text = "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in text)
+    return text
 
 
 def _check_pixels(width: int, height: int, max_pixels: int, label: str) -> None:
@@ -40,69 +93,142 @@ def _check_pixels(width: int, height: int, max_pixels: int, label: str) -> None:
         )
 
 
-def _open_path(path: Path, max_pixels: int) -> Image.Image:
-    if path.is_dir():
-        raise ImageReadError(f"{path}: is a directory, not an image file")
-    if not path.exists():
-        raise ImageReadError(f"{path}: file not found")
-    if path.stat().st_size == 0:
-        raise ImageReadError(f"{path}: empty file (0 bytes)")
+def _file_kind(mode: int) -> Optional[str]:
+    """What a non-regular file is ("a FIFO", ...), or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def _refuse_kind(kind: str, label: str) -> ImageReadError:
+    if kind == "a directory":
+        return ImageReadError(f"{label}: is a directory, not an image file")
+    return ImageReadError(f"{label}: not a regular file ({kind}); only image files are read")
+
+
+def _open_fd(path: Path, label: str) -> int:
+    """A read-only descriptor of a regular, non-empty file; anything else is refused before a
+    byte is read (``O_NONBLOCK``: opening a FIFO never waits for a writer)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(path)
-            _check_pixels(*img.size, max_pixels, str(path))
-            img.load()
-    except ImageReadError:
-        raise
-    except Image.DecompressionBombError as exc:  # Pillow's own guard, before data.max_pixels
-        raise ImageReadError(f"{path}: too many pixels (decompression-bomb guard: {exc}); if "
-                             "it is genuine, raise data.max_pixels and Pillow's limit "
-                             "PIL.Image.MAX_IMAGE_PIXELS") from None
-    except Exception as exc:  # PIL raises many types for broken files
-        reason = str(exc) or type(exc).__name__
-        raise ImageReadError(f"{path}: not a readable image ({reason})") from None
-    return img
+        kind = _file_kind(os.stat(path).st_mode)
+        fd = os.open(path, flags) if kind is None else -1  # a socket cannot even be opened
+    except FileNotFoundError:
+        raise ImageReadError(f"{label}: file not found") from None
+    except (OSError, ValueError) as exc:  # permission, name too long, a NUL in the name
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ImageReadError(f"{label}: cannot open ({reason})") from None
+    if kind is not None:
+        raise _refuse_kind(kind, label)
+    st = os.fstat(fd)  # the file opened, not what the name pointed to a moment ago
+    kind = _file_kind(st.st_mode)
+    if kind is not None or st.st_size == 0:
+        os.close(fd)
+        raise _refuse_kind(kind, label) if kind else ImageReadError(
+            f"{label}: empty file (0 bytes)")
+    return fd
+
+
+def _read_jpeg(fd: int, size: int, pixels: int, label: str) -> bytes:
+    """The whole file, read once (Pillow then decodes these very bytes: what was checked is
+    what is decoded); a file far larger than any JPEG of its pixel count is refused unread."""
+    limit = _JPEG_BYTES_PER_PIXEL * pixels + _JPEG_METADATA_BYTES
+    if size > limit:
+        raise ImageReadError(f"{label}: {size:,} bytes is more than a JPEG of {pixels:,} pixels "
+                             f"can hold ({limit:,}): not a plain JPEG file")
+    parts, pos = [], 0
+    while pos < size:
+        part = os.pread(fd, min(size - pos, 64 << 20), pos)
+        if not part:
+            break
+        parts.append(part)
+        pos += len(part)
+    return b"".join(parts)
+
+
+def _check_jpeg(data: bytes, label: str) -> None:
+    """Decode the JPEG's entropy data strictly at 1/8 scale (cheap: the Huffman decoding of the
+    whole file, 1/64 of the pixels): libjpeg's corrupt-data warnings, which Pillow swallows
+    (a truncated file with an end marker decodes as grey), become an :class:`ImageReadError`."""
+    import simplejpeg
+
+    try:
+        space = simplejpeg.decode_jpeg_header(data, strict=False)[2]
+        colorspace = {"Gray": "GRAY", "CMYK": "CMYK", "YCCK": "CMYK"}.get(space, "RGB")
+        simplejpeg.decode_jpeg(data, colorspace=colorspace, min_factor=8, strict=True)
+    except ValueError as exc:
+        msg = str(exc)
+        if (any(s in msg for s in _CORRUPT_JPEG_WARNINGS)
+                and not any(s in msg for s in _BENIGN_JPEG_WARNINGS)):
+            raise ImageReadError(f"{label}: corrupt JPEG data ({msg}); the file is damaged or "
+                                 "was cut short") from None
+        # anything else (an unsupported JPEG process, a metadata warning): Pillow decides
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation (1-8; 1 for none or a broken EXIF block: the pixels are fine)."""
+    try:
+        value = int(img.getexif().get(0x0112, 1))
+    except Exception:
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def _orient(arr: np.ndarray, orientation: int) -> np.ndarray:
+    """Apply an EXIF orientation to an ``[H, W, ...]`` array (pure permutations of pixels: the
+    same values as Pillow's ``exif_transpose``)."""
+    if orientation in (5, 6, 7, 8):
+        arr = np.swapaxes(arr, 0, 1)  # transpose, then the flips below complete the rotation
+    flips = {2: (1,), 3: (0, 1), 4: (0,), 5: (), 6: (1,), 7: (0, 1), 8: (0,)}.get(orientation, ())
+    for axis in flips:
+        arr = np.flip(arr, axis)
+    return arr
 
 
 def _pil_to_array(img: Image.Image) -> np.ndarray:
-    """HxWx3 array (uint8, or float32 in [0, 1] for 16/32-bit images)."""
-    try:
-        img = ImageOps.exif_transpose(img) if img.getexif() else img
-    except Exception:  # a broken EXIF block: the pixels are fine, keep them as stored
-        pass
-    if getattr(img, "is_animated", False):
-        img.seek(0)
+    """Pixels of a PIL image as ``[H, W]`` or ``[H, W, 3]``: uint8 for 8-bit images, the
+    stored integer type for 16-bit (uint16) and mode "I" (int32) images, float32 for mode "F";
+    scaled by :func:`_scale` like any array."""
     mode = img.mode
-    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        arr = np.asarray(img, dtype=np.float32)
-        scale = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
-        arr = np.clip(arr / scale, 0.0, 1.0)
-        return np.repeat(arr[:, :, None], 3, axis=2)
-    if mode == "F":
-        arr = np.clip(np.asarray(img, dtype=np.float32), 0.0, 1.0)
-        return np.repeat(arr[:, :, None], 3, axis=2)
+    if mode.startswith("I;16") and mode[4:] in ("", "B", "L", "N"):
+        return np.asarray(img)  # uint16 (big-endian for I;16B; made native by decode)
+    if mode in ("I", "F", "L", "RGB"):
+        return np.asarray(img)
     if mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    return np.asarray(img)
+    return np.asarray(img.convert("RGB"))
 
 
-def _to_array(tensor: Any, label: str) -> np.ndarray:
-    """A torch tensor ``[C, H, W]`` (or ``[H, W]``) -> numpy ``[H, W, C]`` (torch is already
-    imported when a tensor exists, so this module never imports it itself)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dim() == 2:
-        tensor = tensor.unsqueeze(0)
-    if tensor.dim() != 3 or tensor.shape[0] not in (1, 3, 4):
-        raise ImageReadError(f"{label}: tensor of shape {tuple(tensor.shape)} is not [C, H, W] "
-                             "with C in 1, 3, 4")
-    try:
-        return tensor.permute(1, 2, 0).numpy()
-    except TypeError:  # bfloat16 and other dtypes numpy lacks
-        raise ImageReadError(f"{label}: unsupported dtype {tensor.dtype}; use uint8, uint16 or "
-                             "float") from None
+def _check_int_depth(img: Image.Image, label: str) -> None:
+    """Mode "I" holds 16-bit data (16-bit PGM/PNG/TIFF); a 32-bit integer TIFF has no 16-bit
+    scale, and scaling it by its content would make the result depend on the picture."""
+    if img.mode == "I" and img.format == "TIFF":
+        bits = getattr(img, "tag_v2", {}).get(258, (16,))
+        if max(bits if isinstance(bits, tuple) else (bits,)) > 16:
+            raise ImageReadError(f"{label}: 32-bit integer TIFF images are not supported: "
+                                 "save it as 8- or 16-bit, or as float in [0, 1]")
+
+
+def _scale(arr: np.ndarray, label: str) -> np.ndarray:
+    """Pixel values -> float32 in [0, 1] by dtype (never by content): uint8 / 255; uint16 and
+    int32 (16-bit data, as Pillow's mode "I") / 65535, values outside [0, 65535] refused;
+    float as is, values must be finite and in [0, 1]."""
+    if arr.dtype == np.uint8:
+        return arr.astype(np.float32) / np.float32(255.0)
+    if arr.dtype in (np.uint16, np.int32):
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):
+            raise ImageReadError(f"{label}: {arr.dtype} image values must be in [0, 65535] "
+                                 "(16-bit data)")
+        return arr.astype(np.float32) / np.float32(_FULL_SCALE_16)
+    if arr.dtype.kind == "f" and arr.dtype.itemsize in (2, 4, 8):
+        out = arr.astype(np.float32)
+        if out.size and (not np.isfinite(out).all() or out.min() < 0 or out.max() > 1):
+            raise ImageReadError(f"{label}: float image values must be finite and in [0, 1] "
+                                 "(divide 8-bit data by 255, 16-bit data by 65535)")
+        return out
+    raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or float")
 
 
 def _channels(arr: np.ndarray, label: str) -> np.ndarray:
@@ -115,62 +241,247 @@ def _channels(arr: np.ndarray, label: str) -> np.ndarray:
         arr = arr[:, :, :3]
     if arr.shape[2] == 1:
         arr = np.repeat(arr, 3, axis=2)
+    if not arr.dtype.isnative:  # e.g. big-endian uint16 from np.frombuffer(..., ">u2")
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
 
 
-def _scale(arr: np.ndarray, label: str) -> np.ndarray:
-    """Pixel values -> float32 in [0, 1] by dtype: uint8 / 255, uint16 and int32 / 65535,
-    float as is (must be finite and in [0, 1])."""
-    if arr.dtype == np.uint8:
-        return arr.astype(np.float32) / np.float32(255.0)
-    if arr.dtype in (np.uint16, np.int32):
-        if arr.size and (arr.min() < 0 or arr.max() > 65535):
-            raise ImageReadError(f"{label}: {arr.dtype} image values must be in [0, 65535]")
-        return arr.astype(np.float32) / np.float32(65535.0)
-    if arr.dtype.kind == "f" and arr.dtype.itemsize in (2, 4, 8):
-        out = arr.astype(np.float32)
-        if out.size and (not np.isfinite(out).all() or out.min() < 0 or out.max() > 1):
-            raise ImageReadError(f"{label}: float image values must be finite and in [0, 1]")
-        return out
-    raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or float")
+def _canonical(arr: np.ndarray, label: str) -> np.ndarray:
+    """Any accepted array -> float32 ``[H, W, 3]`` in [0, 1]."""
+    return _scale(_channels(arr, label), label)
 
 
-def decode(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Canonical float32 RGB array ``[H, W, 3]`` in [0, 1] of any supported input (torch-free:
-    the ONNX runtime uses it as it is).
+def _factor(size: Tuple[int, int], min_size: Optional[Tuple[int, int]]) -> int:
+    """The integer reduction that keeps ``size`` (H, W) at least ``min_size``; 1 for images of
+    at most :data:`FULL_DECODE_PIXELS` pixels (decoded exactly as always)."""
+    if min_size is None or size[0] * size[1] <= FULL_DECODE_PIXELS:
+        return 1
+    return max(1, min(size[0] // max(1, min_size[0]), size[1] // max(1, min_size[1])))
+
+
+def _block_mean(rows: Callable[[int, int], np.ndarray], height: int, width: int, k: int,
+                label: str) -> np.ndarray:
+    """float32 ``[height // k, width // k, 3]``: the mean of each k x k block of the image whose
+    rows ``rows(y0, y1)`` gives (any accepted array form), converted one band of rows at a time
+    so that no full-size float copy exists."""
+    oh, ow = height // k, width // k
+    out = np.empty((oh, ow, 3), np.float32)
+    step = max(1, _BAND_BYTES // (12 * width * k)) * k  # rows per band, a multiple of k
+    for y0 in range(0, oh * k, step):
+        y1 = min(y0 + step, oh * k)
+        band = _canonical(rows(y0, y1), label)[:, :ow * k]
+        out[y0 // k:y1 // k] = band.reshape((y1 - y0) // k, k, ow, k, 3).mean(axis=(1, 3))
+    return out
+
+
+def _decode_pil(img: Image.Image, label: str, max_pixels: int,
+                min_size: Optional[Tuple[int, int]], own: bool = True
+                ) -> Tuple[np.ndarray, Tuple[int, int]]:
+    """A PIL image (possibly not loaded yet) -> (float32 ``[h, w, 3]``, original (H, W)).
+    ``own``: the image was opened here, so its JPEG decoding may be drafted (a caller's image
+    object is never changed that way)."""
+    if getattr(img, "is_animated", False):
+        img.seek(0)
+    orientation = _orientation(img)
+    width, height = img.size
+    if orientation >= 5:
+        width, height = height, width
+    _check_pixels(width, height, max_pixels, label)
+    k = _factor((height, width), min_size)
+    if k > 1 and own and img.format in ("JPEG", "MPO") and getattr(img, "tile", None):
+        # libjpeg scales by 1/2, 1/4 or 1/8 while decoding (at most k): never the full image
+        img.draft(None, (math.ceil(img.size[0] / k), math.ceil(img.size[1] / k)))
+        img.load()
+        h1, w1 = img.size[::-1] if orientation < 5 else img.size
+        k = max(1, min(h1 // min_size[0], w1 // min_size[1]))  # type: ignore[index]
+    img.load()
+    _check_int_depth(img, label)
+    if k > 1:
+        w, h = img.size
+        arr = _block_mean(lambda y0, y1: _pil_to_array(img.crop((0, y0, w, y1))), h, w, k,
+                          label)
+    else:
+        arr = _canonical(_pil_to_array(img), label)
+    return np.ascontiguousarray(_orient(arr, orientation)), (height, width)
+
+
+@contextlib.contextmanager
+def _opened(path: Path, max_pixels: int) -> Iterator[Tuple[Image.Image, str]]:
+    """The file's PIL image (not decoded yet) and its label; every failure inside the block
+    becomes an :class:`ImageReadError` naming the file. A JPEG is read whole and checked
+    strictly first, and Pillow decodes the very bytes that were checked."""
+    label = display(path)
+    fd = _open_fd(path, label)
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(fh, formats=PIL_FORMATS)
+                if img.format in ("JPEG", "MPO"):
+                    _check_pixels(*img.size, max_pixels, label)  # before reading it all
+                    data = _read_jpeg(fd, os.fstat(fd).st_size, img.size[0] * img.size[1],
+                                      label)
+                    _check_jpeg(data, label)
+                    img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
+                    del data
+                yield img, label
+        except ImageReadError:
+            raise
+        except Image.DecompressionBombError as exc:  # Pillow's own guard, before ours
+            raise ImageReadError(f"{label}: too many pixels (decompression-bomb guard: {exc}); "
+                                 "if it is genuine, raise data.max_pixels and Pillow's limit "
+                                 "PIL.Image.MAX_IMAGE_PIXELS") from None
+        except MemoryError:
+            raise
+        except Exception as exc:  # PIL raises many types for broken files
+            reason = str(exc) or type(exc).__name__
+            raise ImageReadError(f"{label}: not a readable image ({reason})") from None
+
+
+def _decode_path(path: Path, max_pixels: int, min_size: Optional[Tuple[int, int]]
+                 ) -> Tuple[np.ndarray, Tuple[int, int]]:
+    with _opened(path, max_pixels) as (img, label):
+        return _decode_pil(img, label, max_pixels, min_size)
+
+
+def load_oriented(path: Union[str, os.PathLike], max_pixels: int = DEFAULT_MAX_PIXELS
+                  ) -> Image.Image:
+    """The file's first frame as a decoded PIL image at full resolution, EXIF-oriented, checked
+    as :func:`decode` checks it; :func:`canonical_rows` converts it a band at a time (for
+    pictures of huge images without a full float copy).
 
     Raises:
-        ImageReadError: unreadable file, unsupported type/shape/dtype, too many pixels.
+        ImageReadError: as :func:`decode`.
     """
+    with _opened(Path(path), max_pixels) as (img, label):
+        if getattr(img, "is_animated", False):
+            img.seek(0)
+        _check_pixels(*img.size, max_pixels, label)
+        img.load()
+        _check_int_depth(img, label)
+        orientation = _orientation(img)
+        if orientation != 1:
+            img = img.transpose(_TRANSPOSE[orientation])
+        return img
+
+
+def canonical_rows(img: Image.Image, top: int, bottom: int) -> np.ndarray:
+    """Rows ``top:bottom`` of a PIL image as :func:`decode` gives them (float32 ``[rows, W, 3]``
+    in [0, 1]).
+
+    Raises:
+        ImageReadError: values outside what the image's type allows.
+    """
+    return _canonical(_pil_to_array(img.crop((0, top, img.size[0], bottom))), "PIL image")
+
+
+def _plain_array(image: np.ndarray, label: str) -> np.ndarray:
+    """A plain ndarray of any array subclass (np.matrix, memmap, record arrays reach numpy
+    paths that crash or misbehave otherwise); a masked array only when nothing is masked."""
+    if isinstance(image, np.ma.MaskedArray):
+        masked = int(np.ma.count_masked(image))
+        if masked:
+            raise ImageReadError(f"{label}: masked array with {masked} masked value(s): fill "
+                                 "them first (arr.filled(value))")
+        image = image.data
+    arr = np.asarray(image)
+    if type(arr) is not np.ndarray:  # an exotic subclass whose asarray keeps it
+        arr = np.array(arr, subok=False)
+    if arr.dtype.fields is not None or arr.dtype.kind in "OVSUMmc":
+        raise ImageReadError(f"{label}: unsupported dtype {arr.dtype}; use uint8, uint16 or "
+                             "float")
+    return arr
+
+
+def _tensor_to_array(tensor: Any, label: str) -> np.ndarray:
+    """A torch tensor ``[C, H, W]`` (or ``[H, W]``) -> numpy ``[H, W, C]`` (torch is already
+    imported when a tensor exists, so this module never imports it itself)."""
+    if getattr(tensor, "is_meta", False) or str(getattr(tensor, "device", "")) == "meta":
+        raise ImageReadError(f"{label}: a tensor on the meta device has no data")
+    if str(getattr(tensor, "layout", "torch.strided")) != "torch.strided" or \
+            getattr(tensor, "is_nested", False) or getattr(tensor, "is_quantized", False):
+        raise ImageReadError(f"{label}: a {getattr(tensor, 'layout', 'special')} tensor is not "
+                             "an image: give a dense (strided) tensor (tensor.to_dense())")
+    if tensor.is_complex():
+        raise ImageReadError(f"{label}: unsupported dtype {tensor.dtype}; use uint8, uint16 or "
+                             "float")
+    tensor = tensor.detach().cpu()
+    if tensor.dim() == 2:
+        tensor = tensor.unsqueeze(0)
+    if tensor.dim() != 3 or tensor.shape[0] not in (1, 3, 4):
+        raise ImageReadError(f"{label}: tensor of shape {tuple(tensor.shape)} is not [C, H, W] "
+                             "with C in 1, 3, 4")
+    if str(tensor.dtype) == "torch.bfloat16":
+        tensor = tensor.float()  # exact: every bfloat16 value is a float32 value
+    try:
+        return tensor.permute(1, 2, 0).numpy()
+    except (TypeError, RuntimeError):  # dtypes numpy lacks
+        raise ImageReadError(f"{label}: unsupported dtype {tensor.dtype}; use uint8, uint16 or "
+                             "float") from None
+
+
+def _is_tensor(image: Any) -> bool:
+    return type(image).__module__.split(".")[0] == "torch" and hasattr(image, "permute")
+
+
+def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, int]]
+            ) -> Tuple[np.ndarray, Tuple[int, int]]:
     if isinstance(image, (str, os.PathLike)):
-        path = Path(image)
-        img = _open_path(path, max_pixels)
-        try:
-            arr = _pil_to_array(img)
-        except Exception as exc:  # a decodable header but unconvertible pixels
-            reason = str(exc) or type(exc).__name__
-            raise ImageReadError(f"{path}: not a readable image ({reason})") from None
-        label = str(path)
-    elif isinstance(image, Image.Image):
+        return _decode_path(Path(image), max_pixels, min_size)
+    if isinstance(image, Image.Image):
         label = "PIL image"
-        _check_pixels(*image.size, max_pixels, label)
-        arr = _pil_to_array(image)
-    elif isinstance(image, np.ndarray):
+        try:
+            return _decode_pil(image, label, max_pixels, min_size, own=False)
+        except (ImageReadError, MemoryError):
+            raise
+        except Exception as exc:  # an image PIL cannot convert, or lazy data that is broken
+            raise ImageReadError(f"{label}: not a readable image "
+                                 f"({str(exc) or type(exc).__name__})") from None
+    if isinstance(image, np.ndarray):
         label = "numpy array"
-        arr = image
-    elif type(image).__module__.split(".")[0] == "torch" and hasattr(image, "permute"):
+        arr = _plain_array(image, label)
+    elif _is_tensor(image):
         label = "tensor"
-        arr = _to_array(image, label)
+        arr = _tensor_to_array(image, label)
     else:
         raise ImageReadError(
             f"unsupported image input of type {type(image).__name__}: give a path, a PIL image, "
             "a numpy array (HxW or HxWxC) or a [C, H, W] tensor"
         )
-    arr = _channels(arr, label)
-    _check_pixels(arr.shape[1], arr.shape[0], max_pixels, label)
-    if not arr.dtype.isnative:  # e.g. big-endian uint16 from np.frombuffer(..., ">u2")
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    return _scale(arr, label)
+    if arr.ndim not in (2, 3):
+        raise ImageReadError(f"{label}: array of shape {arr.shape} is not HxW or HxWxC (C=1,3,4)")
+    size = (int(arr.shape[0]), int(arr.shape[1]))
+    _check_pixels(size[1], size[0], max_pixels, label)
+    k = _factor(size, min_size)
+    if k > 1:
+        _channels(arr[:1], label)  # the shape check, before any work
+        return _block_mean(lambda y0, y1: arr[y0:y1], size[0], size[1], k, label), size
+    return _canonical(arr, label), size
+
+
+def decode(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Canonical float32 RGB array ``[H, W, 3]`` in [0, 1] of any supported input, at full
+    resolution (torch-free: the ONNX runtime uses it as it is).
+
+    Raises:
+        ImageReadError: unreadable or non-regular file, corrupt data, unsupported
+            type/shape/dtype/values, too many pixels.
+    """
+    return _decode(image, max_pixels, None)[0]
+
+
+def decode_reduced(image: ImageInput, min_size: Tuple[int, int],
+                   max_pixels: int = DEFAULT_MAX_PIXELS) -> Tuple[np.ndarray, Tuple[int, int]]:
+    """Like :func:`decode`, for a model whose input is much smaller than the image: an image of
+    more than :data:`FULL_DECODE_PIXELS` pixels comes back reduced by an integer factor that
+    keeps it at least ``min_size`` (H, W) (JPEG: decoded at 1/2, 1/4 or 1/8 scale by libjpeg;
+    others: k x k block means, one band of rows at a time). Smaller images are exactly
+    :func:`decode`'s.
+
+    Returns:
+        (float32 ``[h, w, 3]`` in [0, 1], the original (H, W) of the image).
+    """
+    return _decode(image, max_pixels, tuple(min_size))  # type: ignore[arg-type]
 
 
 def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> "torch.Tensor":
@@ -178,24 +489,45 @@ def read_image(image: ImageInput, max_pixels: int = DEFAULT_MAX_PIXELS) -> "torc
     :func:`decode`'s ``[H, W, 3]`` array).
 
     Raises:
-        ImageReadError: unreadable file, unsupported type/shape/dtype, too many pixels.
+        ImageReadError: as :func:`decode`.
     """
+    return _to_tensor(decode(image, max_pixels))
+
+
+def _to_tensor(arr: np.ndarray) -> "torch.Tensor":
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(decode(image, max_pixels))).permute(2, 0, 1)
+    return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
+
+
+def read_image_reduced(image: ImageInput, min_size: Tuple[int, int],
+                       max_pixels: int = DEFAULT_MAX_PIXELS
+                       ) -> Tuple["torch.Tensor", Tuple[int, int]]:
+    """:func:`decode_reduced` as a ``[3, h, w]`` tensor, with the original (H, W)."""
+    arr, size = decode_reduced(image, min_size, max_pixels)
+    return _to_tensor(arr), size
 
 
 def describe(image: Any) -> str:
     """A short name for an input, for messages and result tables."""
     if isinstance(image, (str, os.PathLike)):
-        return str(image)
+        return display(image)
     if isinstance(image, np.ndarray):
         return f"array{tuple(image.shape)}"
-    if type(image).__module__.split(".")[0] == "torch":
+    if _is_tensor(image):
         return f"tensor{tuple(image.shape)}"
     if isinstance(image, Image.Image):
         return f"PIL{image.size}"
     return type(image).__name__
+
+
+def is_folder(path: Any) -> bool:
+    """``Path(path).is_dir()``, False for a name the system cannot even look up (too long, a NUL
+    byte): such an item is then reported as an unreadable image, never a crash."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def is_image_file(path: Path) -> bool:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -79,7 +81,12 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        save_file(tensors, str(tmp), metadata=header)
+        try:
+            save_file(tensors, str(tmp), metadata=header)
+        except Exception as exc:  # safetensors' own error type for a full disk, ...
+            if isinstance(exc, OSError):
+                raise
+            raise ModelFileError(f"cannot write the model file {path}: {exc}") from None
         _canonicalise_header(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
@@ -122,26 +129,36 @@ def _canonicalise_header(path: Path) -> None:
         fallback.unlink(missing_ok=True)
 
 
-def _read_header(path: Path) -> Dict[str, str]:
-    """The safetensors metadata, read without trusting the file (size checks first)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ModelFileError(f"{path}: too short to be a model file ({size} bytes)")
-        n = int.from_bytes(head, "little")
-        if n <= 0 or n > min(size - 8, 100_000_000):
-            raise ModelFileError(f"{path}: not an anomaly_hooks model file (bad header; is it a "
-                                 "pickle or another format?)")
-        raw = fh.read(n)
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def _parse_json(raw: bytes, what: str, path: Path) -> Any:
+    """JSON from the file, any failure (bad UTF-8, bad JSON, nesting deep enough to exhaust
+    the parser's recursion) a :class:`ModelFileError`."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ModelFileError(f"{path}: damaged or not a model file (header is not JSON)") from None
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ModelFileError(f"{path}: damaged or not a model file ({what} is not valid "
+                             "JSON)") from None
+
+
+def _read_header(fh: Any, path: Path, size: int) -> Tuple[Dict[str, Any], int]:
+    """The safetensors JSON header (whole) and where the tensor data starts, read from the open
+    file ``fh`` without trusting it (size checks first)."""
+    head = fh.read(8)
+    if len(head) < 8:
+        raise ModelFileError(f"{path}: too short to be a model file ({size} bytes)")
+    n = int.from_bytes(head, "little")
+    if n <= 0 or n > min(size - 8, _MAX_HEADER_BYTES):
+        raise ModelFileError(f"{path}: not an anomaly_hooks model file (bad header; is it a "
+                             "pickle or another format?)")
+    header = _parse_json(fh.read(n), "header", path)
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
         raise ModelFileError(f"{path}: not an anomaly_hooks model file")
-    return metadata
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise ModelFileError(f"{path}: damaged header (metadata values must be strings)")
+    return header, 8 + n
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -149,25 +166,24 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
-    """The file's tensors as owned, freshly allocated CPU tensors, read straight into place.
+def _read_tensors(fh: Any, header: Dict[str, Any], base: int, size: int
+                  ) -> Dict[str, torch.Tensor]:
+    """The file's tensors as owned, freshly allocated CPU tensors, read straight into place
+    from the open file ``fh`` (the same open file as the header: a file replaced meanwhile
+    cannot mix two versions).
 
     Each tensor is allocated (aligned) and filled by ``readinto`` from the file: no
     memory-mapped view (the file's data offsets are only 8-byte aligned, and BLAS kernels take
     differently rounded paths on unaligned memory; owned memory also survives the file being
     replaced while the model is in use) and no intermediate copy, so loading a 3.8 GB model
-    needs 3.8 GB, not twice that. Offsets and sizes are checked against the file before reading.
+    needs 3.8 GB, not twice that. Shapes, offsets and sizes are checked against the file
+    before anything is allocated.
     """
     tensors: Dict[str, torch.Tensor] = {}
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n).decode("utf-8"))
-        base = 8 + n
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            tensors[key] = _read_one(fh, key, info, base, size)
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        tensors[key] = _read_one(fh, key, info, base, size)
     return tensors
 
 
@@ -175,16 +191,18 @@ def _read_one(fh: Any, key: str, info: Any, base: int, size: int) -> torch.Tenso
     """One tensor described by its safetensors header entry ``info``."""
     try:
         dtype = _DTYPES[info["dtype"]]
-        shape = [int(s) for s in info["shape"]]
-        begin, end = (int(o) for o in info["data_offsets"])
+        shape = [_plain_int(s) for s in info["shape"]]
+        begin, end = (_plain_int(o) for o in info["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"tensor {key!r}: malformed header entry") from None
-    out = torch.empty(shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+    # sizes in Python integers, before any allocation: a shape of 2**63 is refused here
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if min(shape, default=0) < 0 or len(shape) > 16 or not 0 <= begin <= end \
+            or end - begin != nbytes:
         raise ValueError(f"tensor {key!r}: offsets {begin}..{end} do not fit shape {shape}")
     if base + end > size:
         raise ValueError(f"tensor {key!r} ends past the end of the file (truncated)")
+    out = torch.empty(shape, dtype=dtype)
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
     fh.seek(base + begin)
     pos = 0
@@ -194,6 +212,13 @@ def _read_one(fh: Any, key: str, info: Any, base: int, size: int) -> torch.Tenso
             raise ValueError(f"tensor {key!r}: the file ended early (truncated)")
         pos += got
     return out
+
+
+def _plain_int(value: Any) -> int:
+    """An integer of the header (JSON ints only: no floats, strings or booleans)."""
+    if type(value) is not int:
+        raise ValueError(value)
+    return value
 
 
 def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -206,9 +231,51 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
         ModelFileError: missing, truncated, tampered (checksum), wrong format or newer version.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ModelFileError(f"model file not found: {path}")
-    header = _read_header(path)
+    try:
+        with _open_model(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            header, base = _read_header(fh, path, size)
+            metadata = _check_metadata(header["__metadata__"], path)
+            try:
+                tensors = _read_tensors(fh, header, base, size)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
+    except OSError as exc:  # read errors (an I/O error, a file that vanished)
+        raise ModelFileError(f"{path}: cannot read the model file "
+                             f"({exc.strerror or exc})") from None
+    meta_json = metadata.get("meta", "")
+    if checksum(meta_json, tensors) != metadata.get("checksum"):
+        raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
+                             "after it was written; refit or restore it from a backup")
+    meta = _parse_json(meta_json, "metadata", path)
+    if not isinstance(meta, dict):
+        raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
+                             "object)")
+    return tensors, meta
+
+
+def _open_model(path: Path) -> Any:
+    """The model file opened for reading; a missing, unreadable or non-regular path is a
+    :class:`ModelFileError` (a FIFO is refused without being opened)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ModelFileError(f"model file not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{path}: cannot read the model file "
+                             f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ModelFileError(f"{path}: is {kind}, not a model file")
+    try:
+        return open(path, "rb")
+    except OSError as exc:  # permission denied, ...
+        raise ModelFileError(f"{path}: cannot read the model file ({exc.strerror or exc})") \
+            from None
+
+
+def _check_metadata(header: Dict[str, str], path: Path) -> Dict[str, str]:
+    """The format version and the header keys: a newer, unknown or modified file is refused."""
     try:
         version = int(header.get("format_version", ""))
     except (TypeError, ValueError):
@@ -223,19 +290,4 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     if extra:
         raise ModelFileError(f"{path}: unexpected header metadata {extra}: the file was modified "
                              "after it was written, or was not written by anomaly_hooks")
-    try:
-        tensors = _read_tensors(path)
-    except (OSError, ValueError, RuntimeError, UnicodeDecodeError) as exc:
-        raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
-    meta_json = header.get("meta", "")
-    if checksum(meta_json, tensors) != header.get("checksum"):
-        raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
-                             "after it was written; refit or restore it from a backup")
-    try:
-        meta = json.loads(meta_json)
-    except (TypeError, ValueError):
-        meta = None
-    if not isinstance(meta, dict):
-        raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
-                             "object)")
-    return tensors, meta
+    return header

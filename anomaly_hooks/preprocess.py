@@ -34,6 +34,13 @@ class Preprocessor:
         """(H, W) of the network input."""
         return self.crop if self.crop is not None else self.resize
 
+    @property
+    def min_source_size(self) -> Tuple[int, int]:
+        """(H, W) that a huge image may be reduced to before preprocessing without changing
+        what the network sees much: twice the resize, so the antialiased resize still averages
+        at least 2 x 2 source pixels per output pixel (``images.decode_reduced``)."""
+        return 2 * self.resize[0], 2 * self.resize[1]
+
     def crop_box(self) -> Tuple[int, int, int, int]:
         """(top, left, height, width) of the crop inside the resized image (torchvision rule)."""
         rh, rw = self.resize

@@ -8,10 +8,16 @@ and needs no defective image. ``normalized_score = sigmoid((score - threshold) /
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
+
+# Good images whose scores spread less than this fraction of the median score (of 1 for
+# scores below 1; PaDiM and PatchCore scores are distances of order 1 and more) are (near)
+# copies of training images: their threshold says nothing about new parts.
+MIN_RELATIVE_SPREAD = 1e-3
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,13 @@ class Threshold:
         med = float(np.median(arr))
         value = q + margin * (q - med)
         spread = float(arr.std()) if arr.size > 1 else 0.0
+        if arr.size > 1 and spread <= MIN_RELATIVE_SPREAD * max(abs(med), 1.0):
+            warnings.warn(
+                f"the {arr.size} threshold images' scores hardly differ (spread {spread:.3g} "
+                f"around {med:.4g}): they look like copies of the training images, so the "
+                f"threshold {value:.4g} is not a measure of normal variation; use good images "
+                "of other parts (threshold.folder) or more varied training images",
+                UserWarning, stacklevel=2)
         scale = max(spread, 1e-3 * abs(value), 1e-12)
         return cls(value, scale, quantile, margin, int(arr.size), float(arr.min()), med,
                    float(arr.max()))

@@ -1,10 +1,16 @@
 """Heatmap, overlay and mask images for people to look at."""
 from __future__ import annotations
 
-from typing import Optional
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, Optional, Union
 
 import numpy as np
 from PIL import Image
+
+_BAND_PIXELS = 1 << 21  # pixels per band when a picture is built a band of rows at a time
+_FAST_PNG_PIXELS = 4096 * 4096  # larger pictures are written with fast PNG compression
 
 
 def colorize(heatmap: np.ndarray, vmin: float, vmax: float, cmap: str = "jet") -> np.ndarray:
@@ -42,8 +48,78 @@ def to_uint8_rgb(image_chw: "np.ndarray") -> np.ndarray:
     return (np.clip(np.transpose(image_chw, (1, 2, 0)), 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
-def save_png(array: np.ndarray, path) -> None:
-    """Write an ``[H, W]`` bool/uint8 or ``[H, W, 3]`` uint8 array as PNG."""
-    if array.dtype == bool:
-        array = array.astype(np.uint8) * 255
-    Image.fromarray(array).save(path)
+def save_png(picture: Union[np.ndarray, Image.Image], path: Union[str, os.PathLike]) -> None:
+    """Write an ``[H, W]`` bool/uint8 or ``[H, W, 3]`` uint8 array (or a PIL image) as PNG,
+    atomically: a temporary file in the same folder renamed over ``path``, so a full disk
+    leaves no half-written picture and a symbolic link at ``path`` is replaced, never
+    followed. Pictures of more than ``_FAST_PNG_PIXELS`` pixels are compressed at zlib's
+    fastest level (a 100 MP picture: seconds instead of most of a minute)."""
+    if isinstance(picture, np.ndarray):
+        if picture.dtype == bool:
+            picture = picture.astype(np.uint8) * 255
+        picture = Image.fromarray(picture)
+    level = 1 if picture.size[0] * picture.size[1] > _FAST_PNG_PIXELS else 6
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            picture.save(fh, "PNG", compress_level=level)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _banded(size: tuple, mode: str, rows: Callable[[int, int], np.ndarray],
+            into: Optional[Image.Image] = None) -> Image.Image:
+    """A ``mode`` PIL image of ``size`` (W, H) (or ``into``, overwritten in place) filled a band
+    of rows at a time from ``rows(top, bottom)`` (uint8 arrays), so no second full-size array
+    exists."""
+    width, height = size
+    out = into if into is not None else Image.new(mode, size)
+    step = max(1, _BAND_PIXELS // max(1, width))
+    for top in range(0, height, step):
+        bottom = min(top + step, height)
+        out.paste(Image.fromarray(np.ascontiguousarray(rows(top, bottom))), (0, top))
+    return out
+
+
+def write_pictures(heatmap: np.ndarray, mask: np.ndarray, threshold: float,
+                   original: Callable[[], Image.Image],
+                   canonical_rows: Callable[[Image.Image, int, int], np.ndarray],
+                   files: Dict[str, Path], alpha: float = 0.45) -> None:
+    """Write the heatmap (colour-mapped, the threshold at mid-scale), the overlay (heatmap
+    blended on the original, mask outlined in white) and the mask as PNGs at the image's own
+    size: the same pictures as :func:`colorize` and :func:`overlay` of the whole arrays.
+
+    Built a band of rows at a time: beside ``heatmap`` ``[H, W]`` float32 and ``mask``
+    ``[H, W]`` bool, one picture (Pillow's RGB: 4 bytes per pixel) exists at once; the overlay
+    is drawn into the decoded original itself when it is RGB. ``original()`` decodes the image
+    (PIL, oriented); ``canonical_rows(img, top, bottom)`` gives its rows as float32
+    ``[rows, W, 3]`` in [0, 1]. Keys of ``files``: ``heatmap``, ``overlay``, ``mask``.
+    """
+    height, width = heatmap.shape
+    vmax = max(2 * threshold, float(heatmap.max()))
+
+    def heat_rows(top: int, bottom: int) -> np.ndarray:
+        return colorize(heatmap[top:bottom], vmin=0.0, vmax=vmax)
+
+    save_png(_banded((width, height), "RGB", heat_rows), files["heatmap"])
+    image = original()
+
+    def overlay_rows(top: int, bottom: int) -> np.ndarray:
+        rgb = (np.clip(canonical_rows(image, top, bottom), 0, 1) * 255 + 0.5).astype(np.uint8)
+        out = (rgb.astype(np.float32) * (1 - alpha)
+               + heat_rows(top, bottom).astype(np.float32) * alpha).clip(0, 255).astype(np.uint8)
+        lo, hi = max(0, top - 1), min(height, bottom + 1)  # erosion needs the neighbour rows
+        band = mask[lo:hi]
+        edge = (band & ~_erode(band))[top - lo:top - lo + bottom - top]
+        out[edge] = 255
+        return out
+
+    into = image if image.mode == "RGB" and image.size == (width, height) else None
+    save_png(_banded((width, height), "RGB", overlay_rows, into=into), files["overlay"])
+    del image, into
+    save_png(_banded((width, height), "L",
+                     lambda top, bottom: mask[top:bottom].astype(np.uint8) * 255),
+             files["mask"])

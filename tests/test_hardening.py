@@ -1,0 +1,990 @@
+"""Hardening for a service (issue 12): hostile files, output paths, memory per image, config and
+model-file edges. Each test names the issue item it covers and checks the exact message or exit
+code promised. Everything runs on the CPU with a random-init ResNet18 (conftest.small_cfg).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import resource
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from anomaly_hooks import Detector
+from anomaly_hooks.cli import csv_cell, main, out_name
+from anomaly_hooks.config import ConfigError, load_config
+from anomaly_hooks.errors import AnomalyHooksError, BackboneError, FitError, ModelFileError
+from anomaly_hooks.images import (DEFAULT_MAX_PIXELS, ImageReadError, decode, decode_reduced,
+                                  read_image)
+from anomaly_hooks.modelfile import load_model, save_model
+from conftest import ROOT, rewrite_safetensors_header, safetensors_header, textured_images
+
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+def _jpeg_bytes(arr: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _noise(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8)
+
+
+def _cut_jpeg(arr: np.ndarray) -> bytes:
+    """The issue's case: a JPEG cut at half its length, an end-of-image marker appended."""
+    raw = _jpeg_bytes(arr)
+    return raw[: len(raw) // 2] + b"\xff\xd9"
+
+
+@pytest.fixture(scope="module")
+def model_file(fitted, tmp_path_factory) -> Path:
+    return fitted.save(tmp_path_factory.mktemp("model") / "padim.safetensors")
+
+
+def _run_cli(*argv: str, timeout: int = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "anomaly_hooks.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# =========================================================================================
+# Failed 1: score output names stay inside --out, unique, never absolute, never ".."
+# =========================================================================================
+@pytest.mark.parametrize("path, root, expected", [
+    ("/x.png", "/", "x"),                       # one level below /: was the absolute "/x"
+    ("/data/part.png", "/", "data_part"),
+    ("/data/part.png", "/data", "part"),
+    ("in/good/000.png", "in", "good_000"),
+    ("../../etc/passwd.png", "../..", "etc_passwd"),
+    ("a/..hidden.png", "a", "hidden"),
+    ("a/b c\nd\te.png", "a", "b_c_d_e"),
+    ("a/caf\u00e9 \u6f22\u5b57.png", "a", "caf\u00e9_\u6f22\u5b57"),
+    ("a/\udcff\udcfe.png", "a", "__"),            # undecodable bytes in a name
+    ("a/....png", "a", "_"),
+    ("/elsewhere/x.png", "/not/its/root", "x"),  # not under the root: its own name
+])
+def test_out_name_is_relative_and_clean(path, root, expected):
+    assert out_name(Path(path), Path(root), set()) == expected
+
+
+def test_out_names_unique_short_and_case_insensitive():
+    used: set = set()
+    names = [out_name(Path(p), Path("r"), used) for p in
+             ("r/a.png", "r/a.jpg", "r/A.png", "r/a_2.png", "r/sub/x.png", "r/sub_x.png")]
+    assert names == ["a", "a_2", "A_3", "a_2_2", "sub_x", "sub_x_2"]
+    assert len({n.casefold() for n in names}) == len(names)
+    long = out_name(Path("r/" + "\u00e9" * 300 + ".png"), Path("r"), used)
+    assert len(long.encode("utf-8")) <= 150 and "/" not in long
+    other = out_name(Path("r/" + "\u00e9" * 299 + "x.png"), Path("r"), used)
+    assert other != long  # a hash of the whole name keeps long names apart
+
+
+def test_score_writes_only_inside_out_even_through_a_planted_link(model_file, tmp_path):
+    """Two inputs with the same name and inputs given as absolute files: every picture inside
+    --out, none overwriting another; a symbolic link planted in --out is replaced, not
+    followed."""
+    a, b = tmp_path / "cam1", tmp_path / "cam2"
+    for i, folder in enumerate((a, b)):
+        folder.mkdir()
+        Image.fromarray(textured_images(1, seed=i)[0]).save(folder / "img.png")
+    out = tmp_path / "out"
+    (out / "heatmaps").mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    os.symlink(victim, out / "heatmaps" / "img.png")
+    code = main(["score", "--model", str(model_file), str((a / "img.png").resolve()),
+                 str((b / "img.png").resolve()), "--out", str(out)])
+    assert code == 0
+    rows = list(csv.DictReader(open(out / "results.csv", encoding="utf-8")))
+    written = [Path(r[k]) for r in rows for k in ("heatmap", "overlay", "mask")]
+    assert len(set(written)) == 6
+    assert all(p.resolve().is_relative_to(out.resolve()) and p.is_file() for p in written)
+    assert victim.read_text() == "keep me" and not (out / "heatmaps" / "img.png").is_symlink()
+
+
+# =========================================================================================
+# Failed 2: a corrupt JPEG (cut, end marker appended) is refused, not scored grey
+# =========================================================================================
+CORRUPT = ("corrupt JPEG data (Corrupt JPEG data: premature end of data segment); the file is "
+           "damaged or was cut short")
+
+
+def test_cut_jpeg_is_an_image_read_error(tmp_path):
+    path = tmp_path / "cut.jpg"
+    path.write_bytes(_cut_jpeg(_noise(256, 256)))
+    with Image.open(path) as img:  # Pillow alone: full size, the lower half grey, no error
+        assert np.asarray(img.convert("RGB"))[200:].std() == 0
+    with pytest.raises(ImageReadError) as err:
+        read_image(path)
+    assert str(err.value) == f"{path}: {CORRUPT}"
+    progressive = tmp_path / "cut_progressive.jpg"
+    raw = _jpeg_bytes(_noise(128, 128), progressive=True)
+    progressive.write_bytes(raw[: len(raw) // 2] + b"\xff\xd9")
+    with pytest.raises(ImageReadError, match="corrupt JPEG data"):
+        read_image(progressive)
+
+
+def test_cut_jpeg_fails_fit_and_is_reported_by_predict_and_score(tmp_path, small_cfg,
+                                                                 model_file, capsys):
+    data = tmp_path / "train"
+    data.mkdir()
+    for i, img in enumerate(textured_images(8)):
+        Image.fromarray(img).save(data / f"{i}.png")
+    (data / "cut.jpg").write_bytes(_cut_jpeg(textured_images(1, seed=9)[0]))
+    with pytest.raises(FitError, match=r"cut\.jpg: corrupt JPEG data"):
+        Detector.from_config(small_cfg).fit(data, progress=False)
+    det = Detector.load(model_file)
+    with pytest.raises(ImageReadError, match="corrupt JPEG data"):
+        det.predict(data / "cut.jpg")
+    code = main(["score", "--model", str(model_file), str(data / "cut.jpg"), str(data / "0.png"),
+                 "--out", str(tmp_path / "o"), "--no-images"])
+    assert code == 1
+    assert f"FAILED {data / 'cut.jpg'}: {CORRUPT}" in capsys.readouterr().err
+    failures = json.loads((tmp_path / "o" / "results.json").read_text())["failures"]
+    assert failures == [f"{data / 'cut.jpg'}: {CORRUPT}"]
+
+
+def test_valid_jpeg_kinds_still_read(tmp_path):
+    """Grey, CMYK, progressive, EXIF-rotated and multi-picture JPEGs pass the strict check."""
+    arr = textured_images(1, size=(64, 80))[0]
+    Image.fromarray(arr[:, :, 0]).save(tmp_path / "gray.jpg")
+    Image.fromarray(arr).convert("CMYK").save(tmp_path / "cmyk.jpg")
+    Image.fromarray(arr).save(tmp_path / "prog.jpg", progressive=True)
+    img = Image.fromarray(arr)
+    exif = img.getexif()
+    exif[0x0112] = 6
+    img.save(tmp_path / "rot.jpg", exif=exif)
+    img.save(tmp_path / "mpo.jpg", "MPO", save_all=True, append_images=[img])
+    for name in ("gray", "cmyk", "prog", "mpo"):
+        assert read_image(tmp_path / f"{name}.jpg").shape == (3, 64, 80)
+    assert read_image(tmp_path / "rot.jpg").shape == (3, 80, 64)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_matches_pillow(tmp_path, orientation):
+    """Orientation is applied to the decoded array: the same pixels as Pillow's
+    exif_transpose, for all eight EXIF orientations."""
+    from PIL import ImageOps
+
+    img = Image.fromarray(_noise(24, 40, orientation))
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    img.save(tmp_path / "o.png", exif=exif)
+    with Image.open(tmp_path / "o.png") as ref:
+        want = np.asarray(ImageOps.exif_transpose(ref).convert("RGB"), np.float32) / 255
+    np.testing.assert_array_equal(decode(tmp_path / "o.png"), want)
+
+
+# =========================================================================================
+# Failed 3: memory per image is bounded (reduced decoding of huge images)
+# =========================================================================================
+def _rgb_png(width: int, height: int) -> bytes:
+    """A valid 8-bit RGB PNG (a colour ramp per row), built without holding the image."""
+    comp = zlib.compressobj(1)
+    parts = []
+    for y in range(height):
+        row = bytes([0]) + bytes([(y * 7) % 256, 128, (y * 3) % 256]) * width
+        parts.append(comp.compress(row))
+    parts.append(comp.flush())
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) \
+        + chunk(b"IEND", b"")
+
+
+def test_images_up_to_the_full_decode_limit_are_unchanged(tmp_path, fitted):
+    """Below FULL_DECODE_PIXELS decode_reduced is decode exactly, so predictions of ordinary
+    images do not change at all."""
+    arr = textured_images(1, size=(300, 420))[0]
+    for name in ("a.png", "a.jpg"):
+        Image.fromarray(arr).save(tmp_path / name)
+        full = decode(tmp_path / name)
+        reduced, size = decode_reduced(tmp_path / name, (512, 512))
+        assert size == (300, 420) and np.array_equal(full, reduced)
+    pred = fitted.predict(tmp_path / "a.png")
+    ref = fitted.predict(decode(tmp_path / "a.png"))
+    assert pred.score == ref.score and np.array_equal(pred.heatmap, ref.heatmap)
+
+
+@pytest.mark.parametrize("kind", ["jpg", "png", "array"])
+def test_huge_images_are_reduced_but_score_as_at_full_resolution(tmp_path, fitted, monkeypatch,
+                                                                 kind):
+    """Above the limit (lowered here to keep the test small) an image is decoded reduced, at
+    least twice the resize in each dimension; the score stays within 2 % of the full-resolution
+    path and the heatmap keeps the image's own size."""
+    import anomaly_hooks.images as images
+
+    monkeypatch.setattr(images, "FULL_DECODE_PIXELS", 100_000)
+    arr = np.asarray(Image.fromarray(textured_images(1, size=(120, 140), seed=3)[0]).resize(
+        (1400, 1200), Image.BILINEAR))
+    source = arr if kind == "array" else tmp_path / f"big.{kind}"
+    if kind != "array":
+        Image.fromarray(arr).save(source, quality=95)
+    small, size = decode_reduced(source, fitted.preprocessor.min_source_size)
+    assert size == (1200, 1400)
+    assert (small.shape[0] >= 2 * 80 and small.shape[1] >= 2 * 96
+            and small.shape[0] * small.shape[1] * 16 <= 1200 * 1400)
+    full = fitted.predict(decode(source))
+    pred = fitted.predict(source)
+    assert pred.heatmap.shape == (1200, 1400)
+    assert abs(pred.score - full.score) <= 0.02 * full.score
+    if kind == "jpg":  # a caller's own (lazy) PIL image is never drafted in place
+        with Image.open(source) as img:
+            assert fitted.predict(img).heatmap.shape == (1200, 1400) and img.size == (1400, 1200)
+
+
+def _peak_rss_mb(argv: list) -> float:
+    """Peak resident memory (MB) of ``anomaly-hooks ARGV`` run as a child process."""
+    proc = subprocess.Popen([sys.executable, "-m", "anomaly_hooks.cli", *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    out, err = proc.communicate()
+    assert os.waitstatus_to_exitcode(status) == 0, err.decode()
+    return usage.ru_maxrss / 1024
+
+
+PER_IMAGE_BOUND_MB = 1200  # README: scoring one 100 MP image (the default limit), over the model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jpg", "png"])
+def test_memory_of_scoring_the_largest_image_the_default_guard_accepts(tmp_path, model_file,
+                                                                      kind, capsys):
+    """A 10000 x 10000 image (exactly the default data.max_pixels) scored by the command line,
+    heatmap, overlay and mask PNGs included: the extra peak memory over scoring a small image
+    stays under the bound the README states (5.5 GB before)."""
+    side = int(DEFAULT_MAX_PIXELS ** 0.5)
+    big = tmp_path / f"big.{kind}"
+    if kind == "png":
+        big.write_bytes(_rgb_png(side, side))
+    else:
+        Image.new("RGB", (side, side), (90, 120, 150)).save(big, quality=90)
+    small = tmp_path / "small.png"
+    Image.fromarray(textured_images(1)[0]).save(small)
+    base = _peak_rss_mb(["score", "--model", str(model_file), str(small), "--out",
+                         str(tmp_path / "o1")])
+    peak = _peak_rss_mb(["score", "--model", str(model_file), str(big), "--out",
+                         str(tmp_path / "o2")])
+    with Image.open(tmp_path / "o2" / "masks" / "big.png") as mask:
+        assert mask.size == (side, side)
+    with capsys.disabled():
+        print(f"\n[memory] scoring a {side}x{side} {kind}: peak {peak:.0f} MB, a small image "
+              f"{base:.0f} MB: {peak - base:.0f} MB for the image")
+    assert peak - base < PER_IMAGE_BOUND_MB
+
+
+# =========================================================================================
+# Failed 4 and 5: 16-bit and float files scaled by type, one rule for files and arrays
+# =========================================================================================
+def test_sixteen_bit_scaled_by_bit_depth_whatever_the_container(tmp_path):
+    dark = (np.arange(30 * 40).reshape(30, 40) % 200).astype(np.uint16)  # max 199 <= 255
+    header = b"P5\n40 30\n65535\n"
+    (tmp_path / "dark.pgm").write_bytes(header + dark.astype(">u2").tobytes())
+    Image.fromarray(dark).save(tmp_path / "dark.png")
+    Image.fromarray(dark).save(tmp_path / "dark.tif")
+    want = np.repeat((dark.astype(np.float32) / 65535)[:, :, None], 3, axis=2)
+    for source in (tmp_path / "dark.pgm", tmp_path / "dark.png", tmp_path / "dark.tif",
+                   dark, dark.astype(np.int32), torch.from_numpy(dark.astype(np.int32))):
+        np.testing.assert_array_equal(decode(source), want)
+    with Image.open(tmp_path / "dark.pgm") as img:
+        assert img.mode == "I"  # the container that was divided by 255 before
+
+
+def test_float_tiff_and_float_array_share_one_rule(tmp_path):
+    values = np.linspace(0, 255, 24 * 32, dtype=np.float32).reshape(24, 32)
+    Image.fromarray(values, mode="F").save(tmp_path / "f255.tif")
+    message = "float image values must be finite and in [0, 1] (divide 8-bit data by 255, " \
+              "16-bit data by 65535)"
+    with pytest.raises(ImageReadError) as from_file:
+        decode(tmp_path / "f255.tif")
+    with pytest.raises(ImageReadError) as from_array:
+        decode(values)
+    assert str(from_file.value) == f"{tmp_path / 'f255.tif'}: {message}"
+    assert str(from_array.value) == f"numpy array: {message}"
+    unit = values / 255
+    Image.fromarray(unit, mode="F").save(tmp_path / "f1.tif")
+    np.testing.assert_array_equal(decode(tmp_path / "f1.tif"), decode(unit))
+
+
+def test_int32_tiff_beyond_16_bits_is_refused(tmp_path):
+    wide = np.full((8, 8), 70000, np.int32)
+    Image.fromarray(wide, mode="I").save(tmp_path / "i32.tif")
+    with pytest.raises(ImageReadError, match="i32.tif: "):
+        decode(tmp_path / "i32.tif")
+    with pytest.raises(ImageReadError, match=r"int32 image values must be in \[0, 65535\]"):
+        decode(wide)
+
+
+# =========================================================================================
+# Failed 6: array subclasses (np.matrix crashed the process)
+# =========================================================================================
+def test_array_subclasses_read_as_plain_arrays(tmp_path, fitted):
+    gray = textured_images(1, size=(40, 48))[0][:, :, 0]
+    ref = decode(gray)
+    mm = np.memmap(tmp_path / "m.dat", dtype=np.uint8, mode="w+", shape=gray.shape)
+    mm[:] = gray
+    for form in (np.asmatrix(gray), np.ma.masked_array(gray), mm,
+                 np.ma.masked_array(gray, mask=np.zeros_like(gray, bool))):
+        np.testing.assert_array_equal(decode(form), ref)
+    assert fitted.predict(np.asmatrix(gray)).heatmap.shape == (40, 48)
+    masked = np.ma.masked_array(gray, mask=gray > gray.mean())
+    with pytest.raises(ImageReadError, match=r"numpy array: masked array with \d+ masked "
+                                             r"value\(s\): fill them first"):
+        decode(masked)
+    rec = np.zeros((4, 4), dtype=[("r", "u1"), ("g", "u1"), ("b", "u1")]).view(np.recarray)
+    with pytest.raises(ImageReadError, match="numpy array: unsupported dtype"):
+        decode(rec)
+
+
+def test_matrix_in_a_fresh_process_does_not_crash():
+    code = ("import numpy as np\nfrom anomaly_hooks.images import decode\n"
+            "m = np.asmatrix(np.arange(64, dtype=np.uint8).reshape(8, 8))\n"
+            "print(decode(m).shape)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "(8, 8, 3)", run.stderr
+
+
+# =========================================================================================
+# Failed 7: deeply nested configs are refused before the YAML parser
+# =========================================================================================
+def test_deep_config_file_and_override_refused_in_a_fresh_process(tmp_path):
+    """200 KB of '[' killed the interpreter (SIGSEGV in the C YAML parser): now a ConfigError,
+    checked in a child process so a crash would show as a signal, not end this run."""
+    (tmp_path / "deep.yaml").write_text("[" * 200_000)
+    (tmp_path / "deep_block.yaml").write_text("".join(" " * i + "- a:\n" for i in range(200)))
+    code = (
+        "import sys\nfrom anomaly_hooks.config import load_config, ConfigError\n"
+        "for src, ov in ((sys.argv[1], []), (sys.argv[2], []), (None, ['seed=' + '[' * 60000]),"
+        " (None, ['padim.n_features=' + '{a: ' * 100 + '1' + '}' * 100])):\n"
+        "    try:\n        load_config(src, ov)\n    except ConfigError as exc:\n"
+        "        print(str(exc)[:200])\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "deep.yaml"),
+                          str(tmp_path / "deep_block.yaml")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4
+    assert re.fullmatch(rf"config file {re.escape(str(tmp_path / 'deep.yaml'))} is nested "
+                        r"2000\d\d levels deep; the limit is 32", lines[0])
+    assert re.fullmatch(rf"config file {re.escape(str(tmp_path / 'deep_block.yaml'))} is "
+                        r"nested \d+ levels deep; the limit is 32", lines[1])
+    assert lines[2] == (f"override {('seed=' + '[' * 35)!r}... is 60,005 characters long; the "
+                        "limit is 10,000: a config is a few hundred lines at most")
+    head = ("padim.n_features=" + "{a: " * 100)[:40]
+    assert re.fullmatch(rf"override {re.escape(repr(head))}\.\.\. is nested 10\d levels deep; "
+                        r"the limit is 32", lines[3])
+
+
+def test_big_config_file_and_deep_mapping_refused(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match=r"big.yaml is 2,000,000 bytes; the limit is 1,048,576"):
+        load_config(big)
+    deep: dict = {}
+    node = deep
+    for _ in range(100):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ConfigError, match="the config is nested more than 32 levels deep"):
+        load_config({"padim": deep})
+    shared = [0] * 10
+    for _ in range(8):
+        shared = [shared] * 10  # 10**8 values by reference
+    with pytest.raises(ConfigError, match="more than 100,000 values"):
+        load_config({"backbone": {"layers": shared}})
+
+
+def test_the_shipped_configs_pass_the_guards():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+# =========================================================================================
+# Weak: config values
+# =========================================================================================
+@pytest.mark.parametrize("override, message", [
+    ("threshold.margin=.inf", "threshold.margin=inf is not allowed: a finite number"),
+    ("padim.epsilon=inf", "padim.epsilon=inf is not allowed: a finite number"),
+    ("threshold.quantile=nan", "threshold.quantile=nan is not allowed: a finite number"),
+    ("resources.memory_limit_gb=-.inf", "resources.memory_limit_gb=-inf is not allowed: a "
+                                        "finite number"),
+    (f"seed={2 ** 64}", f"seed={2 ** 64} is not allowed: an integer within 64 bits"),
+    ("seed=-1", "seed=-1 is not allowed: an integer in [0, 2**63)"),
+    (f"patchcore.k={10 ** 30}", f"patchcore.k={10 ** 30} is not allowed: an integer within 64 "
+                                "bits"),
+    ("device=cuda:abc", "device='cuda:abc' is not allowed: auto, cpu, cuda or cuda:N (N a "
+                        "device number)"),
+    ("device=cudax", "device='cudax' is not allowed"),
+    ("device=cuda:-1", "device='cuda:-1' is not allowed"),
+    ("data.num_workers=100000", "data.num_workers=100000 is not allowed: 0 to 256"),
+    ("preprocess.resize=100000", "preprocess.resize=[100000, 100000] is not allowed: an int or "
+                                 "[height, width] of ints in 1..8192"),
+    ("seed=[1,", "cannot parse overrides ['seed=[1,']: "),
+    ("output=${nope}", "config: "),
+])
+def test_config_edge_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_valid_devices_and_seeds_pass():
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        assert load_config(None, [f"device={device}"]).device == device
+    assert load_config(None, [f"seed={2 ** 63 - 1}"]).seed == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- a\n- b\n", "the top level must be a mapping of sections (method:, backbone:, ...), not "
+                   "a list"),
+    ("method: padim\npadim: [unclosed\n", "cannot parse config file"),
+    ("just a string\n", "the top level must be a mapping of sections (method:, backbone:, "
+                         "...), not a str"),
+    ("a: &x [1]\nb: *x\n", "bad key"),
+])
+def test_yaml_top_level_and_syntax_errors(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
+        load_config(path)
+
+
+def test_cli_yaml_list_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("- 1\n- 2\n")
+    assert main(["fit", "--config", str(tmp_path / "c.yaml"), "--data", str(tmp_path)]) == 2
+    assert "the top level must be a mapping" in _error_line(capsys.readouterr().err)
+
+
+yaml_chars = st.sampled_from(list("[]{}:-,?&*!|>#%@`'\" \n\t.=$") + ["method", "padim", "seed",
+                             "${", "}", "inf", "nan", "1e999", "0x", "~", "null", "- ", ": ",
+                             "backbone", "layers", "\u00e9", "\x00"])
+
+
+@FUZZ
+@given(text=st.lists(yaml_chars, max_size=60).map("".join))
+def test_fuzz_config_yaml_text(tmp_path, text):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        assert str(exc)
+
+
+@FUZZ
+@given(key=st.sampled_from(["seed", "device", "threshold.margin", "padim.epsilon",
+                            "preprocess.resize", "backbone.layers", "data.batch_size", "bogus",
+                            "padim", "a.b.c", ""]),
+       value=st.lists(yaml_chars, max_size=40).map("".join))
+def test_fuzz_config_overrides(key, value):
+    try:
+        load_config(None, [f"{key}={value}"])
+    except ConfigError as exc:
+        assert str(exc)
+
+
+# =========================================================================================
+# Weak: model files
+# =========================================================================================
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h[_first_tensor(h)].update(shape=[2 ** 63]), "do not fit shape"),
+    (lambda h: h[_first_tensor(h)].update(shape=[2 ** 40, 2 ** 40, 2 ** 40]),
+     "do not fit shape"),
+    (lambda h: h[_first_tensor(h)].update(shape=[1.5]), "malformed header entry"),
+    (lambda h: h[_first_tensor(h)].update(shape=[True]), "malformed header entry"),
+    (lambda h: h[_first_tensor(h)].update(data_offsets=["0", "4"]), "malformed header entry"),
+    (lambda h: h.update(x=[[[[]]]]), "malformed header entry"),
+    (lambda h: h["__metadata__"].update(format_version=7), "metadata values must be strings"),
+])
+def test_absurd_header_entries_are_model_file_errors(model_file, tmp_path, edit, message):
+    bad = tmp_path / "bad.safetensors"
+    rewrite_safetensors_header(model_file, bad, edit)
+    with pytest.raises(ModelFileError, match=message) as err:
+        load_model(bad)
+    assert str(bad) in str(err.value)
+
+
+def _first_tensor(header: dict) -> str:
+    return next(k for k in sorted(header) if k != "__metadata__")
+
+
+def test_deeply_nested_json_is_a_model_file_error(tmp_path):
+    blob = (b"[" * 200_000 + b"]" * 200_000)
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(ModelFileError, match="header is not valid JSON"):
+        load_model(path)
+    meta = {"format": "anomaly_hooks", "format_version": "1",
+            "meta": "[" * 100_000 + "]" * 100_000, "checksum": ""}
+    from anomaly_hooks.modelfile import checksum
+
+    tensors = {"x": torch.zeros(2)}
+    meta["checksum"] = checksum(meta["meta"], tensors)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "deep_meta.safetensors"), metadata=meta)
+    with pytest.raises(ModelFileError, match="metadata is not valid JSON"):
+        load_model(tmp_path / "deep_meta.safetensors")
+
+
+def test_stored_config_is_read_with_no_interpolation(model_file, tmp_path, monkeypatch):
+    """A stored config is plain values: a '${...}' in it (a forged file, or a literal string
+    in the fitted config) stays text on load, never reads the environment or other keys."""
+    monkeypatch.setenv("AH_SECRET", "leaked")
+    tensors, meta = load_model(model_file)
+    meta["config"]["output"] = "${oc.env:AH_SECRET}/m.safetensors"
+    meta["config"]["threshold"]["folder"] = "\\\\${threshold.quantile}"
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    det = Detector.load(forged)
+    assert det.cfg.output == "${oc.env:AH_SECRET}/m.safetensors"
+    assert det.cfg.threshold.folder == "\\\\${threshold.quantile}"
+    resaved = Detector.load(det.save(tmp_path / "again.safetensors"))
+    assert resaved.cfg.output == det.cfg.output
+    assert resaved.cfg.threshold.folder == det.cfg.threshold.folder
+
+
+def test_user_config_interpolations_are_stored_resolved(small_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("AH_MODELS", str(tmp_path))
+    det = Detector.from_config({**small_cfg, "output": "${oc.env:AH_MODELS}/m.safetensors"})
+    det.fit(textured_images(8), progress=False)
+    _, meta = load_model(det.save(tmp_path / "m.safetensors"))
+    assert meta["config"]["output"] == f"{tmp_path}/m.safetensors"
+
+
+def test_model_file_is_opened_once_and_survives_concurrent_replacement(model_file, fitted,
+                                                                       tmp_path):
+    """Header and tensors come from one open file: replacing the file atomically while it is
+    being loaded gives one version or the other, never a false 'checksum mismatch'."""
+    det_b = Detector.from_config(fitted.cfg)
+    det_b.fit(textured_images(12, seed=7), progress=False)
+    versions = [model_file.read_bytes(), det_b.save(tmp_path / "b.safetensors").read_bytes()]
+    target = tmp_path / "m.safetensors"
+    target.write_bytes(versions[0])
+    stop = threading.Event()
+
+    def replace_forever() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            tmp = tmp_path / f".m.{i}.tmp"
+            tmp.write_bytes(versions[i % 2])
+            os.replace(tmp, target)
+
+    thread = threading.Thread(target=replace_forever)
+    thread.start()
+    try:
+        for _ in range(40):
+            tensors, meta = load_model(target)
+            assert meta["threshold"]["value"] in (fitted.threshold_.value,
+                                                   det_b.threshold_.value)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_unreadable_or_odd_model_paths_are_model_file_errors(model_file, tmp_path,
+                                                             monkeypatch):
+    with pytest.raises(ModelFileError, match=f"{tmp_path}: is a folder, not a model file"):
+        load_model(tmp_path)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelFileError, match="is not a regular file, not a model file"):
+        load_model(fifo)  # refused without opening: never blocks
+    import builtins
+
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == str(model_file):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(model_file)
+    assert str(err.value) == f"{model_file}: cannot read the model file (Permission denied)"
+
+
+header_values = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+                          st.text(max_size=8), st.none(), st.booleans(),
+                          st.lists(st.integers(-5, 2 ** 64), max_size=4),
+                          st.recursive(st.integers(0, 9), lambda c: st.lists(c, max_size=3),
+                                       max_leaves=30))
+
+
+@FUZZ
+@given(field=st.sampled_from(["dtype", "shape", "data_offsets", "entry", "metadata", "new"]),
+       value=header_values, which=st.integers(0, 100))
+def test_fuzz_model_file_headers(model_file, tmp_path, field, value, which):
+    """JSON header mutations: a ModelFileError naming the file, or a model that loads and
+    verifies; never another exception."""
+    def edit(header: dict) -> None:
+        names = sorted(k for k in header if k != "__metadata__")
+        name = names[which % len(names)]
+        if field == "entry":
+            header[name] = value
+        elif field == "metadata":
+            keys = sorted(header["__metadata__"])
+            header["__metadata__"][keys[which % len(keys)]] = value
+        elif field == "new":
+            header[f"extra{which}"] = value
+        else:
+            header[name][field] = value
+
+    bad = tmp_path / "fuzz.safetensors"
+    rewrite_safetensors_header(model_file, bad, edit)
+    try:
+        load_model(bad)
+    except ModelFileError as exc:
+        assert str(bad) in str(exc)
+
+
+# =========================================================================================
+# Weak: backbone weights of another architecture
+# =========================================================================================
+def test_weights_of_another_architecture_are_refused(tmp_path):
+    import torchvision
+
+    from anomaly_hooks.backbones import build_backbone
+
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pth")
+    with pytest.raises(BackboneError) as err:
+        build_backbone("resnet18", str(tmp_path / "r34.pth"))
+    assert str(err.value).startswith(
+        f"{tmp_path / 'r34.pth'} does not fit resnet18 (weights of another architecture?): 96 "
+        "unexpected keys, e.g. ['layer1.2.conv1.weight', 'layer1.2.bn1.weight', "
+        "'layer1.2.bn1.bias']")
+    state = torchvision.models.resnet18().state_dict()
+    state["fc.weight"] = torch.zeros(10, 512)
+    torch.save(state, tmp_path / "r18_fc10.pth")
+    with pytest.raises(BackboneError, match=r"1 tensors of another shape, e\.g\. \['fc\.weight "
+                                            r"\(10, 512\) \(expected \(1000, 512\)\)'\]"):
+        build_backbone("resnet18", str(tmp_path / "r18_fc10.pth"))
+    state = torchvision.models.resnet18().state_dict()
+    state["conv1.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(state, tmp_path / "r18_nan.pth")
+    with pytest.raises(BackboneError, match=r"1 tensors hold inf or NaN values, e\.g\. "
+                                            r"\['conv1\.weight'\]"):
+        build_backbone("resnet18", str(tmp_path / "r18_nan.pth"))
+
+
+def test_random_init_warning_is_given_once(caplog):
+    from anomaly_hooks.backbones import build_backbone
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_backbone("resnet18", None)
+    assert [str(w.message)[:36] for w in caught] == ["backbone.weights is null: resnet18 i"]
+    assert not [r for r in caplog.records if "RANDOMLY" in r.getMessage()]
+
+
+# =========================================================================================
+# Weak: command line outputs (writability, atomic results, spreadsheet formulas)
+# =========================================================================================
+def test_score_out_that_is_a_file_is_one_error_line(model_file, tmp_path, capsys):
+    (tmp_path / "out").write_text("a file")
+    img = tmp_path / "x.png"
+    Image.fromarray(textured_images(1)[0]).save(img)
+    assert main(["score", "--model", str(model_file), str(img), "--out",
+                 str(tmp_path / "out")]) == 2
+    assert _error_line(capsys.readouterr().err) == \
+        f"error: --out {tmp_path / 'out'}: exists and is not a folder"
+
+
+def test_unwritable_out_and_output_fail_before_any_work(model_file, tmp_path, capsys,
+                                                        monkeypatch):
+    import tempfile
+
+    from anomaly_hooks import cli
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(cli.Detector if hasattr(cli, "Detector") else Detector, "fit",
+                        lambda *a, **k: pytest.fail("fit started"))
+    assert main(["score", "--model", str(model_file), str(tmp_path), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert _error_line(capsys.readouterr().err) == \
+        f"error: --out {tmp_path / 'o'}: cannot write there (Read-only file system)"
+    assert main(["fit", "--quiet", "--data", str(tmp_path), "--output",
+                 str(tmp_path / "m" / "x.safetensors"), "backbone.weights=null"]) == 2
+    assert _error_line(capsys.readouterr().err) == \
+        f"error: output folder {tmp_path / 'm'}: cannot write there (Read-only file system)"
+
+
+def test_fit_output_checks_before_fitting(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, img in enumerate(textured_images(6, size=(32, 32))):
+        Image.fromarray(img).save(data / f"{i}.png")
+    monkeypatch.setattr(Detector, "fit", lambda *a, **k: pytest.fail("fit started"))
+    fast = ["--quiet", "--data", str(data), "backbone.name=resnet18", "backbone.weights=null",
+            "device=cpu", "preprocess.resize=64", "preprocess.crop=null", "data.num_workers=0"]
+    assert main(["fit", "--output", str(tmp_path), *fast]) == 2
+    assert _error_line(capsys.readouterr().err) == \
+        f"error: output={tmp_path} is a folder: give the model file's path"
+    Usage = type(shutil.disk_usage(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 ** 9, 10 ** 9, 1000))
+    assert main(["fit", "--output", str(tmp_path / "m.safetensors"), *fast]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: output={tmp_path / 'm.safetensors'}: the model needs about ")
+    assert line.endswith("GB are free there: free space or write elsewhere")
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:  # in the child: writes past `limit` bytes fail with EFBIG (full disk)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_full_disk_leaves_no_half_written_results(model_file, tmp_path):
+    """Writes beyond a file-size limit fail as on a full disk: one error line, exit 2, and the
+    previous results.csv / results.json stay whole (they are written atomically)."""
+    src = tmp_path / "in"
+    src.mkdir()
+    for i, img in enumerate(textured_images(3)):
+        Image.fromarray(img).save(src / f"p{i:03d}_{'x' * 200}.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("previous,results\n")
+    (out / "results.json").write_text('{"previous": true}')
+    run = _run_cli("score", "--model", str(model_file), str(src), "--out", str(out),
+                   "--no-images", preexec_fn=_limit_file_size(300))
+    assert run.returncode == 2, run.stderr
+    assert "File too large" in _error_line(run.stderr)
+    assert (out / "results.csv").read_text() == "previous,results\n"
+    assert (out / "results.json").read_text() == '{"previous": true}'
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_full_disk_during_fit_save_is_one_error_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, img in enumerate(textured_images(6, size=(32, 32))):
+        Image.fromarray(img).save(data / f"{i}.png")
+    run = _run_cli("fit", "--quiet", "--data", str(data), "--output",
+                   str(tmp_path / "m.safetensors"), "backbone.name=resnet18",
+                   "backbone.weights=null", "device=cpu", "preprocess.resize=64",
+                   "preprocess.crop=null", "data.num_workers=0", "padim.n_features=20",
+                   preexec_fn=_limit_file_size(4096))
+    assert run.returncode == 2, run.stderr
+    assert "cannot write the model file" in _error_line(run.stderr) or \
+        "File too large" in _error_line(run.stderr)
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("value, cell", [
+    ("=HYPERLINK(\"x\")", "'=HYPERLINK(\"x\")"), ("+1", "'+1"), ("-2+3", "'-2+3"),
+    ("@SUM(A1)", "'@SUM(A1)"), ("\t=1", "'\t=1"), ("\r=1", "'\r=1"), ("plain.png", "plain.png"),
+    (-0.5, -0.5), (3, 3),
+])
+def test_csv_cells_cannot_run_as_formulas(value, cell):
+    assert csv_cell(value) == cell
+
+
+def test_results_csv_escapes_formula_names(model_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Image.fromarray(textured_images(1)[0]).save(tmp_path / "=1+2.png")
+    assert main(["score", "--model", str(model_file), "=1+2.png", "--out", "o",
+                 "--no-images"]) == 0
+    rows = list(csv.reader(open(tmp_path / "o" / "results.csv", encoding="utf-8")))
+    assert rows[1][0] == "'=1+2.png"
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["results"][0]["path"] \
+        == "=1+2.png"
+
+
+# =========================================================================================
+# Weak: non-regular files (FIFOs, devices) and odd names
+# =========================================================================================
+def test_devices_and_fifos_are_refused_without_reading(tmp_path):
+    with pytest.raises(ImageReadError) as err:
+        read_image("/dev/urandom")
+    assert str(err.value) == ("/dev/urandom: not a regular file (a character device); only "
+                              "image files are read")
+    fifo = tmp_path / "cam.png"
+    os.mkfifo(fifo)
+    with pytest.raises(ImageReadError, match=r"cam.png: not a regular file \(a FIFO\)"):
+        read_image(fifo)  # would block forever if it were opened for reading
+
+
+def test_score_reports_fifos_and_odd_names_in_a_folder(model_file, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    Image.fromarray(textured_images(1)[0]).save(folder / "ok.png")
+    Image.fromarray(textured_images(1, seed=1)[0]).save(folder / "new\nline.png")
+    os.mkfifo(folder / "pipe.png")
+    (folder / "sub").mkdir()
+    os.symlink(folder, folder / "sub" / "loop")  # a link back: not followed
+    run = _run_cli("score", "--model", str(model_file), str(folder), "--out",
+                   str(tmp_path / "o"), timeout=240)
+    assert run.returncode == 1, run.stderr
+    assert f"FAILED {folder / 'pipe.png'}: not a regular file; skipped" in run.stderr
+    data = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert sorted(r["path"] for r in data["results"]) == [str(folder / "new\\x0aline.png"),
+                                                         str(folder / "ok.png")]
+    assert sorted(p.name for p in (tmp_path / "o" / "masks").iterdir()) == ["new_line.png",
+                                                                          "ok.png"]
+
+
+def test_file_names_with_undecodable_bytes(model_file, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    name = os.fsdecode(b"bad\xff.png")
+    Image.fromarray(textured_images(1)[0]).save(folder / name)
+    run = _run_cli("score", "--model", str(model_file), str(folder), "--out",
+                   str(tmp_path / "o"))
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader(open(tmp_path / "o" / "results.csv", encoding="utf-8")))
+    assert rows[0]["path"] == f"{folder}/bad\\udcff.png" and Path(rows[0]["mask"]).is_file()
+
+
+# =========================================================================================
+# Weak: tensors that hold no ordinary data
+# =========================================================================================
+def test_meta_sparse_and_other_odd_tensors_are_image_read_errors():
+    dense = torch.rand(3, 8, 8)
+    cases = {
+        "a tensor on the meta device has no data": torch.empty(3, 8, 8, device="meta"),
+        "a torch.sparse_coo tensor is not an image": dense.to_sparse(),
+        "a torch.sparse_csr tensor is not an image": dense[0].to_sparse_csr(),
+        "unsupported dtype torch.complex64": torch.zeros(3, 8, 8, dtype=torch.complex64),
+    }
+    for message, tensor in cases.items():
+        with pytest.raises(ImageReadError, match=message):
+            read_image(tensor)
+    bf16 = dense.to(torch.bfloat16)
+    torch.testing.assert_close(read_image(bf16), bf16.float(), rtol=0, atol=0)
+    param = torch.nn.Parameter(dense.clone())
+    torch.testing.assert_close(read_image(param), dense, rtol=0, atol=0)
+
+
+# =========================================================================================
+# Weak: close() while other threads predict
+# =========================================================================================
+def test_close_during_a_forward_pass_gives_the_closed_error(resnet18):
+    from anomaly_hooks.extractor import HookFeatureExtractor
+
+    ext = HookFeatureExtractor(resnet18, ["layer1", "layer2"], probe_size=(64, 64))
+    handle = resnet18.layer1.register_forward_hook(lambda *a: ext.close())
+    try:
+        with pytest.raises(RuntimeError, match=r"^the extractor is closed; create a new one$"):
+            ext(torch.rand(1, 3, 64, 64))
+    finally:
+        handle.remove()
+
+
+def test_close_while_threads_predict_only_gives_the_closed_error(small_cfg):
+    det = Detector.from_config(small_cfg)
+    det.fit(textured_images(8), progress=False)
+    images = textured_images(2, seed=3)
+    errors: list = []
+    started = threading.Barrier(5)
+
+    def work() -> None:
+        started.wait()
+        for _ in range(30):
+            try:
+                det.predict(images)
+            except Exception as exc:  # noqa: BLE001 - every kind is recorded and checked
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    det.close()
+    for t in threads:
+        t.join()
+    assert errors and all(isinstance(e, RuntimeError) and str(e) ==
+                          "the extractor is closed; create a new one" for e in errors), errors
+
+
+# =========================================================================================
+# Weak: identical training images
+# =========================================================================================
+def test_identical_good_images_warn_about_the_threshold(small_cfg):
+    same = [textured_images(1)[0]] * 10
+    with pytest.warns(UserWarning, match=r"the 2 threshold images' scores hardly differ "
+                                         r"\(spread 0 around .*\): they look like copies of "
+                                         r"the training images"):
+        Detector.from_config(small_cfg).fit(same, progress=False)
+
+
+def test_varied_good_images_do_not_warn(small_cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", "backbone.weights is null")
+        Detector.from_config(small_cfg).fit(textured_images(12), progress=False)
+
+
+def test_every_refusal_is_an_anomaly_hooks_error():
+    """The classes used above are the documented ones (a service catches one base class)."""
+    for cls in (ConfigError, ModelFileError, ImageReadError, BackboneError, FitError):
+        assert issubclass(cls, AnomalyHooksError)
+    assert stat.S_ISCHR(os.stat("/dev/urandom").st_mode)
+
+
+def test_names_the_system_cannot_look_up_are_reported_not_fatal(model_file, tmp_path, capsys):
+    long = str(tmp_path / ("x" * 5000 + ".png"))
+    with pytest.raises(ImageReadError, match=r"cannot open \(File name too long\)"):
+        read_image(long)
+    with pytest.raises(ImageReadError, match=r"cannot open \(embedded null byte\)"):
+        read_image("a\x00b.png")
+    ok = tmp_path / "ok.png"
+    Image.fromarray(textured_images(1)[0]).save(ok)
+    assert main(["score", "--model", str(model_file), long, str(ok), "--out",
+                 str(tmp_path / "o"), "--no-images"]) == 1
+    assert "File name too long" in capsys.readouterr().err
+    rows = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert [r["path"] for r in rows] == [str(ok)]
+
+
+def test_deep_stored_config_is_a_model_file_error(model_file, tmp_path):
+    tensors, meta = load_model(model_file)
+    deep: list = []
+    node = deep
+    for _ in range(900):
+        node.append([])
+        node = node[0]
+    meta["config"]["backbone"]["layers"] = deep
+    forged = save_model(tmp_path / "deep.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError, match="inconsistent model file .*nested more than 32"):
+        Detector.load(forged)
