@@ -26,6 +26,8 @@ from anomaly_hooks import __version__
 from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, load_config, to_container
 from anomaly_hooks.data import format_errors, iter_batches, list_images, resolve_items
+from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
+                                   synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
@@ -52,22 +54,11 @@ def resolve_layer_names(cfg: DictConfig) -> List[str]:
 def _add_lap(acc: Dict[str, float], key: str, since: float,
              device: Optional[torch.device] = None) -> float:
     """Add the seconds since ``since`` to ``acc[key]`` (after a CUDA sync); returns now."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device is not None:
+        synchronize(device)
     now = time.perf_counter()
     acc[key] += now - since
     return now
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available here: use device=auto "
-                          "or cpu")
-    return dev
 
 
 class Detector:
@@ -81,19 +72,22 @@ class Detector:
     """
 
     def __init__(self, cfg: DictConfig, *, backbone: Optional[nn.Module] = None,
-                 device: Optional[str] = None) -> None:
+                 device: Union[str, torch.device, None] = None) -> None:
         self.cfg = cfg
-        self.device = resolve_device(device or cfg.device)
+        self.device = resolve_device(cfg.device if device is None else device)
         self.preprocessor = Preprocessor.from_config(cfg.preprocess)
         self.backbone_name = CUSTOM if backbone is not None else cfg.backbone.name
         self.layers: List[str] = resolve_layer_names(cfg)
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self.backbone_fingerprint = fingerprint(model)
+        # a module the caller gave is copied (theirs is left as it was, see the README);
+        # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
                                               probe_size=self.preprocessor.input_size,
                                               precision=cfg.backbone.precision,
-                                              channels_last=cfg.backbone.channels_last)
+                                              channels_last=cfg.backbone.channels_last,
+                                              copy_module=backbone is not None)
 
     def __getattr__(self, name: str) -> Any:
         # only reached for missing attributes: a fitted one (``threshold_``) before fit()
@@ -170,17 +164,24 @@ class Detector:
         clock = [time.perf_counter()]
 
         def lap() -> float:
+            synchronize(self.device)  # queued GPU work belongs to the step that queued it
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
-        timings = {"accumulate": lap(), **{f"accumulate: {k}": v for k, v in split.items()}}
-        scorer.finalize(progress=progress)
-        timings["finalize"] = lap()
-        timings.update({f"finalize: {k}": v
-                        for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-        good_scores = self._score_images(scorer, held_images)
-        timings["threshold"] = lap()
+        with ieee_float32():
+            n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
+            timings = {"accumulate": lap(),
+                       **{f"accumulate: {k}": v for k, v in split.items()}}
+            scorer.finalize(progress=progress)
+            timings["finalize"] = lap()
+            timings.update({f"finalize: {k}": v
+                            for k, v in getattr(scorer, "finalize_timings_", {}).items()})
+            good_scores = self._score_images(scorer, held_images)
+            timings["threshold"] = lap()
+        if self.device.type == "cuda":
+            # the fit's temporaries (patch buffers, coreset distances) go back to the driver
+            # rather than staying reserved by this process for predict, which needs far less
+            torch.cuda.empty_cache()
         threshold = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                cfg.threshold.margin)
         self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
@@ -227,7 +228,8 @@ class Detector:
         mark = time.perf_counter()
         for batch in iter_batches(list(train) + list(held), self.preprocessor,
                                   batch_size=data.batch_size, num_workers=data.num_workers,
-                                  max_pixels=data.max_pixels):
+                                  max_pixels=data.max_pixels,
+                                  pin_memory=self.device.type == "cuda"):
             mark = _add_lap(split, "waiting for images", mark)
             for i, msg in batch.errors:
                 errors["training" if i < n_train else "threshold"].append(msg)
@@ -278,9 +280,10 @@ class Detector:
 
     def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` at the network input size."""
+        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
+        input size."""
         scorer = scorer if scorer is not None else self.scorer_
-        with torch.inference_mode():
+        with torch.inference_mode(), ieee_float32():
             emb = self._embed(scorer, images)
             patch = scorer.score(emb)
             maps = anomaly_maps(patch, self.preprocessor.input_size)
@@ -317,8 +320,7 @@ class Detector:
         for start in range(0, len(items), size):
             canon = [read_image(item, self.cfg.data.max_pixels)
                      for item in items[start:start + size]]
-            batch = torch.stack([self.preprocessor(img) for img in canon])
-            scores.extend(self._infer(batch)[0].tolist())
+            scores.extend(self._infer(self._stack(canon))[0].tolist())
         return np.asarray(scores, dtype=np.float64)
 
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
@@ -334,29 +336,53 @@ class Detector:
         for batch in iter_batches(list(items), self.preprocessor,
                                   batch_size=batch_size or data.batch_size,
                                   num_workers=data.num_workers if num_workers is None
-                                  else num_workers, max_pixels=data.max_pixels):
+                                  else num_workers, max_pixels=data.max_pixels,
+                                  pin_memory=self.device.type == "cuda"):
             results: Dict[int, Any] = {i: ImageReadError(msg) for i, msg in batch.errors}
             if batch.indices:
                 scores, maps = self._infer(batch.images)
-                for i, s, m, size in zip(batch.indices, scores, maps, batch.sizes):
-                    results[i] = self._prediction(float(s), m, size)
+                for i, pred in zip(batch.indices, self._predictions(scores, maps, batch.sizes)):
+                    results[i] = pred
             yield from sorted(results.items())
+
+    def _stack(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Preprocess decoded images into one ``[B, 3, h, w]`` batch, in page-locked memory when
+        the model runs on a GPU (so that the copy to it does not block the host)."""
+        pre = [self.preprocessor(img) for img in images]
+        out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
+                          pin_memory=self.device.type == "cuda")
+        return torch.stack(pre, out=out)
 
     def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
         max_pixels = self.cfg.data.max_pixels
         canon = [read_image(item, max_pixels) for item in items]
-        batch = torch.stack([self.preprocessor(img) for img in canon])
-        scores, maps = self._infer(batch)
-        return [self._prediction(float(s), m, (img.shape[1], img.shape[2]))
-                for s, m, img in zip(scores, maps, canon)]
+        scores, maps = self._infer(self._stack(canon))
+        return self._predictions(scores, maps, [(img.shape[1], img.shape[2]) for img in canon])
 
-    def _prediction(self, score: float, heat: torch.Tensor, size: tuple[int, int]) -> Prediction:
+    def _heatmaps(self, maps: torch.Tensor, sizes: Sequence[tuple[int, int]]
+                 ) -> List[np.ndarray]:
+        """Heatmaps ``[B, h, w]`` at the network input size (on the device) -> one float32
+        ``[H, W]`` array per image in its own frame; the parts the crop cut off get the map's
+        minimum. The maps are mapped back on the device and come to the host in one transfer
+        per batch (one wait for the GPU, not two per image)."""
+        fills = maps.flatten(1).amin(dim=1)  # [B], stays on the device
+        frames = [self.preprocessor.to_original(m, size, fill=f)
+                  for m, f, size in zip(maps, fills, sizes)]
+        if maps.device.type == "cpu":
+            return [f.numpy() for f in frames]
+        flat = torch.cat([f.reshape(-1) for f in frames]).cpu().numpy()
+        bounds = np.cumsum([0] + [f.numel() for f in frames])
+        return [flat[lo:hi].reshape(f.shape) for lo, hi, f in zip(bounds[:-1], bounds[1:], frames)]
+
+    def _predictions(self, scores: torch.Tensor, maps: torch.Tensor,
+                     sizes: Sequence[tuple[int, int]]) -> List[Prediction]:
         thr = self.threshold_
-        heat = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
-        heatmap = heat.float().cpu().numpy()
-        return Prediction(score=score, normalized_score=thr.normalize(score),
-                          is_anomalous=bool(score > thr.value), heatmap=heatmap,
-                          mask=heatmap > thr.value, threshold=thr.value)
+        out = []
+        for score, heatmap in zip(scores.tolist(), self._heatmaps(maps, sizes)):
+            out.append(Prediction(score=score, normalized_score=thr.normalize(score),
+                                  is_anomalous=bool(score > thr.value), heatmap=heatmap,
+                                  mask=heatmap > thr.value, threshold=thr.value))
+        return out
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:
@@ -385,7 +411,9 @@ class Detector:
         """Load a saved model; it restores its preprocessing, layers, scorer and threshold.
 
         Args:
-            device: override the saved device (``cpu``, ``cuda``, ``auto``).
+            device: where to run (``cpu``, ``cuda``, ``cuda:N``, ``auto``); an error if this
+                machine lacks it. Without it the saved device is used where available, else
+                (with a warning) ``auto``.
             backbone: the ``nn.Module`` for a model fitted with a custom backbone.
             method: the method the caller expects (``padim``, ``patchcore``); a file of
                 another method is refused.
@@ -394,8 +422,10 @@ class Detector:
         if method is not None and meta.get("method") != method:
             raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
                                  "was expected: check the path")
+        # asked for by the caller: a requirement (ConfigError); else the saved preference
+        dev = resolve_device(device) if device is not None else None
         try:
-            return cls._from_saved(path, tensors, meta, device, backbone)
+            return cls._from_saved(path, tensors, meta, dev, backbone)
         except ModelFileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -405,14 +435,15 @@ class Detector:
 
     @classmethod
     def _from_saved(cls, path: Union[str, Path], tensors: Dict[str, torch.Tensor],
-                    meta: Dict[str, Any], device: Optional[str],
+                    meta: Dict[str, Any], device: Optional[torch.device],
                     backbone: Optional[nn.Module]) -> "Detector":
         cfg = load_config(meta["config"])
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "
                                  f"({meta['backbone']['class']}): pass it again with "
                                  "Detector.load(path, backbone=module)")
-        det = cls(cfg, backbone=backbone, device=device)
+        det = cls(cfg, backbone=backbone,
+                  device=device if device is not None else resolve_saved_device(cfg.device))
         if det.backbone_fingerprint != meta["backbone"]["fingerprint"]:
             raise ModelFileError(f"{path}: the backbone's weights differ from the ones the model "
                                  "was fitted with (other weights file or version?); load it with "
