@@ -95,6 +95,12 @@ class Batch:
     sizes: List[Tuple[int, int]]
     errors: List[Tuple[int, str]]
 
+    def pin_memory(self) -> "Batch":
+        """The same batch with its images in page-locked memory (called by the DataLoader's
+        pinning thread with ``pin_memory=True``)."""
+        return Batch(self.indices, self.images.pin_memory() if self.indices else self.images,
+                     self.sizes, self.errors)
+
 
 class _ItemDataset(Dataset):
     def __init__(self, items: Sequence[Any], pre: Preprocessor, max_pixels: int) -> None:
@@ -118,9 +124,10 @@ def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], s
 
 
 def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,
-                 max_pixels: int) -> Iterator[Batch]:
+                 max_pixels: int, pin_memory: bool = False) -> Iterator[Batch]:
     """Batches of ``batch_size`` items (preprocessed images, in item order); unreadable items
-    come back in ``errors``.
+    come back in ``errors``. ``pin_memory`` (for a model on a GPU): the images come in
+    page-locked memory, so that copying them to the GPU does not block the host.
 
     Worker processes are used only when every item is a path (in-memory images are not worth
     sending to another process). Each worker decodes about a ``1 / num_workers`` share of a batch
@@ -131,25 +138,33 @@ def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, nu
     workers = min(num_workers, max(0, len(items) // batch_size)) if all_paths else 0
     most = max(1, -(-batch_size // max(1, workers)))  # a share per worker; it divides the batch
     share = max(d for d in range(1, most + 1) if batch_size % d == 0)
+    # a batch of several parts is pinned where they are joined (that copy is needed anyway);
+    # a batch of one part by the DataLoader's pinning thread
     loader = DataLoader(_ItemDataset(items, pre, max_pixels), batch_size=share,
                         shuffle=False, num_workers=workers, collate_fn=_collate,
-                        persistent_workers=False)
+                        persistent_workers=False, pin_memory=pin_memory and share == batch_size)
     parts: List[Batch] = []
     for part in loader:
         parts.append(part)
         if sum(len(p.indices) + len(p.errors) for p in parts) >= batch_size:
-            yield _merge(parts)
+            yield _merge(parts, pin_memory)
             parts = []
     if parts:
-        yield _merge(parts)
+        yield _merge(parts, pin_memory)
 
 
-def _merge(parts: List[Batch]) -> Batch:
+def _merge(parts: List[Batch], pin_memory: bool = False) -> Batch:
     if len(parts) == 1:
-        return parts[0]
+        part = parts[0]
+        return part.pin_memory() if pin_memory and not part.images.is_pinned() else part
     images = [p.images for p in parts if p.indices]
-    return Batch([i for p in parts for i in p.indices],
-                 torch.cat(images) if images else torch.empty(0),
+    if images:
+        out = torch.empty((sum(len(im) for im in images), *images[0].shape[1:]),
+                          dtype=images[0].dtype, pin_memory=pin_memory)
+        joined = torch.cat(images, out=out)
+    else:
+        joined = torch.empty(0)
+    return Batch([i for p in parts for i in p.indices], joined,
                  [s for p in parts for s in p.sizes], [e for p in parts for e in p.errors])
 
 

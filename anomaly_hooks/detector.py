@@ -27,6 +27,8 @@ from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, literal, load_config, to_container
 from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_preprocessed,
                                 resolve_items)
+from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
+                                   synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
@@ -53,22 +55,11 @@ def resolve_layer_names(cfg: DictConfig) -> List[str]:
 def _add_lap(acc: Dict[str, float], key: str, since: float,
              device: Optional[torch.device] = None) -> float:
     """Add the seconds since ``since`` to ``acc[key]`` (after a CUDA sync); returns now."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device is not None:
+        synchronize(device)
     now = time.perf_counter()
     acc[key] += now - since
     return now
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available here: use device=auto "
-                          "or cpu")
-    return dev
 
 
 class Detector:
@@ -82,19 +73,22 @@ class Detector:
     """
 
     def __init__(self, cfg: DictConfig, *, backbone: Optional[nn.Module] = None,
-                 device: Optional[str] = None) -> None:
+                 device: Union[str, torch.device, None] = None) -> None:
         self.cfg = cfg
-        self.device = resolve_device(device or cfg.device)
+        self.device = resolve_device(cfg.device if device is None else device)
         self.preprocessor = Preprocessor.from_config(cfg.preprocess)
         self.backbone_name = CUSTOM if backbone is not None else cfg.backbone.name
         self.layers: List[str] = resolve_layer_names(cfg)
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self.backbone_fingerprint = fingerprint(model)
+        # a module the caller gave is copied (theirs is left as it was, see the README);
+        # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
                                               probe_size=self.preprocessor.input_size,
                                               precision=cfg.backbone.precision,
-                                              channels_last=cfg.backbone.channels_last)
+                                              channels_last=cfg.backbone.channels_last,
+                                              copy_module=backbone is not None)
 
     def __getattr__(self, name: str) -> Any:
         # only reached for missing attributes: a fitted one (``threshold_``) before fit()
@@ -171,17 +165,24 @@ class Detector:
         clock = [time.perf_counter()]
 
         def lap() -> float:
+            synchronize(self.device)  # queued GPU work belongs to the step that queued it
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
-        timings = {"accumulate": lap(), **{f"accumulate: {k}": v for k, v in split.items()}}
-        scorer.finalize(progress=progress)
-        timings["finalize"] = lap()
-        timings.update({f"finalize: {k}": v
-                        for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-        good_scores = self._score_images(scorer, held_images)
-        timings["threshold"] = lap()
+        with ieee_float32():
+            n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
+            timings = {"accumulate": lap(),
+                       **{f"accumulate: {k}": v for k, v in split.items()}}
+            scorer.finalize(progress=progress)
+            timings["finalize"] = lap()
+            timings.update({f"finalize: {k}": v
+                            for k, v in getattr(scorer, "finalize_timings_", {}).items()})
+            good_scores = self._score_images(scorer, held_images)
+            timings["threshold"] = lap()
+        if self.device.type == "cuda":
+            # the fit's temporaries (patch buffers, coreset distances) go back to the driver
+            # rather than staying reserved by this process for predict, which needs far less
+            torch.cuda.empty_cache()
         threshold = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                cfg.threshold.margin)
         self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
@@ -228,7 +229,8 @@ class Detector:
         mark = time.perf_counter()
         for batch in iter_batches(list(train) + list(held), self.preprocessor,
                                   batch_size=data.batch_size, num_workers=data.num_workers,
-                                  max_pixels=data.max_pixels):
+                                  max_pixels=data.max_pixels,
+                                  pin_memory=self.device.type == "cuda"):
             mark = _add_lap(split, "waiting for images", mark)
             for i, msg in batch.errors:
                 errors["training" if i < n_train else "threshold"].append(msg)
@@ -279,9 +281,10 @@ class Detector:
 
     def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` at the network input size."""
+        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
+        input size."""
         scorer = scorer if scorer is not None else self.scorer_
-        with torch.inference_mode():
+        with torch.inference_mode(), ieee_float32():
             emb = self._embed(scorer, images)
             patch = scorer.score(emb)
             maps = anomaly_maps(patch, self.preprocessor.input_size)
@@ -333,36 +336,57 @@ class Detector:
         for batch in iter_batches(list(items), self.preprocessor,
                                   batch_size=batch_size or data.batch_size,
                                   num_workers=data.num_workers if num_workers is None
-                                  else num_workers, max_pixels=data.max_pixels):
-            results: Dict[int, Any] = {i: ImageReadError(msg) for i, msg in batch.errors}
+                                  else num_workers, max_pixels=data.max_pixels,
+                                  pin_memory=self.device.type == "cuda"):
+            errors = {i: ImageReadError(msg) for i, msg in batch.errors}
+            preds: Iterator[Prediction] = iter(())
             if batch.indices:
                 scores, maps = self._infer(batch.images)
-                results.update({i: (float(s), m, size) for i, s, m, size
-                                in zip(batch.indices, scores, maps, batch.sizes)})
-            # each full-size heatmap is made as it is yielded: one at a time in memory
-            for i in sorted(results):
-                got = results.pop(i)
-                yield i, got if isinstance(got, ImageReadError) else self._prediction(*got)
+                # lazy: each full-size heatmap is made as it is yielded, one at a time in memory
+                preds = self._predictions(scores, maps, batch.sizes)
+            good = iter(batch.indices)  # ascending, as are the predictions
+            for i in sorted([*batch.indices, *errors]):
+                if i in errors:
+                    yield i, errors[i]
+                else:
+                    next(good)
+                    yield i, next(preds)
 
     def _load(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
-        """Preprocessed images ``[B, 3, h, w]`` and their own (H, W) sizes; each image is
+        """Preprocessed images ``[B, 3, h, w]`` (page-locked when the model runs on a GPU, so
+        that the copy to it does not block the host) and their own (H, W) sizes; each image is
         decoded, preprocessed and dropped before the next (a batch never holds full images)."""
         loaded = [load_preprocessed(item, self.preprocessor, self.cfg.data.max_pixels)
                   for item in items]
-        return torch.stack([t for t, _ in loaded]), [size for _, size in loaded]
+        pre = [t for t, _ in loaded]
+        out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
+                          pin_memory=self.device.type == "cuda")
+        return torch.stack(pre, out=out), [size for _, size in loaded]
 
     def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
         batch, sizes = self._load(items)
         scores, maps = self._infer(batch)
-        return [self._prediction(float(s), m, size) for s, m, size in zip(scores, maps, sizes)]
+        return list(self._predictions(scores, maps, sizes))
 
-    def _prediction(self, score: float, heat: torch.Tensor, size: tuple[int, int]) -> Prediction:
+    def _heatmaps(self, maps: torch.Tensor, sizes: Sequence[tuple[int, int]]
+                  ) -> Iterator[np.ndarray]:
+        """Heatmaps ``[B, h, w]`` at the network input size (on the device) -> one float32
+        ``[H, W]`` array per image in its own frame, made lazily (one full-size map at a time);
+        the parts the crop cut off get the map's minimum. The small network-size maps come to
+        the host in one transfer per batch (one wait for the GPU, not one per image)."""
+        maps = maps.float().cpu()
+        fills = maps.flatten(1).amin(dim=1).tolist()
+        for m, fill, size in zip(maps, fills, sizes):
+            yield self.preprocessor.to_original(m, size, fill=fill).numpy()
+
+    def _predictions(self, scores: torch.Tensor, maps: torch.Tensor,
+                     sizes: Sequence[tuple[int, int]]) -> Iterator[Prediction]:
+        """One :class:`Prediction` per image of a batch, lazily (see :meth:`_heatmaps`)."""
         thr = self.threshold_
-        heat = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
-        heatmap = heat.float().cpu().numpy()
-        return Prediction(score=score, normalized_score=thr.normalize(score),
-                          is_anomalous=bool(score > thr.value), heatmap=heatmap,
-                          mask=heatmap > thr.value, threshold=thr.value)
+        for score, heatmap in zip(scores.tolist(), self._heatmaps(maps, sizes)):
+            yield Prediction(score=score, normalized_score=thr.normalize(score),
+                             is_anomalous=bool(score > thr.value), heatmap=heatmap,
+                             mask=heatmap > thr.value, threshold=thr.value)
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:
@@ -391,7 +415,9 @@ class Detector:
         """Load a saved model; it restores its preprocessing, layers, scorer and threshold.
 
         Args:
-            device: override the saved device (``cpu``, ``cuda``, ``auto``).
+            device: where to run (``cpu``, ``cuda``, ``cuda:N``, ``auto``); an error if this
+                machine lacks it. Without it the saved device is used where available, else
+                (with a warning) ``auto``.
             backbone: the ``nn.Module`` for a model fitted with a custom backbone.
             method: the method the caller expects (``padim``, ``patchcore``); a file of
                 another method is refused.
@@ -400,8 +426,10 @@ class Detector:
         if method is not None and meta.get("method") != method:
             raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
                                  "was expected: check the path")
+        # asked for by the caller: a requirement (ConfigError); else the saved preference
+        dev = resolve_device(device) if device is not None else None
         try:
-            return cls._from_saved(path, tensors, meta, device, backbone)
+            return cls._from_saved(path, tensors, meta, dev, backbone)
         except ModelFileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -411,14 +439,15 @@ class Detector:
 
     @classmethod
     def _from_saved(cls, path: Union[str, Path], tensors: Dict[str, torch.Tensor],
-                    meta: Dict[str, Any], device: Optional[str],
+                    meta: Dict[str, Any], device: Optional[torch.device],
                     backbone: Optional[nn.Module]) -> "Detector":
         cfg = load_config(literal(meta["config"]))  # stored resolved: read with no interpolation
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "
                                  f"({meta['backbone']['class']}): pass it again with "
                                  "Detector.load(path, backbone=module)")
-        det = cls(cfg, backbone=backbone, device=device)
+        det = cls(cfg, backbone=backbone,
+                  device=device if device is not None else resolve_saved_device(cfg.device))
         if det.backbone_fingerprint != meta["backbone"]["fingerprint"]:
             raise ModelFileError(f"{path}: the backbone's weights differ from the ones the model "
                                  "was fitted with (other weights file or version?); load it with "

@@ -1,7 +1,7 @@
 """Patch embeddings: each tapped layer's map brought to one grid and concatenated."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ class PatchEmbedder:
         self.projection = projection
         self.pool_dim = pool_dim
         self._per_layer = self._split_indices(channel_idx) if channel_idx is not None else None
+        # device -> (per-layer indices, projection) on it: copied once, not on every call
+        self._on_device: Dict[torch.device, Tuple[Optional[List[torch.Tensor]],
+                                                  Optional[torch.Tensor]]] = {}
 
     def _split_indices(self, idx: torch.Tensor) -> List[torch.Tensor]:
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.total_channels):
@@ -56,6 +59,18 @@ class PatchEmbedder:
             parts.append(sel.to(torch.long))
             start += info.channels
         return parts
+
+    def _tensors_on(self, device: torch.device
+                    ) -> Tuple[Optional[List[torch.Tensor]], Optional[torch.Tensor]]:
+        """The per-layer channel indices and the projection matrix on ``device`` (cached; two
+        threads filling the cache at once store equal copies)."""
+        cached = self._on_device.get(device)
+        if cached is None:
+            per_layer = (None if self._per_layer is None
+                         else [sel.to(device) for sel in self._per_layer])
+            projection = None if self.projection is None else self.projection.to(device)
+            cached = self._on_device[device] = (per_layer, projection)
+        return cached
 
     @property
     def out_channels(self) -> int:
@@ -81,10 +96,11 @@ class PatchEmbedder:
         """
         maps = [feats[info.name] for info in self.layers]
         size = tuple(max((m.shape[-2:] for m in maps), key=lambda s: s[0] * s[1]))
+        per_layer, projection = self._tensors_on(maps[0].device)
         parts = []
         for i, fmap in enumerate(maps):
-            if self._per_layer is not None:
-                sel = self._per_layer[i].to(fmap.device)
+            if per_layer is not None:
+                sel = per_layer[i]
                 if sel.numel() == 0:
                     continue
                 fmap = fmap.index_select(1, sel)
@@ -101,8 +117,8 @@ class PatchEmbedder:
             stop = start + fmap.shape[1]
             _resize_into(fmap, emb[..., start:stop], self.upsample)
             start = stop
-        if self.projection is not None:
-            emb = emb @ self.projection.to(emb.device)
+        if projection is not None:
+            emb = emb @ projection
         if self.pool_dim is not None:
             flat = emb.reshape(-1, 1, emb.shape[-1])
             emb = F.adaptive_avg_pool1d(flat, self.pool_dim).reshape(*emb.shape[:3], -1)

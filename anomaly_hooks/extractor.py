@@ -12,6 +12,7 @@ be tapped, and what each gives (output shape, channels, stride), from one dry ru
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +21,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from anomaly_hooks.errors import ConfigError
+from anomaly_hooks.devices import ieee_float32
+from anomaly_hooks.errors import BackboneError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,18 @@ def _first_tensor(output: Any) -> torch.Tensor:
                       "module whose output is a [B, C, H, W] tensor")
 
 
+def _copy_module(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` (parameters, buffers, submodules), for the extractor to own."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # a module holding something that cannot be copied
+        raise BackboneError(f"cannot copy the backbone module {type(model).__name__} "
+                            f"({type(exc).__name__}: {exc}); the detector works on its own "
+                            "copy so that yours is left as it is: make the module copyable "
+                            "(copy.deepcopy), e.g. by removing hooks or attributes that hold "
+                            "locks, files or sessions") from None
+
+
 # Optional mixed precision of the backbone forward (features are used in float32 afterwards).
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,12 +99,19 @@ class HookFeatureExtractor:
     """Capture the outputs of named layers of ``model``.
 
     Args:
-        model: any ``nn.Module`` taking a ``[B, 3, H, W]`` tensor. The extractor puts *this*
-            module in eval mode and moves it to ``device`` (in place: a module shared with
-            other code is changed for it too).
+        model: any ``nn.Module`` taking a ``[B, 3, H, W]`` tensor.
         layers: dotted module names, in any order; outputs come back in this order.
         device: where the model runs.
         probe_size: ``(H, W)`` of the dry run that finds execution order, channels and strides.
+        precision: ``float32`` (IEEE float32: no TF32, see :func:`devices.ieee_float32`),
+            ``bfloat16`` or ``float16`` (autocast of the forward).
+        channels_last: run the model in channels-last memory format.
+        copy_module: False (the default): ``model`` itself is put in eval mode, moved to
+            ``device`` and hooked, in place (a module shared with other code changes for it
+            too). True: the extractor works on a deep copy, so the caller's module keeps its
+            mode, device, memory format and hooks, and extractors on different devices can
+            share one module (what :class:`~anomaly_hooks.detector.Detector` does with a
+            module it is given).
 
     Example:
         >>> with HookFeatureExtractor(model, ["layer1", "layer2"]) as ext:
@@ -105,17 +126,19 @@ class HookFeatureExtractor:
         probe_size: Tuple[int, int] = (224, 224),
         precision: str = "float32",
         channels_last: bool = False,
+        copy_module: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
         self.precision = PRECISIONS[precision]
         self.channels_last = channels_last
-        self.model = model.eval().to(device)
+        self.layers = list(layers)
+        resolve_layers(model, self.layers)  # a bad name fails before any copy is made
+        self.model = (_copy_module(model) if copy_module else model).eval().to(device)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.layers = list(layers)
         self.device = torch.device(device)
-        self._modules = resolve_layers(model, self.layers)
+        self._modules = resolve_layers(self.model, self.layers)
         self._local = threading.local()
         self._last: str | None = None  # set by the dry run
         self._handles = [
@@ -142,7 +165,7 @@ class HookFeatureExtractor:
         autocast = (torch.autocast(images.device.type, dtype=self.precision)
                     if self.precision is not None else contextlib.nullcontext())
         try:
-            with torch.inference_mode(), autocast:
+            with torch.inference_mode(), ieee_float32(), autocast:
                 self.model(images)
         except _StopForward:
             pass

@@ -3,7 +3,7 @@ for heatmaps, so that a heatmap comes back in the frame of the image the caller 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -57,20 +57,22 @@ class Preprocessor:
         std = torch.tensor(self.std, dtype=out.dtype).view(3, 1, 1)
         return ((out - mean) / std).contiguous()
 
-    def to_original(self, maps: torch.Tensor, size: Tuple[int, int], fill: float) -> torch.Tensor:
+    def to_original(self, maps: torch.Tensor, size: Tuple[int, int],
+                    fill: Union[float, torch.Tensor]) -> torch.Tensor:
         """Map heatmaps from the network frame back to an original image frame.
 
         Args:
             maps: ``[h, w]`` heatmap in the cropped frame (h, w = input_size).
             size: (H, W) of the original image.
-            fill: value for the parts the crop cut off (they were not inspected).
+            fill: value for the parts the crop cut off (they were not inspected): a number, or
+                a 0-d tensor on ``maps``' device (read there, without waiting for the GPU).
 
         Returns:
             ``[H, W]`` heatmap aligned with the original image.
         """
         rh, rw = self.resize
         top, left, ch, cw = self.crop_box()
-        canvas = maps.new_full((rh, rw), fill)
+        canvas = maps.new_empty((rh, rw)).fill_(fill)
         canvas[top:top + ch, left:left + cw] = maps
         out = F.interpolate(canvas[None, None], size=tuple(size), mode="bilinear",
                             align_corners=False)

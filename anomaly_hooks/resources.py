@@ -3,6 +3,9 @@ the estimate and the keys to change) rather than run out of memory an hour in.
 
 Each scorer estimates its own parts (:meth:`Scorer.estimate_memory`); this module adds what
 every fit holds (the preprocessed threshold images) and compares the total with the limit.
+On a GPU the parts live in two places: the scorer's on the GPU, the threshold images in host
+RAM, each compared with its own budget. The GPU budget counts the memory PyTorch holds cached
+but unused (it reuses those blocks), so repeated fits in one process see the same budget.
 """
 from __future__ import annotations
 
@@ -17,11 +20,17 @@ from anomaly_hooks.extractor import LayerInfo
 GB = 1024 ** 3
 
 
+HOST_PARTS = ("threshold images (preprocessed)",)  # estimate parts that live in host RAM
+
+
 def available_memory(device: torch.device) -> int:
-    """Bytes available now: free GPU memory on CUDA, else available RAM."""
+    """Bytes available now: on CUDA the driver's free memory plus what PyTorch's caching
+    allocator holds reserved but unused (freed tensors it keeps for reuse: a fit can have
+    them), else the available RAM."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -58,7 +67,7 @@ def estimate_fit_memory(scorer: type, cfg: Any, layers: Sequence[LayerInfo],
 
 
 def memory_limit(cfg: Any, device: torch.device) -> int:
-    """The configured limit in bytes."""
+    """The configured limit in bytes (``device``'s memory: the GPU's on CUDA)."""
     res = cfg.resources
     if res.memory_limit_gb is not None:
         return int(res.memory_limit_gb * GB)
@@ -68,16 +77,32 @@ def memory_limit(cfg: Any, device: torch.device) -> int:
 def check_fit_memory(scorer: type, cfg: Any, layers: Sequence[LayerInfo],
                      input_size: Tuple[int, int], n_train: int, device: torch.device,
                      n_threshold: int = 0) -> Dict[str, int]:
-    """Raise :class:`ResourceError` when the estimate exceeds the limit; else the estimate."""
+    """Raise :class:`ResourceError` when the estimate exceeds the limit; else the estimate.
+
+    On CUDA the host-resident parts (``HOST_PARTS``) are checked against the host RAM budget
+    (``memory_fraction`` of the available RAM) and the rest against the GPU's limit; on the
+    CPU everything against one limit."""
     est = estimate_fit_memory(scorer, cfg, layers, input_size, n_train, n_threshold)
-    limit = memory_limit(cfg, device)
-    if est["total"] > limit:
-        parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in est.items()
-                          if k not in ("total", "model"))
-        raise ResourceError(
-            f"this {cfg.method} fit on {n_train} images needs about {est['total'] / GB:.3g} GB "
-            f"({parts}) but the limit is {limit / GB:.3g} GB (resources.memory_limit_gb, or "
-            f"resources.memory_fraction={cfg.resources.memory_fraction} of the available "
-            f"memory): {scorer.memory_advice}; or raise "
-            "resources.memory_limit_gb")
+    parts = {k: v for k, v in est.items() if k not in ("total", "model")}
+    if device.type == "cuda":
+        host = {k: v for k, v in parts.items() if k in HOST_PARTS}
+        gpu = {k: v for k, v in parts.items() if k not in HOST_PARTS}
+        _check(scorer, cfg, n_train, gpu, memory_limit(cfg, device), f"GPU memory ({device})")
+        host_limit = int(cfg.resources.memory_fraction * available_memory(torch.device("cpu")))
+        _check(scorer, cfg, n_train, host, host_limit, "host RAM")
+    else:
+        _check(scorer, cfg, n_train, parts, memory_limit(cfg, device), "memory")
     return est
+
+
+def _check(scorer: type, cfg: Any, n_train: int, parts: Dict[str, int], limit: int,
+           where: str) -> None:
+    total = sum(parts.values())
+    if total <= limit:
+        return
+    listed = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in parts.items())
+    raise ResourceError(
+        f"this {cfg.method} fit on {n_train} images needs about {total / GB:.3g} GB of {where} "
+        f"({listed}) but the limit is {limit / GB:.3g} GB (resources.memory_limit_gb, or "
+        f"resources.memory_fraction={cfg.resources.memory_fraction} of the available "
+        f"{where}): {scorer.memory_advice}; or raise resources.memory_limit_gb")

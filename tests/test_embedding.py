@@ -80,3 +80,32 @@ def test_mixed_precision_maps_give_float32_embeddings():
     assert emb.dtype == torch.float32
     torch.testing.assert_close(emb, _reference(feats, layers, "bilinear", pool=3),
                                rtol=0, atol=1e-6)
+
+
+def test_indices_and_projection_go_to_the_device_once(device, monkeypatch):
+    """The channel indices and the projection matrix are copied to the features' device on the
+    first call and reused (they were copied on every call: a host-to-device copy per batch)."""
+    layers = [LayerInfo("l2", 24, 8), LayerInfo("l3", 40, 16)]
+    feats = {k: v.to(device) for k, v in
+             _feats({"l2": (2, 24, 8, 8), "l3": (2, 40, 4, 4)}, seed=6).items()}
+    proj = torch.randn(64, 10, generator=torch.Generator().manual_seed(7))
+    embedders = [PatchEmbedder(layers, channel_idx=torch.tensor([1, 5, 30, 50])),
+                 PatchEmbedder(layers, upsample="bilinear", projection=proj)]
+    for embedder in embedders:
+        owned = [*(embedder._per_layer or []), *([proj] if embedder.projection is not None
+                                                 else [])]
+        moved = []
+        real = torch.Tensor.to
+
+        def spy(self, *args, **kwargs):
+            if any(self is t for t in owned):
+                moved.append(self)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", spy)
+        first = embedder(feats)
+        assert len(moved) == len(owned)
+        second = embedder(feats)
+        assert len(moved) == len(owned)  # none again
+        monkeypatch.undo()
+        assert torch.equal(first, second) and first.device.type == device.type

@@ -278,3 +278,26 @@ def test_fit_under_inference_mode_then_finalize_outside():
         scorer.partial_fit(_embeddings().float())
     scorer.finalize()
     assert scorer.score(_embeddings(n=2, seed=3).float()).shape == (2, 3, 2)
+
+
+def test_float16_factors_are_widened_in_large_chunks_on_a_gpu(device):
+    """Float16 factors are widened to float32 a chunk of positions at a time: 8 on the CPU
+    (cache-sized), on a GPU as many as fit in 256 MB (221 for D = 550; 8 made ~3k small
+    launches per batch there). The chunk size does not change the distances."""
+    from anomaly_hooks.scorers.padim.gaussians import SCORE_CHUNK, _chunked_distances, half_chunk
+
+    cuda = torch.device("cuda")
+    assert half_chunk(550, torch.device("cpu")) == 8
+    assert (half_chunk(550, cuda), half_chunk(1792, cuda), half_chunk(64, cuda)) == \
+        (221, 20, SCORE_CHUNK)
+    layers = [LayerInfo("a", 8, 4)]
+    scorer = PadimScorer(PatchEmbedder(layers, channel_idx=torch.arange(8)), 0.01, "float16",
+                         "dense")
+    scorer.partial_fit(_embeddings(n=40, d=8, h=4, w=4).float().to(device))
+    scorer.finalize()
+    g = scorer.gaussians
+    x = _embeddings(n=3, d=8, h=4, w=4, seed=2).float().to(device).flatten(2).permute(2, 0, 1)
+    by_one = _chunked_distances(x, g.mean, 1, g._squared)
+    whole = _chunked_distances(x, g.mean, 16, g._squared)  # all 16 positions at once
+    torch.testing.assert_close(whole, by_one)
+    torch.testing.assert_close(g.distances(x), by_one)

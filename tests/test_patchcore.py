@@ -1,6 +1,9 @@
 """PatchCore: coreset selection and kNN search against brute-force float64 references."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -383,3 +386,295 @@ def test_bounded_fit_and_float16_bank(patchcore_cfg, tmp_path):
     assert loaded.scorer_.bank.dtype == torch.float16
     assert [p.score for p in loaded.predict(test)] == [p.score for p in b]
     assert a[2].score > max(a[0].score, a[1].score)
+
+
+# -- the GPU paths (issue 17): each runs on the CPU, and on CUDA where present -------------
+def test_principal_basis_lives_on_the_banks_device(device):
+    """The variance target is made on the eigenvalues' device: a CPU scalar beside CUDA
+    eigenvalues made ``knn_backend=projected`` raise at fit and at load on a GPU."""
+    from anomaly_hooks.scorers.patchcore.knn import principal_basis
+
+    bank = _low_rank(3000, seed=1)
+    ref_mean, ref_basis, ref_tight = principal_basis(bank)
+    mean, basis, tight = principal_basis(bank.to(device))
+    assert mean.device.type == basis.device.type == device.type
+    assert basis.shape == ref_basis.shape and tight == ref_tight
+    # the same subspace whatever the device (eigenvector signs may differ)
+    proj = basis.cpu().t() @ ref_basis
+    torch.testing.assert_close(proj.abs().diagonal(), torch.ones(basis.shape[1]), atol=1e-3,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["faiss-ivf", "faiss-hnsw"])
+def test_approximate_indexes_on_the_device(backend, device):
+    """faiss IVF and HNSW serve a bank on any device (on a GPU the queries are copied to
+    wherever the index lives: HNSW always stays on the CPU)."""
+    bank, q = clustered(n=4000, seed=1), clustered(n=300, seed=2)
+    index = NearestNeighbors(bank.to(device), backend=backend, nlist=16, nprobe=8)
+    dist, idx = index.search(q.to(device), 1)
+    assert dist.device.type == idx.device.type == device.type
+    ref_d, ref_i = _brute_knn(q, bank, 1)
+    assert (idx.cpu() == ref_i).float().mean() > 0.9
+    assert bool((dist.cpu().double() >= ref_d - 1e-4).all())
+
+
+class _FakeGpuIndex:
+    """A faiss GPU index stand-in around a CPU index. Its ``search`` counts the calls that
+    found another thread already inside: a real GPU index shares one StandardGpuResources
+    (scratch memory, stream) between them, so such overlaps are races."""
+
+    def __init__(self, cpu_index, device: int) -> None:
+        self.cpu, self.device = cpu_index, device
+        self.inside = self.overlaps = self.calls = 0
+        self._count = threading.Lock()
+
+    def search(self, q, k):
+        with self._count:
+            self.calls += 1
+            self.inside += 1
+            self.overlaps += self.inside > 1
+        try:
+            time.sleep(0.005)  # widen the window a race needs
+            return self.cpu.search(q, k)
+        finally:
+            with self._count:
+                self.inside -= 1
+
+
+@pytest.fixture
+def fake_gpu_faiss(monkeypatch):
+    """faiss as a GPU build with one GPU would look, for a bank on the CPU: indexes are
+    "cloned" to :class:`_FakeGpuIndex`, except HNSW, which (as in faiss) raises."""
+    import faiss
+
+    import anomaly_hooks.scorers.patchcore.knn as knn
+
+    def index_cpu_to_gpu(resources, device, index, options=None):
+        if isinstance(index, faiss.IndexHNSW):
+            raise RuntimeError("Error in virtual faiss::Index* faiss::gpu::ToGpuCloner::"
+                               "clone_Index(const faiss::Index*): This index type is not "
+                               "implemented on GPU.")
+        return _FakeGpuIndex(index, device)
+
+    monkeypatch.setattr(faiss, "StandardGpuResources", object, raising=False)
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu", index_cpu_to_gpu, raising=False)
+    monkeypatch.setattr(knn, "_gpu_index_wanted", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return index_cpu_to_gpu
+
+
+def _search_from_threads(index: NearestNeighbors, q: torch.Tensor, threads: int = 8) -> list:
+    chunks = list(torch.chunk(q, threads))
+    out: list = [None] * len(chunks)
+
+    def work(i: int) -> None:
+        for _ in range(3):
+            out[i] = index.search(chunks[i], 2)
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(len(chunks))]
+    [t.start() for t in pool]
+    [t.join() for t in pool]
+    return out
+
+
+def test_faiss_gpu_index_searches_take_turns(fake_gpu_faiss):
+    """A faiss GPU index is not thread-safe even for searching: concurrent searches (threaded
+    predict) go through a lock, one at a time, and give the serial results. Without the lock
+    the stand-in sees overlapping searches (so this test would catch its removal)."""
+    bank, q = clustered(n=1500, seed=1), clustered(n=400, seed=2)
+    index = NearestNeighbors(bank, backend="faiss-flat")
+    assert isinstance(index.index, _FakeGpuIndex) and index._search_lock is not None
+    serial = [index.search(c, 2) for c in torch.chunk(q, 8)]
+    got = _search_from_threads(index, q)
+    assert index.index.overlaps == 0 and index.index.calls == 8 + 24
+    for (d, i), (ref_d, ref_i) in zip(got, serial):
+        assert torch.equal(i, ref_i) and torch.equal(d, ref_d)
+    index._search_lock = None  # what the index did before: the stand-in sees the race
+    _search_from_threads(index, q)
+    assert index.index.overlaps > 0
+
+
+def test_faiss_gpu_clone_goes_to_the_banks_gpu(fake_gpu_faiss):
+    import faiss
+
+    from anomaly_hooks.scorers.patchcore.knn import to_gpu
+
+    flat = faiss.IndexFlatL2(8)
+    index, resources = to_gpu(faiss, flat, "faiss-flat", torch.device("cuda", 1))
+    assert isinstance(index, _FakeGpuIndex) and index.device == 1 and resources is not None
+
+
+def test_faiss_hnsw_stays_on_the_cpu_with_a_gpu_build(fake_gpu_faiss):
+    """faiss has no GPU HNSW (``index_cpu_to_gpu`` raises "not implemented on GPU"): with a
+    GPU build the HNSW index stays on the CPU, unlocked (CPU searches are thread-safe)."""
+    import faiss
+
+    with pytest.raises(RuntimeError, match="not implemented on GPU"):  # the faiss behaviour
+        fake_gpu_faiss(None, 0, faiss.IndexHNSWFlat(8, 16))
+    bank, q = clustered(n=2000, seed=1), clustered(n=200, seed=2)
+    index = NearestNeighbors(bank, backend="faiss-hnsw")
+    assert isinstance(index.index, faiss.IndexHNSW) and index._search_lock is None
+    _, idx = index.search(q, 1)
+    assert (idx == _brute_knn(q, bank, 1)[1]).float().mean() > 0.9
+
+
+def test_a_float16_bank_is_not_auto_searched_by_faiss_on_a_gpu(fake_gpu_faiss):
+    """On a GPU, faiss's float16 flat index rounds the queries to float16 too: ``auto`` keeps
+    the torch search, exact on the bank's own values; float32 banks get the faiss index."""
+    from anomaly_hooks.scorers.patchcore.knn import resolve_backend
+
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", cuda, (500, 64), torch.float16) == "torch"
+    assert resolve_backend("auto", cuda, (500, 64), torch.float32) == "faiss-flat"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_torch_search_widens_a_float16_bank_block_by_block(monkeypatch, k, device):
+    """A float16 bank is searched in blocks widened to float32 one at a time (tiny blocks
+    here, so the running top-k is merged across many), exactly on its own values."""
+    import anomaly_hooks.scorers.patchcore.knn as knn
+
+    bank, q = clustered(n=900, seed=1).half(), clustered(n=120, seed=2)
+    monkeypatch.setattr(knn, "WIDEN_BYTES", 37 * 96 * 4)  # 37 rows per block
+    index = NearestNeighbors(bank.to(device), backend="torch")
+    dist, idx = index.search(q.to(device), k)
+    ref_d, ref_i = _brute_knn(q, bank.float(), k)
+    np.testing.assert_allclose(dist.cpu().numpy(), ref_d.numpy(), rtol=1e-5)
+    assert torch.equal(idx.cpu(), ref_i)
+    assert index._sq is not None and index._sq.shape == (900,)  # norms computed once, kept
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "faiss-flat"])
+def test_float16_bank_holds_no_float32_copy(backend, device):
+    """``bank_dtype=float16``: the index is given the float16 bank itself (it was handed a
+    float32 copy: 1.5x a float32 bank instead of 0.5x), faiss flat stores float16 on the
+    CPU, and scores are those of a search over the float16 values."""
+    import faiss
+
+    gen = torch.Generator().manual_seed(3)
+    train = torch.rand(6, 16, 5, 5, generator=gen).to(device)
+    scorer = _scorer(coreset_ratio=0.5, bank_dtype="float16", knn_backend=backend)
+    scorer.partial_fit(train)
+    scorer.finalize()
+    assert scorer.bank.dtype == torch.float16 and scorer.index.bank is scorer.bank
+    if scorer.index.backend == "faiss-flat" and device.type == "cpu":
+        assert isinstance(scorer.index.index, faiss.IndexScalarQuantizer)
+    test = torch.rand(2, 16, 5, 5, generator=gen).to(device)
+    patches = test.permute(0, 2, 3, 1).reshape(-1, 16).cpu()
+    ref_d, _ = _brute_knn(patches, scorer.bank.float().cpu(), 1)
+    np.testing.assert_allclose(scorer.score(test).flatten().cpu().numpy(),
+                               ref_d[:, 0].numpy(), rtol=1e-5)
+
+
+def test_reweighting_with_a_float16_bank_equals_its_float32_values(device):
+    """Re-weighting widens only the rows it reads: the same factors as a float32 bank holding
+    the float16 values."""
+    gen = torch.Generator().manual_seed(1)
+    train = torch.rand(8, 16, 4, 4, generator=gen).to(device)
+    half = _scorer(coreset_ratio=0.5, reweight=True, reweight_neighbors=5,
+                   bank_dtype="float16", knn_backend="torch")
+    half.partial_fit(train)
+    half.finalize()
+    full = _scorer(coreset_ratio=0.5, reweight=True, reweight_neighbors=5, knn_backend="torch")
+    full.grid, full.fitted = half.grid, True
+    full._set_bank(half.bank.float())
+    test = (torch.rand(3, 16, 4, 4, generator=gen) * 2).to(device)
+    patch = half.score(test)
+    torch.testing.assert_close(half.reweight_factors(test, patch),
+                               full.reweight_factors(test, patch))
+
+
+def _fit_with_spy(monkeypatch, begin, n_batches: int = 3):
+    """A one-shot PatchCore fit of ``n_batches`` batches of 2 images; returns the scorer and
+    the features tensor the coreset selection was given."""
+    import anomaly_hooks.scorers.patchcore.scorer as pc
+
+    seen = {}
+    real = pc.greedy_coreset
+
+    def spy(features, k, **kw):
+        seen["features"] = features
+        return real(features, k, **kw)
+
+    monkeypatch.setattr(pc, "greedy_coreset", spy)
+    gen = torch.Generator().manual_seed(4)
+    scorer = _scorer(coreset_ratio=0.3)
+    if begin is not None:
+        scorer.begin(begin)
+    for _ in range(n_batches):
+        scorer.partial_fit(torch.rand(2, 16, 5, 5, generator=gen))
+        if begin is not None and scorer._buffer is not None:
+            seen.setdefault("buffer", scorer._buffer)
+    scorer.finalize()
+    return scorer, seen
+
+
+def test_one_shot_fit_writes_every_patch_into_one_buffer(monkeypatch):
+    """With ``begin(n)`` the patches go into one preallocated ``[n * h * w, D]`` buffer, and the
+    coreset selection reads that buffer itself (no concatenation: on a GPU, where a new block
+    is reserved whole, that copy doubled the peak). Fewer images than announced use its head;
+    more fall back to joining the batches. The bank is the same in every case."""
+    ref, ref_seen = _fit_with_spy(monkeypatch, begin=None)
+    assert "buffer" not in ref_seen
+    exact, seen = _fit_with_spy(monkeypatch, begin=6)
+    buffer = seen["buffer"]
+    assert buffer.shape == (6 * 25, 16) and exact._chunks == []
+    assert seen["features"].data_ptr() == buffer.data_ptr()
+    assert seen["features"].shape == (6 * 25, 16)
+    fewer, seen = _fit_with_spy(monkeypatch, begin=10)
+    assert seen["buffer"].shape == (10 * 25, 16) and seen["features"].shape == (6 * 25, 16)
+    assert seen["features"].data_ptr() == seen["buffer"].data_ptr()
+    more, seen = _fit_with_spy(monkeypatch, begin=3)
+    assert seen["features"].shape == (6 * 25, 16)
+    for scorer in (exact, fewer, more):
+        assert torch.equal(scorer.bank, ref.bank)
+    with pytest.raises(RuntimeError, match="before the first partial_fit"):
+        exact.begin(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: measures the GPU "
+                    "allocator's peak")
+def test_cuda_fit_peak_is_one_copy_of_the_patches(monkeypatch):
+    """On CUDA the patch features are held once: the peak when the coreset selection starts
+    is the buffer plus one batch, not twice the features."""
+    import anomaly_hooks.scorers.patchcore.scorer as pc
+
+    dev = torch.device("cuda")
+    n, b, d, h, w = 64, 8, 1024, 14, 14
+    features_bytes = n * h * w * d * 4
+    peak = {}
+
+    def spy(features, k, **kw):
+        torch.cuda.synchronize()
+        peak["bytes"] = torch.cuda.max_memory_allocated() - base
+        return torch.arange(k, device=features.device)
+
+    monkeypatch.setattr(pc, "greedy_coreset", spy)
+    scorer = PatchCoreScorer.create(load_config({"method": "patchcore"}).patchcore,
+                                    [LayerInfo("a", d, 8)], "custom", seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    scorer.begin(n)
+    for _ in range(n // b):
+        scorer.partial_fit(torch.randn(b, d, h, w, device=dev))
+    scorer.finalize()
+    assert peak["bytes"] < features_bytes * (1 + 2 * b / n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: measures the GPU "
+                    "allocator's peak")
+def test_cuda_float16_bank_search_holds_no_float32_copy():
+    """Searching a float16 bank on CUDA peaks far below one float32 copy of it (1 GB here;
+    the search's own blocks are ~0.3 GB)."""
+    bank = torch.randn(1_000_000, 256, device="cuda").half()
+    index = NearestNeighbors(bank, backend="torch")
+    q = torch.randn(4096, 256, device="cuda")
+    index.search(q, 1)  # the norms, computed once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    index.search(q, 1)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 0.5 * bank.numel() * 4

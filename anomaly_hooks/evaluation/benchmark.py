@@ -9,6 +9,7 @@ the same layer on the same batches, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -22,6 +23,7 @@ import torch
 
 from anomaly_hooks.config import load_config
 from anomaly_hooks.data import list_images, train_folder
+from anomaly_hooks.devices import ieee_float32, resolve_device, synchronize
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import is_image_file, read_image
 
@@ -30,7 +32,8 @@ STAGES = ("decode_preprocess", "backbone", "embedding", "scorer", "heatmap")
 
 class PeakMemory:
     """Peak resident memory (and peak CUDA memory) of this process during a ``with`` block,
-    sampled every few milliseconds, in MB above the level at entry."""
+    in MB above the level at entry (the RSS sampled every few milliseconds; on CUDA the
+    allocator's exact peak of allocated memory, minus what was allocated at entry)."""
 
     def __init__(self, device: torch.device, interval: float = 0.005) -> None:
         import psutil
@@ -48,7 +51,9 @@ class PeakMemory:
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._gpu_base = torch.cuda.memory_allocated(self.device)
         return self
 
     def _sample(self) -> None:
@@ -62,39 +67,48 @@ class PeakMemory:
         self._peak = max(self._peak, self.proc.memory_info().rss)
         self.peak_mb = (self._peak - self._base) / 2**20
         if self.device.type == "cuda":
-            self.gpu_peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._gpu_base
+            self.gpu_peak_mb = peak / 2**20
 
 
 @contextmanager
 def timed(acc: Dict[str, float], key: str, device: torch.device) -> Iterator[None]:
     """Add the wall time of the block (device-synchronised) to ``acc[key]``."""
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     yield
-    _sync(device)
+    synchronize(device)
     acc[key] = acc.get(key, 0.0) + time.perf_counter() - start
 
 
 def bare_backbone(cfg: Any, layers: Sequence[str], device: torch.device) -> Callable:
     """torchvision's own ``create_feature_extractor`` up to the deepest tapped layer, on a
-    separately built copy of the backbone (no hooks)."""
+    separately built copy of the backbone (no hooks), run as the extractor runs its own:
+    the same ``backbone.precision`` (autocast, or IEEE float32: no TF32) and
+    ``backbone.channels_last``. Give it images already on ``device``: the copy from the
+    host is not the backbone's time."""
     from torchvision.models.feature_extraction import create_feature_extractor
 
     from anomaly_hooks.backbones import build_backbone
+    from anomaly_hooks.extractor import PRECISIONS
 
     model = build_backbone(cfg.backbone.name, cfg.backbone.weights, cfg.seed).to(device).eval()
     names = dict(model.named_modules())
     order = [n for n in names if n in layers]
     fx = create_feature_extractor(model, return_nodes=[order[-1]])
+    channels_last = bool(cfg.backbone.channels_last)
+    if channels_last:
+        fx = fx.to(memory_format=torch.channels_last)
+    dtype = PRECISIONS[str(cfg.backbone.precision)]
 
     def run(images: torch.Tensor) -> Any:
-        with torch.inference_mode():
-            return fx(images.to(device))
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        autocast = (torch.autocast(device.type, dtype=dtype) if dtype is not None
+                    else contextlib.nullcontext())
+        with torch.inference_mode(), ieee_float32(), autocast:
+            return fx(images)
     return run
 
 
@@ -121,7 +135,7 @@ def stage_breakdown(det: Any, items: Sequence[Path], batch_size: int,
     dev = det.device
     warm = [read_image(p) for p in items[:batch_size]]
     det.predict(warm, batch_size=batch_size)
-    bare(torch.stack([det.preprocessor(img) for img in warm]).to(dev))
+    bare(torch.stack([det.preprocessor(img) for img in warm]).to(dev))  # warm-up, untimed
     runs = [_one_pass(det, items, batch_size, bare) for _ in range(max(1, passes))]
     n = len(items)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -145,7 +159,7 @@ def _one_pass(det: Any, items: Sequence[Path], batch_size: int,
         with timed(acc, "decode_preprocess", dev):
             canon = [read_image(p) for p in chunk]
             images = torch.stack([det.preprocessor(img) for img in canon]).to(dev)
-        with torch.inference_mode():
+        with torch.inference_mode(), ieee_float32():  # as Detector.predict computes
             with timed(acc, "backbone", dev):
                 feats = det.extractor(images)
             with timed(acc, "embedding", dev):
@@ -154,11 +168,10 @@ def _one_pass(det: Any, items: Sequence[Path], batch_size: int,
                 patch = det.scorer_.score(emb)
             with timed(acc, "heatmap", dev):
                 maps = anomaly_maps(patch, det.preprocessor.input_size)
-                det.scorer_.image_scores(emb, patch, maps)
-                for m, img in zip(maps, canon):
-                    det._prediction(0.0, m, (img.shape[1], img.shape[2]))
+                det.scorer_.image_scores(emb, patch, maps).cpu()
+                list(det._heatmaps(maps, [(img.shape[1], img.shape[2]) for img in canon]))
         with timed(acc, "bare_backbone", dev):
-            bare(images)
+            bare(images)  # already on the device, like the extractor's input above
     return acc
 
 
@@ -190,11 +203,11 @@ def bench_fit(cfg: Any, train: List[Path], bare: Callable, batch_size: int) -> t
     used = train  # the bare backbone sees every training image once, like the fit
     bare_s = 0.0
     for chunk in _batches(used, batch_size):
-        images = torch.stack([pre(read_image(p)) for p in chunk])
-        _sync(det.device)
+        images = torch.stack([pre(read_image(p)) for p in chunk]).to(det.device)
+        synchronize(det.device)
         start = time.perf_counter()
         bare(images)
-        _sync(det.device)
+        synchronize(det.device)
         bare_s += time.perf_counter() - start
     out = {"n_images": len(train), "seconds": fit_s, "images_per_s": len(train) / fit_s,
            "peak_rss_mb": mem.peak_mb, "peak_gpu_mb": mem.gpu_peak_mb,
@@ -215,7 +228,7 @@ def run(config: str, data: Path, batch_size: int, device: Optional[str],
     cfg = load_config(config, list(overrides) + extra)
     train = list_images(train_folder(data))
     test = _test_items(data)
-    from anomaly_hooks.detector import resolve_device, resolve_layer_names
+    from anomaly_hooks.detector import resolve_layer_names
 
     bare = bare_backbone(cfg, resolve_layer_names(cfg), resolve_device(cfg.device))
     det, fit = bench_fit(cfg, train, bare, batch_size)
@@ -232,13 +245,15 @@ def run(config: str, data: Path, batch_size: int, device: Optional[str],
                                     "batch1": latency_batch1(det, test, repeats)}}
 
 
-def machine() -> Dict[str, Any]:
-    """Where the figures were measured."""
+def machine(device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """Where the figures were measured: the platform, and the GPU the run used (its own
+    name, not GPU 0's) when ``device`` is a CUDA device."""
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["device"] = str(device)
     return info
 
 
@@ -276,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configs = args.config or ["configs/padim.yaml", "configs/patchcore.yaml"]
     results = [run(c, Path(args.data), args.batch_size, args.device, args.overrides,
                    args.repeats, args.passes) for c in configs]
-    report = {"machine": machine(), "results": results}
+    device = resolve_device(args.device or load_config(configs[0], args.overrides).device)
+    report = {"machine": machine(device), "results": results}
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"machine: {report['machine']}")
     print(format_report(results))

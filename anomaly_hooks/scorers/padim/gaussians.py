@@ -31,7 +31,8 @@ import torch
 
 CHUNK_POSITIONS = 128  # positions per chunk of fitting work (bounds the temporaries)
 SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
-HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time (cache-sized)
+HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)
+HALF_WIDEN_BYTES = 256 << 20  # on a GPU: float32 bytes widened at a time (few, large launches)
 BUFFER_SAMPLES = 128  # samples per position collected before their products are added
 LOWRANK_MAX_FRACTION = 0.4  # auto: low-rank for n <= 0.4 D training images
 
@@ -210,6 +211,16 @@ def cholesky_factor_(cov: torch.Tensor, epsilon: float, work: torch.Tensor) -> t
     return cov.copy_(out)
 
 
+def half_chunk(dim: int, device: torch.device) -> int:
+    """Positions of ``[D, D]`` float16 factors widened to float32 at a time: ``HALF_CHUNK``
+    (8, cache-sized) on the CPU; on a GPU as many as fit in ``HALF_WIDEN_BYTES``, at most
+    ``SCORE_CHUNK`` (221 for D = 550: 15 chunks of WRN50's 3136 positions instead of 392,
+    each a widening copy and a batched triangular solve)."""
+    if device.type != "cuda":
+        return HALF_CHUNK
+    return max(1, min(SCORE_CHUNK, HALF_WIDEN_BYTES // (4 * dim * dim)))
+
+
 class DenseGaussians:
     """Means ``[P, D]`` float32 and lower Cholesky factors ``[P, D, D]`` (float32 or float16) of
     ``Sigma + eps I``."""
@@ -239,7 +250,8 @@ class DenseGaussians:
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
         """Mahalanobis distances ``[P, B]`` of ``x`` ``[P, B, D]`` (any strides)."""
-        step = SCORE_CHUNK if self.chol.dtype == torch.float32 else HALF_CHUNK
+        step = SCORE_CHUNK if self.chol.dtype == torch.float32 else half_chunk(
+            self.chol.shape[-1], self.chol.device)
         return _chunked_distances(x, self.mean, step, self._squared)
 
     def _squared(self, lo: int, hi: int, diff: torch.Tensor) -> torch.Tensor:

@@ -29,11 +29,15 @@ a query equal to a bank point gets distance 0 and not the rounding noise of the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
+
+from anomaly_hooks.devices import block_elements
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +47,10 @@ PROJECTED_VARIANCE = 0.998  # fraction of the bank's variance the subspace keeps
 PROJECTED_CANDIDATES = 16  # candidates checked per query beyond k
 PCA_MAX_ROWS = 8192  # bank rows (evenly spaced) used to estimate the principal directions
 QUERY_CHUNK = 2048  # queries per chunk when projecting
-PAIR_CHUNK = 512  # pairs per chunk of exact distances (temporaries stay small and reused)
-TORCH_BLOCK_ELEMENTS = 1 << 22  # queries x bank rows per block of a matrix-product search
-# (16 MB blocks: glibc hands larger temporaries back to the kernel and faults them in anew)
+PAIR_CHUNK = 512  # pairs per chunk of exact distances on the CPU (temporaries stay in cache)
+WIDEN_BYTES = 64 << 20  # float32 bytes of float16 bank rows widened at a time
+# Blocks of queries x bank rows of a matrix-product search: devices.block_elements (cache-sized
+# on the CPU, large on a GPU so that a search is a few big kernel launches).
 
 
 def _faiss() -> Optional[Any]:
@@ -63,13 +68,35 @@ def faiss_gpu_available() -> bool:
             and faiss.get_num_gpus() > 0)
 
 
-def resolve_backend(backend: str, device: torch.device, shape: Tuple[int, int] = (0, 0)) -> str:
+def _gpu_index_wanted(device: torch.device) -> bool:
+    """Whether a faiss index for a bank on ``device`` goes to the GPU."""
+    return device.type == "cuda" and faiss_gpu_available()
+
+
+def to_gpu(faiss: Any, index: Any, backend: str, device: torch.device) -> Tuple[Any, Any]:
+    """``(index, resources)``: a GPU copy of the CPU faiss ``index`` on ``device`` and its GPU
+    resources. An HNSW index stays on the CPU (resources None): faiss has no GPU HNSW
+    (``index_cpu_to_gpu`` raises "not implemented on GPU"); it is searched there, the queries
+    copied over. A float16 flat index becomes a GPU flat index storing float16."""
+    if backend == "faiss-hnsw":
+        log.info("faiss-hnsw has no GPU implementation in faiss: the index stays on the CPU")
+        return index, None
+    resources = faiss.StandardGpuResources()
+    gpu = device.index if device.index is not None else torch.cuda.current_device()
+    return faiss.index_cpu_to_gpu(resources, gpu, index), resources
+
+
+def resolve_backend(backend: str, device: torch.device, shape: Tuple[int, int] = (0, 0),
+                    dtype: torch.dtype = torch.float32) -> str:
     """``auto`` -> on CPU ``projected`` for banks ``[M, D]`` with ``M >= 2048`` and ``D >= 256``
     (kept only if the bank's spectrum suits it, see ``NearestNeighbors``); otherwise
-    ``faiss-flat`` when it can serve the device, else ``torch``."""
+    ``faiss-flat`` when it can serve the device, else ``torch``. On a GPU a float16 bank gets
+    ``torch``: faiss's GPU float16 flat index rounds the queries to float16 too, where the
+    torch search is exact on the bank's own values."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown knn backend {backend!r}: one of {', '.join(BACKENDS)}")
-    faiss_ok = _faiss() is not None and (device.type == "cpu" or faiss_gpu_available())
+    faiss_ok = _faiss() is not None and (
+        device.type == "cpu" or (faiss_gpu_available() and dtype == torch.float32))
     if backend == "auto":
         if device.type == "cpu" and shape[0] >= PROJECTED_MIN_ROWS and shape[1] >= 256:
             return "projected"
@@ -84,8 +111,11 @@ class NearestNeighbors:
     """k-nearest-neighbour index over ``bank`` ``[M, D]`` (float32 or float16).
 
     ``search(queries [n, D], k)`` returns ``(distances [n, k] float32, indices [n, k] int64)``
-    on the queries' device, nearest first. Read-only after construction: safe to search from
-    many threads at once.
+    on the queries' device, nearest first. Safe to search from many threads at once: the
+    state is read-only after construction, except that searches of a faiss GPU index (which
+    is not thread-safe even for searching: its ``StandardGpuResources`` hold one scratch
+    space and stream) take turns behind a lock. A float16 bank is kept as it is (no float32
+    copy): the torch search widens it block by block, faiss flat stores it as float16.
     """
 
     def __init__(self, bank: torch.Tensor, backend: str = "auto", nlist: int = 1024,
@@ -95,14 +125,17 @@ class NearestNeighbors:
             raise ValueError(f"the bank must be a non-empty [M, D] tensor, got {tuple(bank.shape)}")
         self.bank = bank
         self.device = bank.device
-        self.backend = resolve_backend(backend, bank.device, tuple(bank.shape))
+        self.backend = resolve_backend(backend, bank.device, tuple(bank.shape), bank.dtype)
         self.index = None
+        self._gpu_resources: Any = None
+        self._search_lock: Optional[threading.Lock] = None  # set for a faiss GPU index
+        self._sq: Optional[torch.Tensor] = None  # the bank's squared norms [M], once needed
         self.projected: Optional[ProjectedSearch] = None
         if self.backend == "projected":
             projected = ProjectedSearch(bank)
             if backend == "auto" and not projected.tight:
                 # a flat spectrum: the capped subspace would certify too few queries to pay
-                self.backend = resolve_backend("auto", bank.device)
+                self.backend = resolve_backend("auto", bank.device, dtype=bank.dtype)
             else:
                 self.projected = projected
         if self.backend.startswith("faiss"):
@@ -113,7 +146,6 @@ class NearestNeighbors:
                      seed: int) -> Any:
         faiss = _faiss()
         m, d = self.bank.shape
-        data = np.ascontiguousarray(self.bank.detach().float().cpu().numpy())
         if self.backend == "faiss-flat":
             if self.bank.dtype == torch.float16:  # stores 2 bytes per value, exact on them
                 index = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16,
@@ -124,15 +156,18 @@ class NearestNeighbors:
             nlist = max(1, min(nlist, m // 39))  # faiss wants >= 39 training points per list
             index = faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nlist, faiss.METRIC_L2)
             index.cp.seed = seed
-            index.train(data)
+            # the whole bank (a float32 copy only of a float16 or GPU bank, while training)
+            index.train(np.ascontiguousarray(self.bank.detach().float().cpu().numpy()))
             index.nprobe = min(nprobe, nlist)
         else:
             index = faiss.IndexHNSWFlat(d, hnsw_m, faiss.METRIC_L2)
             index.hnsw.efSearch = ef_search
-        index.add(data)
-        if self.device.type == "cuda" and faiss_gpu_available():
-            self._gpu_resources = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(self._gpu_resources, self.device.index or 0, index)
+        for rows in _host_rows(self.bank):
+            index.add(rows)
+        if _gpu_index_wanted(self.device):
+            index, self._gpu_resources = to_gpu(faiss, index, self.backend, self.device)
+            if self._gpu_resources is not None:
+                self._search_lock = threading.Lock()
         return index
 
     # -- search ---------------------------------------------------------------------------
@@ -157,14 +192,18 @@ class NearestNeighbors:
 
     def _faiss_search(self, queries: torch.Tensor, k: int) -> torch.Tensor:
         q = np.ascontiguousarray(queries.detach().float().cpu().numpy())
-        _, idx = self.index.search(q, k)
+        lock = self._search_lock if self._search_lock is not None else contextlib.nullcontext()
+        with lock:  # a GPU index: one search at a time
+            _, idx = self.index.search(q, k)
         if (idx < 0).any():  # IVF/HNSW may return fewer than k hits
             raise RuntimeError("the approximate index returned fewer than k neighbours: raise "
                                "patchcore.nprobe / ef_search, or use knn_backend=faiss-flat")
         return torch.from_numpy(idx).to(queries.device)
 
     def _torch_search(self, queries: torch.Tensor, k: int) -> torch.Tensor:
-        return _gemm_topk(queries, self.bank.to(queries.device).float(), k)[1]
+        if self._sq is None:  # computed once (a race computes the same values twice)
+            self._sq = _squared_norms(self.bank)
+        return _gemm_topk(queries, self.bank, k, self._sq)[1]
 
     def exact_distances(self, queries: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``|| q_i - bank[idx[i, j]] ||`` ``[n, k]`` float32, computed on the differences."""
@@ -248,7 +287,7 @@ class ProjectedSearch:
         m = self.points.shape[0]
         out_i = torch.empty(rows.numel(), k, dtype=torch.long, device=queries.device)
         out_d = torch.empty(rows.numel(), k, device=queries.device)
-        block = max(1, TORCH_BLOCK_ELEMENTS // m)
+        block = max(1, block_elements(queries.device) // m)
         for lo in range(0, rows.numel(), block):
             sel = rows[lo:lo + block]
             q = qa[sel]
@@ -288,38 +327,75 @@ def principal_basis(bank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, boo
     total = float(evals.sum())
     lo, hi = min(d, 16), max(d // 4, min(d, 16))
     if total > 0:
-        keep = int(torch.searchsorted(evals.cumsum(0) / total,
-                                      torch.tensor(PROJECTED_VARIANCE, dtype=evals.dtype))) + 1
+        # the value on the eigenvalues' device: a CPU scalar tensor beside CUDA ones raises
+        target = torch.tensor(PROJECTED_VARIANCE, dtype=evals.dtype, device=evals.device)
+        keep = int(torch.searchsorted(evals.cumsum(0) / total, target)) + 1
     else:
         keep = lo
     r = min(max(keep, lo), hi)
     return mean, evecs.flip(1)[:, :r].float().contiguous(), keep <= hi
 
 
+def _host_rows(bank: torch.Tensor) -> Iterator[np.ndarray]:
+    """The bank's rows as float32 numpy blocks for faiss: a float32 CPU bank itself (no
+    copy), any other bank ``WIDEN_BYTES`` of float32 at a time."""
+    if bank.dtype == torch.float32 and bank.device.type == "cpu":
+        yield np.ascontiguousarray(bank.detach().numpy())
+        return
+    step = max(1, WIDEN_BYTES // (4 * bank.shape[1]))
+    for lo in range(0, bank.shape[0], step):
+        yield np.ascontiguousarray(bank[lo:lo + step].detach().float().cpu().numpy())
+
+
+def _squared_norms(points: torch.Tensor) -> torch.Tensor:
+    """``|p|^2`` ``[M]`` float32 of ``points`` ``[M, r]`` (any float dtype), in row blocks."""
+    step = max(1, block_elements(points.device) // max(1, points.shape[1]))
+    return torch.cat([points[lo:lo + step].float().square().sum(dim=1)
+                      for lo in range(0, points.shape[0], step)])
+
+
 def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
                     bi: torch.Tensor) -> torch.Tensor:
     """``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]`` float32, on the differences."""
     out = torch.empty(qi.shape[0], device=queries.device)
-    for lo in range(0, qi.shape[0], PAIR_CHUNK):
-        q = queries.index_select(0, qi[lo:lo + PAIR_CHUNK])
-        b = bank.index_select(0, bi[lo:lo + PAIR_CHUNK].to(bank.device)).to(q.device,
-                                                                            torch.float32)
+    # cache-sized chunks on the CPU; on a GPU ~64 MB per temporary (few, large launches)
+    chunk = PAIR_CHUNK if queries.device.type != "cuda" else max(
+        PAIR_CHUNK, block_elements(queries.device) // (4 * queries.shape[1]))
+    for lo in range(0, qi.shape[0], chunk):
+        q = queries.index_select(0, qi[lo:lo + chunk])
+        b = bank.index_select(0, bi[lo:lo + chunk].to(bank.device)).to(q.device, torch.float32)
         b.sub_(q)  # index_select made b a new tensor: safe to overwrite
-        out[lo:lo + PAIR_CHUNK] = torch.linalg.vecdot(b, b)
+        out[lo:lo + chunk] = torch.linalg.vecdot(b, b)
     return out.sqrt_()
 
 
 def _gemm_topk(queries: torch.Tensor, points: torch.Tensor, k: int,
                sq: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Squared L2 ``[n, k]`` (ascending, by the dot-product expansion) and rows ``[n, k]`` of
-    the ``k`` nearest ``points`` ``[M, r]``; ``sq``: the points' squared norms, if known."""
-    sq = points.square().sum(dim=1) if sq is None else sq
-    rows = max(1, TORCH_BLOCK_ELEMENTS // points.shape[0])
-    dists, idx = [], []
-    for lo in range(0, queries.shape[0], rows):
-        q = queries[lo:lo + rows].float()
-        d2 = torch.addmm(sq, q, points.t(), alpha=-2.0)  # |b|^2 - 2 q.b
-        val, ind = d2.topk(k, dim=1, largest=False)
-        dists.append(val + q.square().sum(dim=1, keepdim=True))
-        idx.append(ind)
-    return torch.cat(dists), torch.cat(idx)
+    the ``k`` nearest ``points`` ``[M, r]``; ``sq``: the points' squared norms, if known.
+
+    Float32 points on the queries' device are used as they are; any others (a float16 bank)
+    are widened ``WIDEN_BYTES`` at a time, each block's top ``k`` merged into the running
+    ones, so no float32 copy of the whole bank is ever made."""
+    n, m = queries.shape[0], points.shape[0]
+    dev = queries.device
+    sq = (_squared_norms(points) if sq is None else sq).to(dev)
+    same = points.dtype == torch.float32 and points.device == dev
+    cols = m if same else max(k, WIDEN_BYTES // (4 * points.shape[1]))
+    val = torch.empty(n, k, device=dev)
+    ind = torch.empty(n, k, dtype=torch.long, device=dev)
+    for first in range(0, m, cols):  # the first block has at least k rows (k <= m)
+        pts = points[first:first + cols].to(dev, torch.float32)
+        rows = max(1, block_elements(dev) // pts.shape[0])
+        for lo in range(0, n, rows):
+            d2 = torch.addmm(sq[first:first + pts.shape[0]], queries[lo:lo + rows].float(),
+                             pts.t(), alpha=-2.0)  # |b|^2 - 2 q.b
+            v, i = d2.topk(min(k, pts.shape[0]), dim=1, largest=False)
+            if first:  # merge with the best of the earlier blocks
+                v, pick = torch.cat([val[lo:lo + rows], v], 1).topk(k, dim=1, largest=False)
+                i = torch.cat([ind[lo:lo + rows], i + first], 1).gather(1, pick)
+            val[lo:lo + rows], ind[lo:lo + rows] = v, i
+    for lo in range(0, n, QUERY_CHUNK):
+        q = queries[lo:lo + QUERY_CHUNK].float()
+        val[lo:lo + QUERY_CHUNK] += q.square().sum(dim=1, keepdim=True)
+    return val, ind

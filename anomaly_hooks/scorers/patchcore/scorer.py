@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from anomaly_hooks.devices import synchronize
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.errors import FitError
 from anomaly_hooks.extractor import LayerInfo
@@ -73,6 +74,8 @@ class PatchCoreScorer(Scorer):
         self.bank: Optional[torch.Tensor] = None  # [M, D]
         self.index: Optional[NearestNeighbors] = None
         self.n_patches = 0
+        self._expected: Optional[int] = None  # training images announced by begin()
+        self._buffer: Optional[torch.Tensor] = None  # [capacity, D]: every patch, in place
 
     @classmethod
     def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
@@ -100,6 +103,14 @@ class PatchCoreScorer(Scorer):
         return cls(build_embedder(cfg, layers, seed), cfg, seed)
 
     # -- fitting --------------------------------------------------------------------------
+    def begin(self, n_images: int) -> None:
+        """``n_images`` training images will come: the one-shot fit writes every patch into
+        one ``[n_images * h * w, D]`` buffer, allocated at the first batch (when the grid is
+        known), so that the features are never held twice (no concatenation at the end)."""
+        if self.n_train or self.fitted:
+            raise RuntimeError("begin() comes before the first partial_fit()")
+        self._expected = int(n_images)
+
     def partial_fit(self, embeddings: torch.Tensor) -> None:
         b, d, h, w = embeddings.shape
         if self.grid is None:
@@ -108,10 +119,18 @@ class PatchCoreScorer(Scorer):
             raise ValueError(f"embedding grid {(h, w)} differs from the first batch's {self.grid}")
         patches = embeddings.permute(0, 2, 3, 1).reshape(-1, d).float()
         self.n_train += b
-        self.n_patches += patches.shape[0]
+        start, self.n_patches = self.n_patches, self.n_patches + patches.shape[0]
         if self._stream is not None:
             self._stream.add(patches)
-        else:
+        elif self._expected is not None and self._expected * h * w >= self.n_patches:
+            if self._buffer is None:
+                self._buffer = torch.empty(self._expected * h * w, d, dtype=torch.float32,
+                                           device=patches.device)
+            self._buffer[start:self.n_patches] = patches
+        else:  # no begin(), or more images than announced: keep the batches, join them later
+            if self._buffer is not None:
+                self._chunks.append(self._buffer[:start])
+                self._buffer, self._expected = None, None
             self._chunks.append(patches)
 
     def finalize(self, progress: bool = False) -> None:
@@ -121,23 +140,34 @@ class PatchCoreScorer(Scorer):
         if self._stream is not None:
             bank = self._stream.finalize(progress)
         else:
-            features = self._concatenate()
+            features = self._features()
             k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
                              is None else None, self.cfg.coreset_count)
             idx = greedy_coreset(features, k, projection_dim=self.cfg.projection_dim,
                                  seed=self.seed + SEED_CORESET, progress=progress)
-            bank = features[idx].clone()
+            bank = features[idx]  # advanced indexing: already a new tensor
             del features
+        synchronize(bank.device)  # the selection's queued GPU work is the coreset's time
         selected = time.perf_counter()
         self._set_bank(bank)
+        synchronize(bank.device)
         self.finalize_timings_ = {"coreset": selected - start,
                                   "search index": time.perf_counter() - selected}
         self._stream = None
         self.fitted = True
 
+    def _features(self) -> torch.Tensor:
+        """All training patches ``[N, D]``: the in-place buffer (a view of its filled rows:
+        fewer images than announced leave its tail unused), else the kept batches joined."""
+        if self._buffer is not None:
+            features, self._buffer = self._buffer[:self.n_patches], None
+            return features
+        return self._concatenate()
+
     def _concatenate(self) -> torch.Tensor:
-        """All buffered patches ``[N, D]``, freeing each chunk as it is copied (the output's
-        pages are only touched as they are written, so resident memory stays ~1x)."""
+        """The kept batches joined ``[N, D]``, freeing each chunk as it is copied (on the CPU
+        the output's pages are only touched as they are written, so resident memory stays
+        ~1x; on a GPU the output is reserved whole: 2x at the end, which ``begin()`` avoids)."""
         n = sum(c.shape[0] for c in self._chunks)
         out = torch.empty(n, self._chunks[0].shape[1], dtype=torch.float32,
                           device=self._chunks[0].device)
@@ -152,7 +182,9 @@ class PatchCoreScorer(Scorer):
     def _set_bank(self, bank: torch.Tensor) -> None:
         dtype = torch.float16 if self.cfg.bank_dtype == "float16" else torch.float32
         self.bank = bank.to(dtype).contiguous()
-        self.index = NearestNeighbors(self.bank.float(), backend=self.cfg.knn_backend,
+        # the index gets the bank itself: a float16 bank is searched on its own values,
+        # without a float32 copy (which would make it 1.5x a float32 bank, not 0.5x)
+        self.index = NearestNeighbors(self.bank, backend=self.cfg.knn_backend,
                                       **self._index_params())
 
     def _index_params(self) -> Dict[str, Any]:
@@ -193,10 +225,10 @@ class PatchCoreScorer(Scorer):
         patches = self._patches(embeddings).reshape(b, -1, embeddings.shape[1])
         worst = patches[torch.arange(b), patch_scores.flatten(1).argmax(dim=1)]  # [B, D]
         _, nearest = self.index.search(worst, 1)
-        bank = self.bank.float()
-        n_b = min(self.cfg.reweight_neighbors, bank.shape[0])
-        _, support = self.index.search(bank[nearest[:, 0]], n_b)  # [B, n_b]
-        dists = torch.linalg.vector_norm(bank[support] - worst.unsqueeze(1), dim=2)
+        n_b = min(self.cfg.reweight_neighbors, self.bank.shape[0])
+        # only the rows needed are widened to float32, never the whole bank
+        _, support = self.index.search(self.bank[nearest[:, 0]].float(), n_b)  # [B, n_b]
+        dists = torch.linalg.vector_norm(self.bank[support].float() - worst.unsqueeze(1), dim=2)
         return 1.0 - torch.softmax(dists, dim=1)[:, 0]
 
     # -- persistence ----------------------------------------------------------------------
