@@ -35,6 +35,7 @@ def _fit_parser(sub) -> None:
     p.add_argument("--output", help="model path (overrides output)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    _ray_options(p)
 
 
 def _score_parser(sub) -> None:
@@ -45,6 +46,19 @@ def _score_parser(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--no-images", action="store_true", help="only the CSV and JSON")
     p.add_argument("--batch-size", type=int, default=None)
+    _ray_options(p)
+    p.add_argument("--format", choices=["csv", "parquet"], default="csv",
+                   help="with --ray: results.csv + results.json (default) or results.parquet")
+
+
+def _ray_options(p) -> None:
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray (extra [ray]): a cluster's HOST:PORT or ray://HOST:PORT, "
+                        "auto (started with `ray start`), local:N (N CPUs here); no ADDRESS: "
+                        "$RAY_ADDRESS or a local cluster")
+    p.add_argument("--workers", type=int, default=2, help="with --ray: actors (default 2)")
+    p.add_argument("--gpus-per-worker", type=float, default=0,
+                   help="with --ray: GPUs per actor (0 or 1; default 0)")
 
 
 def _layers_parser(sub) -> None:
@@ -105,7 +119,14 @@ def cmd_fit(args: argparse.Namespace) -> int:
     det = Detector(cfg)
     _check_model_space(det, output)
     start = time.perf_counter()
-    det.fit(cfg.data.train, progress=not args.quiet)
+    if args.ray is not None:
+        from anomaly_hooks import distributed
+
+        det = distributed.fit(cfg, cfg.data.train, address=args.ray or None,
+                              num_workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                              progress=not args.quiet)
+    else:
+        det.fit(cfg.data.train, progress=not args.quiet)
     seconds = time.perf_counter() - start
     path = det.save(cfg.output)
     info, thr = det.fit_info_, det.threshold_
@@ -158,6 +179,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     out = Path(args.out)
     for sub in ("", "heatmaps", "overlays", "masks"):
         _writable_folder(out / sub, "--out")
+    if args.ray is not None:
+        return _score_on_ray(args, out)
     det = Detector.load(args.model, device=args.device)
     paths, roots, failures = expand_inputs(args.inputs)
     for failure in failures:
@@ -186,6 +209,25 @@ def cmd_score(args: argparse.Namespace) -> int:
           f"anomalous, {len(rows) - n_anom} normal; {len(failures)} failed. Results in "
           f"{display(out)}/results.csv and {display(out)}/results.json")
     return 1 if failures else 0
+
+
+def _score_on_ray(args: argparse.Namespace, out: Path) -> int:
+    """``score --ray``: the same outputs, written by a pool of Ray actors."""
+    from anomaly_hooks import distributed
+
+    if args.device is not None:
+        raise ConfigError("--device is not used with --ray: actors run on the CPU, or on a GPU "
+                          "each with --gpus-per-worker 1")
+    summary = distributed.score(args.model, args.inputs, str(out), address=args.ray or None,
+                                num_workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                                batch_size=args.batch_size, write_pngs=not args.no_images,
+                                fmt=args.format)
+    n, seconds = summary["scored"], summary["seconds"]
+    print(f"scored {n} image(s) on {args.workers} Ray worker(s) in {seconds:.1f} s "
+          f"({n / max(seconds, 1e-9):.1f} img/s): {summary['anomalous']} anomalous, "
+          f"{n - summary['anomalous']} normal; {summary['failed']} failed. Results in "
+          f"{display(out)}")
+    return 1 if summary["failed"] else 0
 
 
 def _evaluate_parser(sub) -> None:
