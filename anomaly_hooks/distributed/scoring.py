@@ -291,6 +291,7 @@ def _dataset(ray: Any, rows: List[dict], model: str, out: Path, num_workers: int
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # results in input order, as plain score
     ctx.enable_progress_bars = progress
+    ctx.wait_for_min_actors_s = 600  # start once every actor holds its model: work is shared
     counter = ray.remote(num_cpus=0)(AttemptCounter).remote()
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ScoreActor, batch_size=1, batch_format="numpy",

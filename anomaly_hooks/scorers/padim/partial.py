@@ -19,6 +19,7 @@ States are plain dicts of numpy arrays and ints / strings (see ``Scorer.partial_
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Sequence
 
 import numpy as np
@@ -66,10 +67,12 @@ def merge(states: Sequence[State]) -> State:
 
 
 @torch.inference_mode()
+@warnings.catch_warnings()  # the inputs may be read-only object-store buffers: only read here
 def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
     """Sum dense states re-shifted onto the first one's shift, ``chunk`` positions at a time.
     ``S1`` is summed in float64, ``S2`` in float32 (the re-shift is the rank-2 update
     ``h d^T + d h^T`` with ``h = S1_b + n_b d / 2``). Memory: one output ``S2``."""
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     first = states[0]
     shift = first["shift"]
     p, d = shift.shape
