@@ -66,28 +66,34 @@ def merge(states: Sequence[State]) -> State:
             "samples": np.concatenate([s["samples"] for s in states], axis=1)}
 
 
+def _readable(array: np.ndarray) -> torch.Tensor:
+    """A tensor view of an array that is only read (an object-store buffer is read-only: torch
+    warns about such views, harmless where nothing writes)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
 @torch.inference_mode()
-@warnings.catch_warnings()  # the inputs may be read-only object-store buffers: only read here
 def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
     """Sum dense states re-shifted onto the first one's shift, ``chunk`` positions at a time.
     ``S1`` is summed in float64, ``S2`` in float32 (the re-shift is the rank-2 update
     ``h d^T + d h^T`` with ``h = S1_b + n_b d / 2``). Memory: one output ``S2``."""
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     first = states[0]
     shift = first["shift"]
     p, d = shift.shape
     s1 = np.zeros((p, d), dtype=np.float64)
     s2 = np.empty((p, d, d), dtype=np.float32)
-    out_s2, base = torch.from_numpy(s2), torch.from_numpy(shift)
+    out_s2, base = torch.from_numpy(s2), _readable(shift)
     for lo in range(0, p, chunk):
         hi = min(p, lo + chunk)
         out = out_s2[lo:hi]
-        out.copy_(torch.from_numpy(first["s2"][lo:hi]))
+        out.copy_(_readable(first["s2"][lo:hi]))
         s1[lo:hi] = first["s1"][lo:hi]
         for s in states[1:]:
-            b1 = torch.from_numpy(s["s1"][lo:hi])
-            out.add_(torch.from_numpy(s["s2"][lo:hi]))
-            delta = torch.from_numpy(s["shift"][lo:hi]).double() - base[lo:hi].double()
+            b1 = _readable(s["s1"][lo:hi])
+            out.add_(_readable(s["s2"][lo:hi]))
+            delta = _readable(s["shift"][lo:hi]).double() - base[lo:hi].double()
             half = (b1 + 0.5 * s["n"] * delta).float()
             df = delta.float()
             out.baddbmm_(half.unsqueeze(2), df.unsqueeze(1))
