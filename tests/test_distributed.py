@@ -286,6 +286,44 @@ def test_ray_score_equals_plain_score_with_a_kill(local_ray, small_model, score_
 
 
 @pytest.mark.slow
+def test_poison_image_is_reported_not_retried_forever(local_ray, small_model, score_inputs,
+                                                       tmp_path):
+    """Input 1 kills every process that scores it: its batch is tried whole twice, then image
+    by image; input 1 is reported, every other image is scored once."""
+    local_ray.write_text("always")
+    try:
+        summary = distributed.score(small_model, [str(score_inputs)], str(tmp_path),
+                                    num_workers=2, write_pngs=False)
+    finally:
+        local_ray.unlink()
+    rows = csv_rows(tmp_path)
+    assert len(rows) == len({r["path"] for r in rows}) == summary["images"] - 2
+    died = [f for f in summary["failures"] if "worker process died" in f]
+    assert len(died) == 1 and sorted(score_inputs.iterdir())[1].name in died[0]
+    assert summary["missing"] == [] and summary["failed"] == 2  # + the broken file
+
+
+@pytest.mark.slow
+def test_cli_fit_and_score_on_ray(local_ray, small_model, score_inputs, tmp_path, capsys):
+    from anomaly_hooks.cli import main
+
+    cfg = small_cfg(tmp_path, n_features=40, covariance="lowrank")
+    cfg_path = tmp_path / "cfg.yaml"
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(cfg, cfg_path)
+    assert main(["fit", "--config", str(cfg_path), "--output", str(tmp_path / "m.safetensors"),
+                 "--ray", "--workers", "2", "--quiet"]) == 0
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    fitted = Detector.load(tmp_path / "m.safetensors")
+    assert torch.equal(fitted.scorer_.gaussians.y, single.scorer_.gaussians.y)
+    assert main(["score", "--model", small_model, str(score_inputs), "--out",
+                 str(tmp_path / "out"), "--ray", "--workers", "2", "--no-images"]) == 1
+    assert "scored 14 image(s) on 2 Ray worker(s)" in capsys.readouterr().out
+    assert len(csv_rows(tmp_path / "out")) == 14
+
+
+@pytest.mark.slow
 def test_ray_score_parquet(local_ray, small_model, score_inputs, tmp_path):
     import pyarrow.parquet as pq
 

@@ -75,13 +75,16 @@ def maybe_die(indices: Iterable[int]) -> None:
     """Test hook: end this process abruptly (as a crash or an OOM kill would) when the marker
     file in ``$ANOMALY_HOOKS_FAULT_MARKER`` exists and ``indices`` holds
     ``$ANOMALY_HOOKS_FAULT_INDEX``; the first process to get here removes the marker, so a
-    retry goes through. Unset in normal runs (two environment lookups)."""
+    retry goes through, unless the marker says ``always`` (a poison item: it kills every
+    process that tries it). Unset in normal runs (two environment lookups)."""
     marker = os.environ.get(FAULT_MARKER_ENV)
     want = os.environ.get(FAULT_INDEX_ENV)
     if not marker or want is None or int(want) not in set(indices):
         return
     try:
-        os.remove(marker)
+        with open(marker) as fh:
+            if fh.read().strip() != "always":
+                os.remove(marker)
     except FileNotFoundError:
         return
     os._exit(1)

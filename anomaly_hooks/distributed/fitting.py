@@ -119,6 +119,9 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
         refs = [workers[i % len(workers)].fit_shard.remote(train[lo:hi], len(train), i)
                 for i, (lo, hi) in enumerate(bounds)]
         results = ray.get(refs)  # in shard order
+    except ray.exceptions.RayActorError as exc:
+        raise FitError(f"a fit worker died {MAX_TASK_RETRIES + 1} times on the same shard "
+                       f"(out of memory? a crash in native code?): {exc}") from None
     finally:
         for w in workers:
             ray.kill(w)
