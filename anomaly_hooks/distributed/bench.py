@@ -2,7 +2,7 @@
 ``score``, the driver's peak memory, and the cost of merging PaDiM partial states.
 
     python scripts/bench_distributed.py [--model M.safetensors] [--images 400]
-        [--modes plain ray1 ray2] [--no-images] [--merge-positions 392] [--json out.json]
+        [--modes plain plain1 ray1 ray2] [--no-images] [--merge-positions 392] [--json out.json]
 
 Without ``--model`` a ResNet18 PaDiM (random init, 224 px, d=100) is fitted on data/sample
 first. The inputs are the sample test images repeated under new names (symbolic links). Each
@@ -93,9 +93,15 @@ def fit_model(path: Path) -> str:
 
 def run_mode(mode: str, model: str, inputs: str, out: str, write_pngs: bool,
              cpus: int) -> Dict[str, Any]:
-    """One mode in this process: ``plain`` (the CLI's score) or ``rayN`` (N workers)."""
-    if mode == "plain":
+    """One mode in this process: ``plain`` (the CLI's score, torch's default threads),
+    ``plain1`` (the same on one thread, as each Ray actor runs) or ``rayN`` (N workers)."""
+    if mode.startswith("plain"):
+        import torch
+
         from anomaly_hooks.cli import main as cli
+
+        if mode == "plain1":
+            torch.set_num_threads(1)
 
         cpu0 = tree_cpu_seconds()
         with PeakRSS() as mem:
@@ -167,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
     ap.add_argument("--images", type=int, default=400)
-    ap.add_argument("--modes", nargs="+", default=["plain", "ray1", "ray2"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "plain1", "ray1", "ray2"])
     ap.add_argument("--no-images", action="store_true")
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--merge-positions", type=int, default=392)
