@@ -2,6 +2,7 @@
 test hook that kills a worker at a chosen point."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from types import ModuleType
@@ -36,7 +37,9 @@ def connect(address: Optional[str] = None) -> ModuleType:
     ray = require_ray()
     if ray.is_initialized():
         return ray
-    kwargs = {"log_to_driver": False, "include_dashboard": False}
+    # Ray's INFO lines (start-up, Ray Data's execution plan) would drown the command's output
+    kwargs = {"log_to_driver": False, "include_dashboard": False,
+              "logging_level": logging.WARNING}
     if address is not None and address.startswith("local:"):
         try:
             cpus = int(address.split(":", 1)[1])

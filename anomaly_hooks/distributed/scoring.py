@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -291,6 +292,7 @@ def _dataset(ray: Any, rows: List[dict], model: str, out: Path, num_workers: int
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # results in input order, as plain score
     ctx.enable_progress_bars = progress
+    logging.getLogger("ray.data").setLevel(logging.INFO if progress else logging.WARNING)
     ctx.wait_for_min_actors_s = 600  # start once every actor holds its model: work is shared
     counter = ray.remote(num_cpus=0)(AttemptCounter).remote()
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
@@ -299,6 +301,7 @@ def _dataset(ray: Any, rows: List[dict], model: str, out: Path, num_workers: int
                                "device": "cuda" if gpus_per_worker else "cpu",
                                "threads": max(1, int(cpus_per_worker)), "counter": counter,
                                "full_attempts": full_attempts},
-        compute=ray.data.ActorPoolStrategy(size=num_workers), num_cpus=cpus_per_worker,
+        compute=ray.data.ActorPoolStrategy(size=min(num_workers, len(rows))),
+        num_cpus=cpus_per_worker,
         num_gpus=gpus_per_worker)
     yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
