@@ -3,6 +3,8 @@
 
     python scripts/bench_distributed.py [--model M.safetensors] [--images 400]
         [--modes plain plain1 ray1 ray2] [--no-images] [--merge-positions 392] [--json out.json]
+    python scripts/bench_distributed.py --coreset-data ../shared/data/mvtec_bottle
+        [--coreset-shards 2 4]          # sharded PatchCore: coverage radius and image AUROC
 
 Without ``--model`` a ResNet18 PaDiM (random init, 224 px, d=100) is fitted on data/sample
 first. The inputs are the sample test images repeated under new names (symbolic links). Each
@@ -162,6 +164,74 @@ def merge_cost(positions: int, dim: int = 550, per_shard: int = 64) -> Dict[str,
     return result
 
 
+def coreset_shards(data: Path, shard_counts: List[int]) -> Dict[str, Any]:
+    """Sharded PatchCore (``configs/patchcore.yaml``, the shard rule of
+    :mod:`anomaly_hooks.scorers.patchcore.partial`) against the one-shot coreset on an MVTec
+    category: coverage radius over every training patch and image AUROC on ``test/``. The
+    embeddings are computed once; shards are the distributed fit's (no Ray needed)."""
+    import torch
+
+    from anomaly_hooks.config import load_config
+    from anomaly_hooks.data import iter_batches, resolve_items
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.distributed.fitting import new_scorer, shard_bounds
+    from anomaly_hooks.evaluation.metrics import image_auroc
+    from anomaly_hooks.heatmap import anomaly_maps
+    from anomaly_hooks.scorers.patchcore import partial
+    from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
+    from anomaly_hooks.scorers.patchcore.scorer import SEED_CORESET
+
+    cfg = load_config(ROOT / "configs" / "patchcore.yaml", device="cpu",
+                      data={"train": str(data), "num_workers": 0})
+    det = Detector(cfg)
+    train, _ = det._split(resolve_items(str(data), training=True))
+    test = sorted((data / "test").rglob("*.png"))
+    scorer = new_scorer(det)
+    seed, cpu = scorer.seed + SEED_CORESET, torch.device("cpu")
+
+    def embed(items: List[Any]) -> List[torch.Tensor]:
+        return [det._embed(scorer, b.images) for b in iter_batches(
+            items, det.preprocessor, batch_size=cfg.data.batch_size, num_workers=0,
+            max_pixels=cfg.data.max_pixels)]
+
+    train_emb = embed(train)
+    grid = tuple(train_emb[0].shape[2:])
+    per_image = torch.cat([e.permute(0, 2, 3, 1).flatten(1, 2) for e in train_emb])  # [n, hw, D]
+    del train_emb
+    n, d = per_image.shape[0], per_image.shape[2]
+    patches = per_image.reshape(-1, d)
+    test_emb, labels = embed(test), [int(p.parent.name != "good") for p in test]
+
+    def measure(bank: torch.Tensor) -> Dict[str, float]:
+        s = new_scorer(det)
+        s.grid, s.fitted = grid, True
+        s._set_bank(bank)
+        scores = []
+        for e in test_emb:
+            patch = s.score(e)
+            scores += s.image_scores(e, patch, anomaly_maps(patch, det.preprocessor.input_size)
+                                     ).tolist()
+        return {"bank": int(bank.shape[0]), "radius": coverage_radius(patches, bank),
+                "auroc": 100 * image_auroc(labels, scores)}
+
+    one = measure(partial.select({"features": patches.numpy(), "n_patches": len(patches)},
+                                 cfg.patchcore, seed, cpu))
+    res: Dict[str, Any] = {"one-shot": one}
+    for k in shard_counts:
+        t0 = time.perf_counter()
+        states = [partial.shard_state(per_image[lo:hi].reshape(-1, d), cfg.patchcore, seed,
+                                      hi - lo, n, grid)
+                  for lo, hi in shard_bounds(n, k, cfg.data.batch_size)]
+        t1 = time.perf_counter()
+        bank = partial.select(partial.merge(states), cfg.patchcore, seed, cpu)
+        r = measure(bank)
+        r.update(radius_ratio=r["radius"] / one["radius"], auroc_delta=r["auroc"] - one["auroc"],
+                 shard_selection_s=t1 - t0, final_selection_s=time.perf_counter() - t1)
+        res[f"{k} shards"] = r
+        print(k, "shards", json.dumps(r), flush=True)
+    return res
+
+
 def _child(args: argparse.Namespace, mode: str, inputs: Path, out: Path) -> Dict[str, Any]:
     cmd = [sys.executable, "-m", "anomaly_hooks.distributed.bench", "--child", mode,
            "--model", args.model, "--inputs", str(inputs), "--out", str(out),
@@ -179,6 +249,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-images", action="store_true")
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--merge-positions", type=int, default=392)
+    ap.add_argument("--coreset-data", type=Path,
+                    help="an MVTec category: sharded PatchCore coverage radius and AUROC")
+    ap.add_argument("--coreset-shards", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
@@ -187,6 +260,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.child:
         print("RESULT " + json.dumps(run_mode(args.child, args.model, args.inputs, args.out,
                                                not args.no_images, args.cpus)))
+        return 0
+    if args.coreset_data:
+        res = coreset_shards(args.coreset_data, args.coreset_shards)
+        print(json.dumps(res, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="ah_bench_dist_"))
     args.model = args.model or fit_model(tmp / "model.safetensors")
