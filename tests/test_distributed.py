@@ -151,6 +151,22 @@ def test_partial_states_are_plain_data(tmp_path):
     assert all(isinstance(v, (np.ndarray, int, str, tuple)) for v in state.values()), state
 
 
+def test_unreadable_training_image_is_reported_by_its_shard(tmp_path):
+    """A shard lists an unreadable image (never a retry); the driver raises or skips it as
+    ``Detector.fit`` does (``data.on_error``)."""
+    from anomaly_hooks.distributed.fitting import fit_shard
+
+    cfg = small_cfg(tmp_path, n_features=40)
+    items = sorted(map(str, (tmp_path / "train").rglob("*.png")))[:6]
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    out = fit_shard(Detector(cfg), [*items, str(broken)], 7)
+    assert out["n_used"] == 6 and len(out["errors"]) == 1 and "broken.png" in out["errors"][0]
+    det = Detector(cfg)
+    with pytest.raises(FitError, match="broken.png"):
+        det._handle_errors({"training": out["errors"], "threshold": []})
+
+
 def test_ray_missing_is_a_config_error_naming_the_extra(monkeypatch):
     from anomaly_hooks.distributed.cluster import require_ray
 
