@@ -8,22 +8,20 @@ traceback. torch is imported only inside the commands, after ``main`` has set up
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
-import json
 import logging
 import os
 import shutil
-import stat
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
-from anomaly_hooks.images import display, is_folder, is_image_file
+from anomaly_hooks.images import display
+from anomaly_hooks.outputs import (csv_cell, expand_inputs, out_name,  # noqa: F401 (csv_cell: API)
+                                     write_images, write_results)
 
 log = logging.getLogger("anomaly_hooks")
 
@@ -37,6 +35,7 @@ def _fit_parser(sub) -> None:
     p.add_argument("--output", help="model path (overrides output)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    _ray_options(p)
 
 
 def _score_parser(sub) -> None:
@@ -47,6 +46,19 @@ def _score_parser(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--no-images", action="store_true", help="only the CSV and JSON")
     p.add_argument("--batch-size", type=int, default=None)
+    _ray_options(p)
+    p.add_argument("--format", choices=["csv", "parquet"], default="csv",
+                   help="with --ray: results.csv + results.json (default) or results.parquet")
+
+
+def _ray_options(p) -> None:
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray (extra [ray]): a cluster's HOST:PORT or ray://HOST:PORT, "
+                        "auto (started with `ray start`), local:N (N CPUs here); no ADDRESS: "
+                        "$RAY_ADDRESS or a local cluster")
+    p.add_argument("--workers", type=int, default=2, help="with --ray: actors (default 2)")
+    p.add_argument("--gpus-per-worker", type=float, default=0,
+                   help="with --ray: GPUs per actor (0 or 1; default 0)")
 
 
 def _layers_parser(sub) -> None:
@@ -107,7 +119,14 @@ def cmd_fit(args: argparse.Namespace) -> int:
     det = Detector(cfg)
     _check_model_space(det, output)
     start = time.perf_counter()
-    det.fit(cfg.data.train, progress=not args.quiet)
+    if args.ray is not None:
+        from anomaly_hooks import distributed
+
+        det = distributed.fit(cfg, cfg.data.train, address=args.ray or None,
+                              num_workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                              progress=not args.quiet)
+    else:
+        det.fit(cfg.data.train, progress=not args.quiet)
     seconds = time.perf_counter() - start
     path = det.save(cfg.output)
     info, thr = det.fit_info_, det.threshold_
@@ -137,102 +156,6 @@ def _check_model_space(det, output: Path) -> None:
                         f"only {free / GB:.3g} GB are free there: free space or write elsewhere")
 
 
-def _walk_images(folder: Path) -> tuple[List[Path], List[str]]:
-    """Image files under ``folder`` (sorted, symbolic links to folders not followed), and a
-    failure for each entry with an image suffix that is not a regular file (a FIFO, device or
-    socket is reported, never opened)."""
-    found: List[Path] = []
-    odd: List[str] = []
-
-    def unreadable(exc: OSError) -> None:
-        odd.append(f"{display(exc.filename or folder)}: cannot be read "
-                   f"({exc.strerror or exc}); skipped")
-
-    for root, dirs, files in os.walk(folder, onerror=unreadable):
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(root) / name
-            if not is_image_file(path):
-                continue
-            try:
-                mode = path.stat().st_mode
-            except OSError as exc:
-                odd.append(f"{display(path)}: cannot be read ({exc.strerror})")
-                continue
-            if stat.S_ISREG(mode):
-                found.append(path)
-            else:
-                odd.append(f"{display(path)}: not a regular file; skipped")
-    return found, odd
-
-
-def _expand_inputs(inputs: Sequence[str]) -> tuple[List[Path], List[Path], List[str]]:
-    """(image paths, the input each came from, failures) of the command-line inputs."""
-    paths: List[Path] = []
-    roots: List[Path] = []
-    errors: List[str] = []
-    for raw in inputs:
-        p = Path(raw)
-        if is_folder(p):
-            found, odd = _walk_images(p)
-            errors.extend(odd)
-            if not found and not odd:
-                errors.append(f"{display(p)}: no image files in this folder")
-            paths.extend(found)
-            roots.extend([p] * len(found))
-        else:
-            paths.append(p)
-            roots.append(p.parent)
-    return paths, roots, errors
-
-
-_NAME_BYTES = 150  # an output name's length in bytes (file systems allow 255)
-
-
-def _clean_part(part: str) -> str:
-    """One path component as a safe file-name piece: letters, digits, ``.-_`` (any script),
-    everything else (separators, spaces, control characters, undecodable bytes) ``_``; no
-    leading dot (no hidden file, no ``..``)."""
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in part)
-    cleaned = cleaned.lstrip(".")
-    return cleaned or "_"
-
-
-def out_name(path: Path, root: Path, used: set) -> str:
-    """The output name of ``path``: its path relative to the input ``root`` it was found under
-    (a file given directly: its own name), suffix dropped, components cleaned and joined by
-    ``_``; never absolute, never ``..``, never empty; at most :data:`_NAME_BYTES` bytes (a long
-    name keeps a hash of the whole); unique within ``used`` (compared case-insensitively, as
-    some file systems do), which it updates."""
-    try:
-        rel = path.relative_to(root)
-    except ValueError:
-        rel = Path(path.name)
-    parts = [*rel.parent.parts, rel.stem if rel.suffix else rel.name]
-    stem = "_".join(_clean_part(p) for p in parts if p not in ("", ".", "..", os.sep)) or "_"
-    if len(stem.encode("utf-8")) > _NAME_BYTES:
-        digest = hashlib.sha256(os.fsencode(rel)).hexdigest()[:12]
-        stem = stem.encode("utf-8")[:_NAME_BYTES - 13].decode("utf-8", "ignore") + "-" + digest
-    name, i = stem, 1
-    while name.casefold() in used:
-        i += 1
-        name = f"{stem}_{i}"
-    used.add(name.casefold())
-    return name
-
-
-def _write_images(pred, path: Path, out: Path, name: str, max_pixels: int) -> dict:
-    from anomaly_hooks.images import canonical_rows, load_oriented
-    from anomaly_hooks.visualize import write_pictures
-
-    files = {"heatmap": out / "heatmaps" / f"{name}.png",
-             "overlay": out / "overlays" / f"{name}.png",
-             "mask": out / "masks" / f"{name}.png"}
-    write_pictures(pred.heatmap, pred.mask, pred.threshold,
-                   lambda: load_oriented(path, max_pixels), canonical_rows, files)
-    return {k: str(v) for k, v in files.items()}
-
-
 def _writable_folder(folder: Path, what: str) -> None:
     """Make ``folder`` (and its parents) and prove a file can be created in it, before any
     work: a path that is a file, a read-only place or a missing permission is one clear error
@@ -256,8 +179,10 @@ def cmd_score(args: argparse.Namespace) -> int:
     out = Path(args.out)
     for sub in ("", "heatmaps", "overlays", "masks"):
         _writable_folder(out / sub, "--out")
+    if args.ray is not None:
+        return _score_on_ray(args, out)
     det = Detector.load(args.model, device=args.device)
-    paths, roots, failures = _expand_inputs(args.inputs)
+    paths, roots, failures = expand_inputs(args.inputs)
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
     rows, used = [], set()
@@ -272,11 +197,11 @@ def cmd_score(args: argparse.Namespace) -> int:
                "normalized_score": pred.normalized_score, "is_anomalous": pred.is_anomalous,
                "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
         if not args.no_images:
-            row.update(_write_images(pred, path, out, out_name(path, roots[i], used),
+            row.update(write_images(pred, path, out, out_name(path, roots[i], used),
                                      det.cfg.data.max_pixels))
         rows.append(row)
         del pred
-    _write_results(out, rows, failures, args.model)
+    write_results(out, rows, failures, args.model)
     seconds = time.perf_counter() - start
     n_anom = sum(r["is_anomalous"] for r in rows)
     print(f"scored {len(rows)} image(s) in {seconds:.1f} s "
@@ -286,45 +211,23 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+def _score_on_ray(args: argparse.Namespace, out: Path) -> int:
+    """``score --ray``: the same outputs, written by a pool of Ray actors."""
+    from anomaly_hooks import distributed
 
-
-def csv_cell(value):
-    """A CSV cell that a spreadsheet shows as text: a string starting with ``= + - @`` (or a
-    tab / carriage return) would run as a formula, so it gets a leading ``'``. Numbers are
-    written as they are."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
-        return "'" + value
-    return value
-
-
-def _atomic_text(path: Path, write) -> None:
-    """Write a text file atomically: a temporary file in the same folder, flushed to disk,
-    renamed over ``path``; a full disk leaves the previous file (or none), never half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _write_results(out: Path, rows: List[dict], failures: List[str], model: str) -> None:
-    fields = ["path", "score", "normalized_score", "is_anomalous", "threshold",
-              "anomalous_pixels", "heatmap", "overlay", "mask"]
-
-    def write_csv(fh) -> None:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
-
-    _atomic_text(out / "results.csv", write_csv)
-    _atomic_text(out / "results.json", lambda fh: json.dump(
-        {"model": display(model), "results": rows, "failures": failures}, fh, indent=2))
+    if args.device is not None:
+        raise ConfigError("--device is not used with --ray: actors run on the CPU, or on a GPU "
+                          "each with --gpus-per-worker 1")
+    summary = distributed.score(args.model, args.inputs, str(out), address=args.ray or None,
+                                num_workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                                batch_size=args.batch_size, write_pngs=not args.no_images,
+                                fmt=args.format)
+    n, seconds = summary["scored"], summary["seconds"]
+    print(f"scored {n} image(s) on {args.workers} Ray worker(s) in {seconds:.1f} s "
+          f"({n / max(seconds, 1e-9):.1f} img/s): {summary['anomalous']} anomalous, "
+          f"{n - summary['anomalous']} normal; {summary['failed']} failed. Results in "
+          f"{display(out)}")
+    return 1 if summary["failed"] else 0
 
 
 def _evaluate_parser(sub) -> None:

@@ -254,6 +254,25 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     return tensors, meta
 
 
+def read_meta(path: str | os.PathLike) -> Dict[str, Any]:
+    """The metadata of a model file from its header alone (no tensor read, no checksum: for a
+    caller that only plans work, e.g. the distributed score's batch size, and whose workers
+    then :func:`load_model` the file in full)."""
+    path = Path(path)
+    try:
+        with _open_model(path) as fh:
+            header, _ = _read_header(fh, path, os.fstat(fh.fileno()).st_size)
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read the model file "
+                             f"({exc.strerror or exc})") from None
+    meta = _parse_json(_check_metadata(header["__metadata__"], path).get("meta", ""),
+                       "metadata", path)
+    if not isinstance(meta, dict):
+        raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
+                             "object)")
+    return meta
+
+
 def _open_model(path: Path) -> Any:
     """The model file opened for reading; a missing, unreadable or non-regular path is a
     :class:`ModelFileError` (a FIFO is refused without being opened)."""

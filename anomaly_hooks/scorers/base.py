@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 
 from anomaly_hooks.embedding import PatchEmbedder
-from anomaly_hooks.errors import ConfigError, NotFittedError
+from anomaly_hooks.errors import ConfigError, FitError, NotFittedError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import grid_positions
 
@@ -24,7 +24,9 @@ class Scorer(ABC):
     patch embedder and its model-file state. Nothing outside ``scorers/`` branches on a method.
 
     Life cycle: ``create`` -> ``begin`` -> ``partial_fit`` (any number of batches) ->
-    ``finalize`` -> ``score``; or ``from_state`` for a saved model.
+    ``finalize`` -> ``score``; or ``from_state`` for a saved model. A sharded fit (the
+    ``distributed`` job) runs ``begin_shard`` -> ``partial_fit`` -> ``partial_state`` on each
+    shard, then ``merge_states`` and ``finalize_merged`` on one fresh scorer.
     """
 
     method: ClassVar[str]
@@ -94,6 +96,32 @@ class Scorer(ABC):
         """Turn the accumulated statistics into the fitted state (``progress``: show a progress
         bar for long steps such as the coreset selection)."""
 
+    # -- sharded fitting (mergeable partial states) ---------------------------------------
+    # A partial state is a dict of numpy arrays and plain ints / strings / tuples: Ray ships it
+    # through its object store without pickling any class of ours, and numpy arrays zero-copy.
+    def begin_shard(self, n_total: int, n_shard: int) -> None:
+        """Before the first :meth:`partial_fit` of a shard of ``n_shard`` out of ``n_total``
+        training images (every shard of one fit gets the same ``n_total``, so each makes the
+        choices a single-process fit on ``n_total`` images would make)."""
+        raise _unmergeable(self.method)
+
+    def partial_state(self) -> Dict[str, Any]:
+        """The shard's mergeable state after its :meth:`partial_fit` calls (the scorer is
+        spent afterwards)."""
+        raise _unmergeable(self.method)
+
+    @classmethod
+    def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+        """One state from the shards' states, given in training-list order (associative: a tree
+        of merges gives the same state as one merge)."""
+        raise _unmergeable(cls.method)
+
+    def finalize_merged(self, state: Dict[str, Any], device: torch.device,
+                        progress: bool = False) -> None:
+        """Fit this fresh scorer (from :meth:`create`) from a merged state, as :meth:`finalize`
+        fits it from its own batches; the fitted tensors live on ``device``."""
+        raise _unmergeable(self.method)
+
     # -- scoring --------------------------------------------------------------------------
     @abstractmethod
     def score(self, embeddings: torch.Tensor) -> torch.Tensor:
@@ -131,6 +159,10 @@ class Scorer(ABC):
         if not self.fitted:
             raise NotFittedError(f"this {self.method} model is not fitted: call fit() first, or "
                                  "Detector.load() a saved model")
+
+
+def _unmergeable(method: str) -> FitError:
+    return FitError(f"{method} has no mergeable fit state: it cannot be fitted in shards")
 
 
 _REGISTRY: Dict[str, Type[Scorer]] = {}

@@ -19,6 +19,7 @@ from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import batch_bytes
 from anomaly_hooks.scorers.base import Scorer, register
+from anomaly_hooks.scorers.padim import partial
 from anomaly_hooks.scorers.padim.config import PadimConfig, validate
 from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussians,
                                                    GaussianAccumulator, LowRankGaussians,
@@ -142,6 +143,37 @@ class PadimScorer(Scorer):
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
             self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
         self.n_train = n
+        self._acc = self._store = None
+        self.fitted = True
+
+    # -- sharded fitting (scorers/padim/partial.py) ----------------------------------------
+    def begin_shard(self, n_total: int, n_shard: int) -> None:
+        """Fix the covariance form a single-process fit on ``n_total`` images would use (so
+        that ``auto`` does not pick per shard), and size the buffers for ``n_shard``."""
+        self.covariance = choose_covariance(self.covariance, n_total, self.embedder.out_channels,
+                                            self.factor_dtype)
+        self.begin(n_shard)
+
+    def partial_state(self) -> Dict[str, Any]:
+        if self._store is None and self._acc is None:
+            raise FitError("this PaDiM shard got no training image")
+        state = (partial.lowrank_state(self._store, self.grid) if self._store is not None
+                 else partial.dense_state(self._acc, self.grid))
+        self._acc = self._store = None
+        return state
+
+    @classmethod
+    def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+        return partial.merge(states)
+
+    def finalize_merged(self, state: Dict[str, Any], device: torch.device,
+                        progress: bool = False) -> None:
+        n = int(state["n"])
+        if n < self.min_train_images:
+            raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
+                           f"for a covariance; got {n}")
+        self.gaussians = partial.gaussians(state, self.epsilon, self.factor_dtype, device)
+        self.grid, self.n_train = tuple(state["grid"]), n
         self._acc = self._store = None
         self.fitted = True
 

@@ -22,6 +22,7 @@ from anomaly_hooks.errors import FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import batch_bytes
 from anomaly_hooks.scorers.base import Scorer, register
+from anomaly_hooks.scorers.patchcore import partial
 from anomaly_hooks.scorers.patchcore.config import PatchCoreConfig, validate
 from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
                                                      greedy_coreset, projection_matrix)
@@ -153,6 +154,37 @@ class PatchCoreScorer(Scorer):
         synchronize(bank.device)
         self.finalize_timings_ = {"coreset": selected - start,
                                   "search index": time.perf_counter() - selected}
+        self._stream = None
+        self.fitted = True
+
+    # -- sharded fitting (scorers/patchcore/partial.py) ------------------------------------
+    def begin_shard(self, n_total: int, n_shard: int) -> None:
+        """A shard of ``n_shard`` of the ``n_total`` training images: its state keeps its share
+        of the final bank (see :mod:`anomaly_hooks.scorers.patchcore.partial`)."""
+        self._n_total = int(n_total)
+        self.begin(n_shard)
+
+    def partial_state(self) -> Dict[str, Any]:
+        if not self.n_train:
+            raise FitError("this PatchCore shard got no training image")
+        if self._stream is not None:  # bounded fit: what the stream kept (<= max_bank_points)
+            features, self._stream = torch.cat(self._stream.kept), None
+        else:
+            features = self._features()
+        n_total = getattr(self, "_n_total", self.n_train)
+        return partial.shard_state(features, self.cfg, self.seed + SEED_CORESET, self.n_train,
+                                   n_total, self.grid)
+
+    @classmethod
+    def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+        return partial.merge(states)
+
+    def finalize_merged(self, state: Dict[str, Any], device: torch.device,
+                        progress: bool = False) -> None:
+        self.grid = tuple(state["grid"])
+        self.n_train, self.n_patches = int(state["n_train"]), int(state["n_patches"])
+        self._set_bank(partial.select(state, self.cfg, self.seed + SEED_CORESET, device,
+                                      progress))
         self._stream = None
         self.fitted = True
 

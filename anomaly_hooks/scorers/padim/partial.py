@@ -1,0 +1,130 @@
+"""PaDiM's mergeable fit state, for fits sharded over processes or machines.
+
+Every shard uses the covariance form a single-process fit on *all* the training images would use
+(decided from the total, :func:`~anomaly_hooks.scorers.padim.gaussians.choose_covariance`).
+
+* **dense**: per position the shift ``K`` ``[P, D]`` float32, ``S1 = sum(x - K)`` ``[P, D]``
+  float64 and ``S2 = sum (x - K)(x - K)^T`` ``[P, D, D]`` float32 (the accumulator's own sums).
+  Merging re-shifts every state onto the first state's ``K`` (exact algebra)::
+
+      d = K_b - K,   S1' = S1_b + n_b d,   S2' = S2_b + S1_b d^T + d S1_b^T + n_b d d^T
+
+  then adds. The first shard's shift is the single-process fit's (its first batch's mean), and
+  the others' shifts are batch means too, so ``d`` is small and the update adds little rounding.
+* **low-rank**: the shard's raw training embeddings ``[P, n_s, D]``; the merge concatenates them
+  in shard order. Shards are contiguous runs of the training list, so the merged samples are
+  the single-process fit's samples in the same order and the fitted model is bit-identical.
+
+States are plain dicts of numpy arrays and ints / strings (see ``Scorer.partial_state``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Sequence
+
+import numpy as np
+import torch
+
+from anomaly_hooks.errors import FitError
+from anomaly_hooks.scorers.padim.gaussians import (CHUNK_POSITIONS, DenseGaussians,
+                                                   GaussianAccumulator, LowRankGaussians,
+                                                   SampleStore)
+
+State = Dict[str, Any]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def dense_state(acc: GaussianAccumulator, grid: tuple) -> State:
+    """The state of a shard's streaming sums (flushed first)."""
+    acc.finish()
+    return {"form": "dense", "n": int(acc.n), "grid": tuple(grid), "shift": _np(acc.shift),
+            "s1": _np(acc.s1), "s2": _np(acc.s2)}
+
+
+def lowrank_state(store: SampleStore, grid: tuple) -> State:
+    """The state of a shard's stored samples ``[P, n_s, D]``."""
+    return {"form": "lowrank", "n": int(store.n), "grid": tuple(grid),
+            "samples": _np(store.samples())}
+
+
+def merge(states: Sequence[State]) -> State:
+    """One state from shard states given in training-list order."""
+    states = [s for s in states if s is not None and s["n"] > 0]
+    if not states:
+        raise FitError("no shard gave any training image: nothing to merge")
+    kinds = {(s["form"], tuple(s["grid"])) for s in states}
+    if len(kinds) != 1:
+        raise FitError(f"cannot merge PaDiM states of different forms or grids: {sorted(kinds)}")
+    if len(states) == 1:
+        return states[0]
+    if states[0]["form"] == "dense":
+        return merge_dense(states)
+    return {**states[0], "n": sum(s["n"] for s in states),
+            "samples": np.concatenate([s["samples"] for s in states], axis=1)}
+
+
+def _readable(array: np.ndarray) -> torch.Tensor:
+    """A tensor view of an array that is only read (an object-store buffer is read-only: torch
+    warns about such views, harmless where nothing writes)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+@torch.inference_mode()
+def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
+    """Sum dense states re-shifted onto the first one's shift, ``chunk`` positions at a time.
+    ``S1`` is summed in float64, ``S2`` in float32 (the re-shift is the rank-2 update
+    ``h d^T + d h^T`` with ``h = S1_b + n_b d / 2``). Memory: one output ``S2``."""
+    first = states[0]
+    shift = first["shift"]
+    p, d = shift.shape
+    s1 = np.zeros((p, d), dtype=np.float64)
+    s2 = np.empty((p, d, d), dtype=np.float32)
+    out_s2, base = torch.from_numpy(s2), _readable(shift)
+    for lo in range(0, p, chunk):
+        hi = min(p, lo + chunk)
+        out = out_s2[lo:hi]
+        out.copy_(_readable(first["s2"][lo:hi]))
+        s1[lo:hi] = first["s1"][lo:hi]
+        for s in states[1:]:
+            b1 = _readable(s["s1"][lo:hi])
+            out.add_(_readable(s["s2"][lo:hi]))
+            delta = _readable(s["shift"][lo:hi]).double() - base[lo:hi].double()
+            half = (b1 + 0.5 * s["n"] * delta).float()
+            df = delta.float()
+            out.baddbmm_(half.unsqueeze(2), df.unsqueeze(1))
+            out.baddbmm_(df.unsqueeze(2), half.unsqueeze(1))
+            s1[lo:hi] += (b1 + s["n"] * delta).numpy()
+    return {"form": "dense", "n": sum(int(s["n"]) for s in states), "grid": first["grid"],
+            "shift": shift, "s1": s1, "s2": s2}
+
+
+def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
+              device: torch.device = torch.device("cpu")):
+    """Dense or low-rank Gaussians (on ``device``) of a merged state. The arrays are copied
+    where they are read-only (the object store hands out read-only buffers; the fit works in
+    place)."""
+    if state["form"] == "lowrank":
+        store = SampleStore()
+        store.buf = _tensor(state["samples"], device)
+        store.n = store.buf.shape[1]
+        return LowRankGaussians.from_samples(store, epsilon)
+    acc = GaussianAccumulator()
+    acc.n = int(state["n"])
+    acc.shift = _tensor(state["shift"], device)
+    acc.s1 = _tensor(state["s1"], device)
+    acc.s2 = _tensor(state["s2"], device)  # factorised in place
+    dtype = torch.float16 if factor_dtype == "float16" else torch.float32
+    return DenseGaussians.from_accumulator(acc, epsilon, dtype)
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A writable tensor on ``device`` (a copy only where the array is read-only or the device
+    is not the CPU)."""
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).to(device)

@@ -1,0 +1,390 @@
+"""Scale-out (issue 15): mergeable fit states against the single-process fit (no Ray needed),
+then a local Ray (``ray.init(num_cpus=2)``) and a two-node ``ray.cluster_utils.Cluster``: fit
+and score equal the single-process results, a worker killed mid-run is retried and every image
+is scored exactly once; failure paths. A small seeded ResNet18 at 64 px on data/sample."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SAMPLE
+
+from anomaly_hooks import distributed
+from anomaly_hooks.config import load_config
+from anomaly_hooks.distributed import cluster
+from anomaly_hooks.detector import Detector
+from anomaly_hooks.errors import ConfigError, FitError
+from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
+
+try:
+    import ray
+except ImportError:  # the [ray] extra is not installed: only the Ray-free tests run
+    ray = None
+needs_ray = pytest.mark.skipif(ray is None, reason="ray is not installed (pip install -e '.[ray]')")
+
+SMALL = {"backbone": {"name": "resnet18", "weights": None, "layers": None},
+         "preprocess": {"resize": 72, "crop": 64},
+         "data": {"batch_size": 4, "num_workers": 0}, "device": "cpu"}
+N_TRAIN = 20
+
+
+def small_cfg(root: Path, method: str = "padim", **section):
+    """The sample's first ``N_TRAIN`` good images in ``root``; ``section``: the method's keys."""
+    train = root / "train" / "train" / "good"
+    if not train.exists():
+        train.mkdir(parents=True)
+        for p in sorted((SAMPLE / "train" / "good").glob("*.png"))[:N_TRAIN]:
+            shutil.copy(p, train / p.name)
+    keys = {**SMALL, "data": {**SMALL["data"], "train": str(root / "train")}}
+    return load_config(None, method=method, **keys, **({method: section} if section else {}))
+
+
+def shard_fit(det: Detector, n_shards: int):
+    """The sharded fit's scorer without Ray: shards fitted in turn, merged, finalised."""
+    from anomaly_hooks.data import resolve_items
+    from anomaly_hooks.distributed.fitting import fit_shard, new_scorer, shard_bounds
+
+    train, _ = det._split(resolve_items(det.cfg.data.train, training=True))
+    train = [str(p) for p in train]
+    bounds = shard_bounds(len(train), n_shards, det.cfg.data.batch_size)
+    states = [fit_shard(det, train[lo:hi], len(train))["state"] for lo, hi in bounds]
+    scorer = new_scorer(det)
+    scorer.finalize_merged(scorer.merge_states(states), det.device)
+    return scorer, train
+
+
+def float64_gaussians(det: Detector, scorer, train) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference mean ``[P, D]`` and covariance ``[P, D, D]`` in float64 from the embeddings."""
+    from anomaly_hooks.data import iter_batches
+
+    embs = [det._embed(scorer, b.images) for b in iter_batches(
+        train, det.preprocessor, batch_size=4, num_workers=0, max_pixels=det.cfg.data.max_pixels)]
+    x = torch.cat(embs).flatten(2).permute(2, 0, 1).double()  # [P, n, D]
+    mean = x.mean(dim=1)
+    xc = x - mean.unsqueeze(1)
+    return mean, xc.transpose(1, 2) @ xc / (x.shape[1] - 1)
+
+
+def covariance(g) -> torch.Tensor:
+    """``Sigma`` (without epsilon) of fitted Gaussians, float64."""
+    if g.kind == "dense":
+        chol = g.chol.double()
+        eye = torch.eye(chol.shape[-1], dtype=torch.float64)
+        return chol @ chol.transpose(1, 2) - 0.01 * eye
+    y = g.y.double()
+    return y.transpose(1, 2) @ y
+
+
+# -- mergeable states, no Ray ---------------------------------------------------------------
+@pytest.mark.parametrize("form", ["dense", "lowrank"])
+def test_padim_merged_shards_equal_the_single_fit(tmp_path, form):
+    cfg = small_cfg(tmp_path, n_features=40, covariance=form)
+    det = Detector(cfg)
+    single = Detector(cfg).fit(cfg.data.train, progress=False).scorer_.gaussians
+    scorer, train = shard_fit(det, 3)
+    merged = scorer.gaussians
+    assert merged.kind == single.kind == form and scorer.n_train == len(train)
+    mean64, cov64 = float64_gaussians(det, scorer, train)
+    scale = cov64.abs().amax()
+    for g in (single, merged):  # both within float32 rounding of the float64 reference
+        torch.testing.assert_close(g.mean.double(), mean64, rtol=0, atol=1e-5 * mean64.abs().max())
+        torch.testing.assert_close(covariance(g), cov64, rtol=0, atol=1e-5 * scale)
+    if form == "lowrank":  # the same samples in the same order: bit-identical
+        assert torch.equal(single.y, merged.y) and torch.equal(single.cinv, merged.cinv)
+
+
+def test_dense_merge_reshifts_exactly():
+    """Shards with far-apart shifts merge to the one-accumulator sums (float64 reference)."""
+    from anomaly_hooks.scorers.padim import partial
+    from anomaly_hooks.scorers.padim.gaussians import GaussianAccumulator
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 60, 10, generator=gen) * 2 + torch.linspace(-50, 50, 60)[None, :, None]
+    states = []
+    for lo, hi in ((0, 25), (25, 40), (40, 60)):  # shards with very different means
+        acc = GaussianAccumulator()
+        acc.update(x[:, lo:hi])
+        states.append(partial.dense_state(acc, (6, 1)))
+    merged = partial.merge(states)
+    g = partial.gaussians(merged, 0.01)
+    x64 = x.double()
+    mean = x64.mean(dim=1)
+    xc = x64 - mean.unsqueeze(1)
+    cov = xc.transpose(1, 2) @ xc / 59
+    torch.testing.assert_close(g.mean.double(), mean, rtol=0, atol=1e-4)
+    torch.testing.assert_close(covariance(g), cov, rtol=0, atol=1e-5 * float(cov.abs().max()))
+
+
+def test_patchcore_one_shard_is_the_single_fit_and_shards_follow_the_rule(tmp_path):
+    cfg = small_cfg(tmp_path, "patchcore", coreset_ratio=0.1)
+    det = Detector(cfg)
+    single = Detector(cfg).fit(cfg.data.train, progress=False).scorer_
+    one, _ = shard_fit(det, 1)
+    assert torch.equal(one.bank, single.bank)  # one shard keeps every patch: the same bank
+    three, train = shard_fit(det, 3)
+    assert three.bank.shape == single.bank.shape and three.n_patches == single.n_patches
+    from anomaly_hooks.data import iter_batches
+
+    feats = torch.cat([det._embed(single, b.images) for b in iter_batches(
+        train, det.preprocessor, batch_size=4, num_workers=0, max_pixels=cfg.data.max_pixels)])
+    feats = feats.permute(0, 2, 3, 1).reshape(-1, feats.shape[1])
+    ratio = coverage_radius(feats, three.bank) / coverage_radius(feats, single.bank)
+    assert ratio <= 1.5, ratio  # the documented rule's bound on this tiny set (bottle: README)
+
+
+def test_partial_states_are_plain_data(tmp_path):
+    """What Ray ships: numpy arrays and plain values, no class of ours."""
+    cfg = small_cfg(tmp_path, n_features=40)
+    det = Detector(cfg)
+    from anomaly_hooks.distributed.fitting import fit_shard
+
+    state = fit_shard(det, sorted(map(str, (tmp_path / "train").rglob("*.png")))[:8], 16)["state"]
+    assert all(isinstance(v, (np.ndarray, int, str, tuple)) for v in state.values()), state
+
+
+def test_unreadable_training_image_is_reported_by_its_shard(tmp_path):
+    """A shard lists an unreadable image (never a retry); the driver raises or skips it as
+    ``Detector.fit`` does (``data.on_error``)."""
+    from anomaly_hooks.distributed.fitting import fit_shard
+
+    cfg = small_cfg(tmp_path, n_features=40)
+    items = sorted(map(str, (tmp_path / "train").rglob("*.png")))[:6]
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    out = fit_shard(Detector(cfg), [*items, str(broken)], 7)
+    assert out["n_used"] == 6 and len(out["errors"]) == 1 and "broken.png" in out["errors"][0]
+    det = Detector(cfg)
+    with pytest.raises(FitError, match="broken.png"):
+        det._handle_errors({"training": out["errors"], "threshold": []})
+
+
+def test_ray_missing_is_a_config_error_naming_the_extra(monkeypatch):
+    from anomaly_hooks.distributed.cluster import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(ConfigError, match=r"anomaly_hooks\[ray\]"):
+        require_ray()
+
+
+def test_cli_without_ray_says_which_extra(monkeypatch, capsys, tmp_path):
+    from anomaly_hooks.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["score", "--model", str(tmp_path / "m.safetensors"), str(tmp_path),
+                 "--out", str(tmp_path / "o"), "--ray", "local:1"]) == 2
+    assert "anomaly_hooks[ray]" in capsys.readouterr().err
+
+
+# -- local Ray ------------------------------------------------------------------------------
+@needs_ray
+def test_unreachable_address_fails_fast():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already open in this process")
+    with pytest.raises(ConfigError, match=f"cannot reach a Ray cluster at 127.0.0.1:{port}"):
+        cluster.connect(f"127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        cluster.connect("nonsense")
+    with pytest.raises(ConfigError, match="local:N"):
+        cluster.connect("local:zero")
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    """``ray.init(num_cpus=2)``; workers see the fault-hook variables (marker absent: no fault)."""
+    if ray is None:
+        pytest.skip("ray is not installed (pip install -e '.[ray]')")
+    marker = tmp_path_factory.mktemp("faults") / "die.marker"
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {cluster.FAULT_MARKER_ENV: str(marker),
+                                       cluster.FAULT_INDEX_ENV: "1"}})
+    yield marker
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["lowrank", "dense"])
+def test_ray_padim_fit_equals_single_even_if_a_worker_dies(local_ray, tmp_path, form):
+    cfg = small_cfg(tmp_path, n_features=40, covariance=form)
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    local_ray.write_text("die once")  # the worker fitting shard 1 dies after its first batch
+    dist = distributed.fit(cfg, num_workers=2)
+    assert not local_ray.exists()  # a worker did die, and its shard was re-run
+    g1, g2 = single.scorer_.gaussians, dist.scorer_.gaussians
+    assert g1.kind == g2.kind == form and dist.fit_info_["n_train"] == single.fit_info_["n_train"]
+    if form == "lowrank":
+        assert torch.equal(g1.mean, g2.mean) and torch.equal(g1.y, g2.y)
+        assert single.threshold_ == dist.threshold_
+    else:
+        torch.testing.assert_close(g2.mean, g1.mean, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(g2.chol, g1.chol, rtol=1e-4, atol=1e-5)
+        assert dist.threshold_.value == pytest.approx(single.threshold_.value, rel=1e-5)
+    test = sorted((SAMPLE / "test").rglob("*.png"))[::3]
+    assert [p.is_anomalous for p in single.predict(test)] == \
+        [p.is_anomalous for p in dist.predict(test)]
+
+
+@pytest.mark.slow
+def test_ray_patchcore_fit(local_ray, tmp_path):
+    cfg = small_cfg(tmp_path, "patchcore", coreset_ratio=0.1)
+    dist = distributed.fit(cfg, num_workers=2)
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    assert dist.scorer_.bank.shape == single.scorer_.bank.shape
+    assert dist.fit_timings_["shards"] == 2
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("model")
+    cfg = small_cfg(tmp, n_features=40)
+    det = Detector(cfg).fit(cfg.data.train, progress=False)
+    return str(det.save(tmp / "m.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def score_inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("inputs")
+    for p in sorted((SAMPLE / "test").rglob("*.png"))[:14]:
+        shutil.copy(p, tmp / f"{p.parent.name}_{p.name}")
+    (tmp / "zz_broken.png").write_bytes(b"not an image")
+    return tmp
+
+
+def plain_score(model: str, inputs: Path, out: Path) -> list:
+    from anomaly_hooks.cli import main
+
+    assert main(["score", "--model", model, str(inputs), "--out", str(out)]) == 1  # one broken
+    return csv_rows(out)
+
+
+def csv_rows(out: Path) -> list:
+    with open(out / "results.csv") as fh:
+        return [{k: v.replace(str(out), "OUT") for k, v in r.items()} for r in csv.DictReader(fh)]
+
+
+@pytest.mark.slow
+def test_ray_score_equals_plain_score_with_a_kill(local_ray, small_model, score_inputs,
+                                                  tmp_path):
+    want = plain_score(small_model, score_inputs, tmp_path / "plain")
+    local_ray.write_text("die once")  # the actor scoring input 1 dies before scoring it
+    summary = distributed.score(small_model, [str(score_inputs)], str(tmp_path / "ray"),
+                                num_workers=2)
+    assert not local_ray.exists()  # an actor did die
+    assert summary["rows_from_retries"] > 0  # ... and its batch was re-run
+    assert summary["duplicates_dropped"] == 0 and summary["missing"] == []
+    assert csv_rows(tmp_path / "ray") == want  # every image once, same order, same scores
+    assert summary["failed"] == 1 and "zz_broken" in summary["failures"][0]
+    ray_json = json.loads((tmp_path / "ray" / "results.json").read_text())
+    plain_json = json.loads((tmp_path / "plain" / "results.json").read_text())
+    # the same failures (PIL's message holds a file descriptor number: compare the paths)
+    assert [f.split(": ")[0] for f in ray_json["failures"]] == \
+        [f.split(": ")[0] for f in plain_json["failures"]]
+    assert len(ray_json["results"]) == len(plain_json["results"]) == 14
+    for sub in ("heatmaps", "overlays", "masks"):
+        names = sorted(os.listdir(tmp_path / "plain" / sub))
+        assert sorted(os.listdir(tmp_path / "ray" / sub)) == names
+        for n in names:
+            assert (tmp_path / "plain" / sub / n).read_bytes() == \
+                (tmp_path / "ray" / sub / n).read_bytes()
+
+
+@pytest.mark.slow
+def test_poison_image_is_reported_not_retried_forever(local_ray, small_model, score_inputs,
+                                                       tmp_path):
+    """Input 1 kills every process that scores it: its batch is tried whole twice, then image
+    by image; input 1 is reported, every other image is scored once."""
+    local_ray.write_text("always")
+    try:
+        summary = distributed.score(small_model, [str(score_inputs)], str(tmp_path),
+                                    num_workers=2, write_pngs=False)
+    finally:
+        local_ray.unlink()
+    rows = csv_rows(tmp_path)
+    assert len(rows) == len({r["path"] for r in rows}) == summary["images"] - 2
+    died = [f for f in summary["failures"] if "worker process died" in f]
+    assert len(died) == 1 and sorted(score_inputs.iterdir())[1].name in died[0]
+    assert summary["missing"] == [] and summary["failed"] == 2  # + the broken file
+
+
+@pytest.mark.slow
+def test_cli_fit_and_score_on_ray(local_ray, small_model, score_inputs, tmp_path, capsys):
+    from anomaly_hooks.cli import main
+
+    cfg = small_cfg(tmp_path, n_features=40, covariance="lowrank")
+    cfg_path = tmp_path / "cfg.yaml"
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(cfg, cfg_path)
+    assert main(["fit", "--config", str(cfg_path), "--output", str(tmp_path / "m.safetensors"),
+                 "--ray", "--workers", "2", "--quiet"]) == 0
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    fitted = Detector.load(tmp_path / "m.safetensors")
+    assert torch.equal(fitted.scorer_.gaussians.y, single.scorer_.gaussians.y)
+    assert main(["score", "--model", small_model, str(score_inputs), "--out",
+                 str(tmp_path / "out"), "--ray", "--workers", "2", "--no-images"]) == 1
+    assert "scored 14 image(s) on 2 Ray worker(s)" in capsys.readouterr().out
+    assert len(csv_rows(tmp_path / "out")) == 14
+
+
+@pytest.mark.slow
+def test_ray_score_parquet(local_ray, small_model, score_inputs, tmp_path):
+    import pyarrow.parquet as pq
+
+    summary = distributed.score(small_model, [str(score_inputs)], str(tmp_path), num_workers=1,
+                                fmt="parquet", write_pngs=False)
+    table = pq.read_table(tmp_path / "results.parquet")
+    assert table.column("idx").to_pylist() == list(range(summary["images"]))
+    assert summary["scored"] == summary["images"] - 1
+    assert "zz_broken" in json.loads((tmp_path / "failures.json").read_text())[0]
+
+
+# -- two nodes ------------------------------------------------------------------------------
+@pytest.mark.slow
+@needs_ray
+def test_two_node_cluster_fit_and_score(small_model, score_inputs, tmp_path):
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.add_node(num_cpus=1)
+    try:
+        ray.init(address=nodes.address, log_to_driver=False)
+        nodes.wait_for_nodes()
+        cfg = small_cfg(tmp_path / "fit", n_features=40, covariance="lowrank")
+        dist = distributed.fit(cfg, num_workers=2)
+        single = Detector(cfg).fit(cfg.data.train, progress=False)
+        assert torch.equal(dist.scorer_.gaussians.y, single.scorer_.gaussians.y)
+        summary = distributed.score(small_model, [str(score_inputs)], str(tmp_path / "ray"),
+                                    num_workers=2, write_pngs=False)
+        assert summary["scored"] == summary["images"] - 1 and summary["missing"] == []
+        assert len(summary["pids"]) == 2
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def test_unmergeable_scorer_is_a_fit_error():
+    from anomaly_hooks.scorers.base import Scorer
+
+    class Plain(Scorer):  # a third-party scorer without partial states
+        method = "plain"
+        memory_parts = create = from_state = partial_fit = finalize = score = None
+        method_state = None
+
+    Plain.__abstractmethods__ = frozenset()
+    with pytest.raises(FitError, match="plain has no mergeable fit state"):
+        Plain(None).begin_shard(10, 5)
