@@ -20,7 +20,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
 from anomaly_hooks.images import display, is_folder, is_image_file
@@ -47,6 +47,8 @@ def _score_parser(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--no-images", action="store_true", help="only the CSV and JSON")
     p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--no-drift", action="store_true",
+                   help="do not run the drift monitor over the scored images")
 
 
 def _layers_parser(sub) -> None:
@@ -261,6 +263,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
     rows, used = [], set()
+    monitor = _score_monitor(det, args.no_drift)
     start = time.perf_counter()
     for i, pred in det.iter_predict(paths, batch_size=args.batch_size):
         path = paths[i]
@@ -276,14 +279,29 @@ def cmd_score(args: argparse.Namespace) -> int:
                                      det.cfg.data.max_pixels))
         rows.append(row)
         del pred
-    _write_results(out, rows, failures, args.model)
+    _write_results(out, rows, failures, args.model,
+                   None if monitor is None else monitor.status())
     seconds = time.perf_counter() - start
     n_anom = sum(r["is_anomalous"] for r in rows)
     print(f"scored {len(rows)} image(s) in {seconds:.1f} s "
           f"({1000 * seconds / max(len(rows), 1):.0f} ms/image incl. writing PNGs): {n_anom} "
           f"anomalous, {len(rows) - n_anom} normal; {len(failures)} failed. Results in "
           f"{display(out)}/results.csv and {display(out)}/results.json")
+    if monitor is not None:  # over the images in the order scored (folders sorted by name)
+        print(monitor.summary())
     return 1 if failures else 0
+
+
+def _score_monitor(det: Any, disabled: bool) -> Any:
+    """The drift monitor ``score`` attaches (None with ``--no-drift``, or, with a note, for
+    a model file that has no drift reference)."""
+    if disabled:
+        return None
+    if det.drift_reference_ is None:
+        print("drift: not monitored (the model file has no drift reference; refit it to "
+              "monitor drift)")
+        return None
+    return det.drift_monitor()
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -313,7 +331,8 @@ def _atomic_text(path: Path, write) -> None:
         raise
 
 
-def _write_results(out: Path, rows: List[dict], failures: List[str], model: str) -> None:
+def _write_results(out: Path, rows: List[dict], failures: List[str], model: str,
+                   drift: Optional[dict] = None) -> None:
     fields = ["path", "score", "normalized_score", "is_anomalous", "threshold",
               "anomalous_pixels", "heatmap", "overlay", "mask"]
 
@@ -323,8 +342,10 @@ def _write_results(out: Path, rows: List[dict], failures: List[str], model: str)
         writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
 
     _atomic_text(out / "results.csv", write_csv)
-    _atomic_text(out / "results.json", lambda fh: json.dump(
-        {"model": display(model), "results": rows, "failures": failures}, fh, indent=2))
+    doc = {"model": display(model), "results": rows, "failures": failures}
+    if drift is not None:
+        doc["drift"] = drift
+    _atomic_text(out / "results.json", lambda fh: json.dump(doc, fh, indent=2))
 
 
 def _evaluate_parser(sub) -> None:
