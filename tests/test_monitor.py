@@ -474,3 +474,38 @@ def test_score_prints_a_drift_summary(monitored, tmp_path, capsys):
                  "--no-images", "--no-drift"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("scored 16 image(s)")
     assert "drift" not in json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_injected_drift_on_the_sample_data_raises_the_alarm_within_a_window(device):
+    """Fitted on data/sample/train/good; its 12 held-out test/good images raise no alarm,
+    then the same images darkened by 20 %, brightened by 20 % or blurred (sigma 2 px at the
+    256 px sensor) raise it within one window (8 images)."""
+    from PIL import Image, ImageFilter
+
+    from anomaly_hooks import Detector
+
+    sample = ROOT / "data" / "sample"
+    cfg = {"method": "padim", "seed": 0, "device": str(device),
+           "backbone": {"name": "resnet18", "weights": None},
+           "preprocess": {"resize": 80, "crop": 72}, "padim": {"n_features": 40},
+           "threshold": {"holdout_fraction": 0.25}, "data": {"batch_size": 8, "num_workers": 0},
+           "monitor": {"window": 8}}
+    det = Detector.from_config(cfg).fit(sample / "train" / "good", progress=False)
+    assert det.drift_reference_.window == 8
+    good = [np.asarray(Image.open(p).convert("RGB"))
+            for p in sorted((sample / "test" / "good").glob("*.png"))]
+    drifts = {
+        "darker": [np.clip(g * 0.8, 0, 255).astype(np.uint8) for g in good],
+        "brighter": [np.clip(g * 1.2, 0, 255).astype(np.uint8) for g in good],
+        "blur": [np.asarray(Image.fromarray(g).filter(ImageFilter.GaussianBlur(2)))
+                 for g in good],
+    }
+    for name, drifted in drifts.items():
+        mon = det.drift_monitor()
+        det.predict(good)
+        assert mon.status()["alarm_episodes"] == 0, (name, mon.summary())
+        det.predict(drifted)
+        st = mon.status()
+        assert st["alarm"] and len(good) < st["first_alarm_image"] <= len(good) + 8, \
+            (name, mon.summary())
