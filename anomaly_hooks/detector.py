@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
-ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray, torch.Tensor)  # else: a sequence
+ONE_IMAGE = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray,
+             torch.Tensor)  # else: a sequence
 
 
 def resolve_layer_names(cfg: DictConfig) -> List[str]:
