@@ -30,7 +30,7 @@ from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_p
 from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
                                    synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
-from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
+from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo, channel_means
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError
 from anomaly_hooks.modelfile import load_model, save_model
@@ -275,18 +275,24 @@ class Detector:
         return scores
 
     # -- inference ------------------------------------------------------------------------
-    def _embed(self, scorer: Scorer, images: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings."""
+    def _embed(self, scorer: Scorer, images: torch.Tensor,
+               taps: Optional[Dict[str, np.ndarray]] = None) -> torch.Tensor:
+        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings; ``taps``, if
+        given, receives each tapped layer's per-image channel means ``[B, C_l]``."""
         with torch.inference_mode():
-            return scorer.embedder(self.extractor(images))
+            features = self.extractor(images)
+            if taps is not None:
+                taps.update(channel_means(features))
+            return scorer.embedder(features)
 
-    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None
+    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None, *,
+               taps: Optional[Dict[str, np.ndarray]] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
-        input size."""
+        input size (``taps``: see :meth:`_embed`)."""
         scorer = scorer if scorer is not None else self.scorer_
         with torch.inference_mode(), ieee_float32():
-            emb = self._embed(scorer, images)
+            emb = self._embed(scorer, images, taps)
             patch = scorer.score(emb)
             maps = anomaly_maps(patch, self.preprocessor.input_size)
             scores = scorer.image_scores(emb, patch, maps)

@@ -71,9 +71,9 @@ def hold_inference(service):
     engine = service.engine
     original = engine.infer
 
-    def held(tensors):
+    def held(tensors, **kw):
         event.wait(60)
-        return original(tensors)
+        return original(tensors, **kw)
 
     engine.infer = held
     return event
@@ -285,6 +285,18 @@ def test_drift_endpoint(api, models, tmp_path):
     client.post("/v1/predict", content=good_png(12))
     status = client.get("/v1/drift").json()
     assert status["enabled"] is True and status["state"] == "ok" and status["observed"] >= 1
+    # the monitor sees each tapped layer's per-image channel means from the same forward pass
+    monitor = service.monitor.monitor
+    batch = monitor.batches[-1]
+    det = service.engine.detector
+    assert list(batch.features) == det.layers
+    for info in det.layer_info:
+        means = batch.features[info.name]
+        assert means.dtype == np.float32 and means.shape == (len(batch.scores), info.channels)
+    reference = det.extractor(batch.inputs)  # a second forward pass, only in the test
+    for name, feat in reference.items():
+        np.testing.assert_allclose(batch.features[name], feat.mean(dim=(2, 3)).numpy(),
+                                   rtol=1e-5, atol=1e-6)
     with serving(models["good"], tmp_path) as (plain, _):
         assert plain.get("/v1/drift").json() == {"enabled": False}
         assert "anomaly_hooks_drift_enabled 0.0" in plain.get("/metrics").text

@@ -88,6 +88,24 @@ def test_engine_matches_detector_predict(engine, fitted):
     assert expected[1].is_anomalous and not expected[0].is_anomalous
 
 
+def test_engine_taps_channel_means_without_changing_scores(engine, fitted):
+    """The drift seam's features: each tapped layer's channel means from the scoring pass,
+    equal to a separate forward pass's (brute force); the scores are the same with or
+    without them."""
+    tensors = [engine.prepare(encode(img), 10**8, 64).tensor
+               for img in textured_images(3, seed=21)]
+    features = {}
+    scores, _ = engine.infer(tensors, features=features)
+    plain, _ = engine.infer(tensors)
+    np.testing.assert_array_equal(scores, plain)
+    reference = fitted.extractor(torch.stack(tensors))
+    assert list(features) == list(reference) == fitted.layers
+    for name, feat in reference.items():
+        assert features[name].dtype == np.float32 and features[name].shape == feat.shape[:2]
+        np.testing.assert_allclose(features[name], feat.double().mean(dim=(2, 3)).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_engine_overlay_is_capped_and_rendered_only_when_asked(engine):
     item = engine.prepare(encode(textured_images(1, size=(300, 200))[0]), 10**8, 100)
     assert item.preview.shape == (100, 67, 3)

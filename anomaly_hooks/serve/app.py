@@ -129,7 +129,8 @@ class Service:
             self.store = self._store_given or SQLiteResultStore(root / "results.sqlite")
             self.files = ImageFiles(root) if s.results_dir else None
             self.recorder = Recorder(self.store)
-        self.batcher = Batcher(max_batch=s.max_batch, max_wait_s=None if s.max_wait_ms is None else s.max_wait_ms / 1000.0,
+        wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
+        self.batcher = Batcher(max_batch=s.max_batch, max_wait_s=wait_s,
                                max_queue=s.max_queue, executor=self.model_thread,
                                on_batch=self._on_batch)
         self.batcher.start()
@@ -187,6 +188,8 @@ class Service:
             if self.on_fatal is not None:
                 self.on_fatal(self.load_error)
             return
+        if self.batcher is not None:  # the layers' channel means go to the monitor
+            self.batcher.collect_features = self.monitor is not None
         if self.engine is None:  # a reload that finished first wins
             self.engine = engine
             log.info("serving %s (%s, loaded and warm in %.1f s)", engine.model_id, engine.path,
@@ -269,13 +272,15 @@ class Service:
         self._tasks.append(self.loop.create_task(run(), name="sighup-reload"))
 
     # -- batches ---------------------------------------------------------------------------
-    def _on_batch(self, engine: Engine, jobs: list, scores: Any, info: Any) -> None:
+    def _on_batch(self, engine: Engine, jobs: list, scores: Any, info: Any,
+                  features: Optional[Dict[str, Any]] = None) -> None:
         self.metrics.batch_size.observe(info.size)
         self.metrics.batch_seconds.observe(info.seconds)
         if self.monitor is not None:
             tensors = [j.tensor for j in jobs]
             now = time.time()
-            if not self.monitor.offer(lambda: observed_batch(engine, tensors, scores, now)):
+            if not self.monitor.offer(
+                    lambda: observed_batch(engine, tensors, scores, now, features)):
                 self.metrics.drift_dropped.inc()
 
     # -- predictions -----------------------------------------------------------------------

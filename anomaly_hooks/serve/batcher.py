@@ -23,13 +23,14 @@ with Retry-After before its body is read.
 from __future__ import annotations
 
 import asyncio
+import functools
 import collections
 import logging
 import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from anomaly_hooks.serve.errors import ServeError, overloaded
 
@@ -81,13 +82,16 @@ class Batcher:
 
     def __init__(self, *, max_batch: int, max_wait_s: Optional[float], max_queue: int,
                  executor: Executor,
-                 on_batch: Optional[Callable[[Any, List[Job], Any, BatchInfo], None]] = None
+                 on_batch: Optional[Callable[[Any, List[Job], Any, BatchInfo,
+                                             Optional[Dict[str, Any]]], None]] = None,
+                 collect_features: bool = False
                  ) -> None:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.executor = executor
         self.on_batch = on_batch
+        self.collect_features = collect_features
         self._items: Deque[Job] = collections.deque()
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -201,9 +205,13 @@ class Batcher:
             engine = batch[0].engine
             self.running = len(batch)
             started = time.perf_counter()
+            # the layers' channel means only when someone (a drift monitor) reads them
+            features: Optional[Dict[str, Any]] = {} if self.collect_features else None
+            infer = engine.infer if features is None else functools.partial(
+                engine.infer, features=features)
             try:
                 scores, maps = await loop.run_in_executor(
-                    self.executor, engine.infer, [j.tensor for j in batch])
+                    self.executor, infer, [j.tensor for j in batch])
             except asyncio.CancelledError:
                 for job in batch:
                     if not job.future.done():
@@ -232,6 +240,6 @@ class Batcher:
                     job.future.set_result((float(scores[i]), maps[i], info))
             if self.on_batch is not None:
                 try:
-                    self.on_batch(engine, batch, scores, info)
+                    self.on_batch(engine, batch, scores, info, features)
                 except Exception:  # metrics/monitor must never stop the batcher
                     log.exception("batch callback failed")

@@ -173,12 +173,19 @@ class Engine:
         return PreparedImage(tensor, width, height, fmt, prev,
                              (time.perf_counter() - start) * 1000)
 
-    def infer(self, tensors: List[Any]) -> Tuple[np.ndarray, Any]:
-        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` of network inputs (the model thread)."""
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
+              ) -> Tuple[np.ndarray, Any]:
+        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` of network inputs (the model thread).
+
+        Args:
+            features: if given, receives each tapped layer's per-image channel means
+                ``[B, C_l]`` float32, read by the same forward hooks that feed the scorer (for
+                a drift monitor; no second forward pass).
+        """
         import torch
 
         batch = torch.stack(tensors)
-        scores, maps = self.detector._infer(batch.to(self.detector.device))
+        scores, maps = self.detector._infer(batch.to(self.detector.device), taps=features)
         return scores.numpy().astype(np.float64), maps.float().cpu()
 
     def finish(self, score: float, heat: Any, item: PreparedImage, *, overlay: bool,

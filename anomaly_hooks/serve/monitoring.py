@@ -44,6 +44,9 @@ class ObservedBatch:
         model_id: that model's id (changes on reload).
         mean, std: the preprocessing's normalisation.
         timestamp: Unix seconds when the batch finished.
+        features: per tapped layer, each image's channel means ``{layer: [B, C_l]}`` float32,
+            recorded by the scorer's own forward hooks in the same pass (no second forward);
+            None when the service was built without a monitor.
     """
 
     inputs: Any
@@ -55,6 +58,7 @@ class ObservedBatch:
     mean: Tuple[float, float, float]
     std: Tuple[float, float, float]
     timestamp: float
+    features: Optional[Dict[str, np.ndarray]] = None
 
 
 @runtime_checkable
@@ -141,8 +145,9 @@ def numeric_leaves(data: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:
             yield prefix, value
 
 
-def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: float
-                   ) -> ObservedBatch:
+def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: float,
+                   features: Optional[Dict[str, np.ndarray]] = None) -> ObservedBatch:
+    """The :class:`ObservedBatch` of one inference batch (built on the monitor's thread)."""
     import torch
 
     inputs = torch.stack(list(tensors))
@@ -152,7 +157,8 @@ def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: flo
     return ObservedBatch(inputs=inputs, scores=np.asarray(scores, dtype=np.float64),
                          normalized_scores=norm, is_anomalous=np.asarray(scores) > thr.value,
                          threshold=float(thr.value), model_id=engine.model_id,
-                         mean=tuple(pre.mean), std=tuple(pre.std), timestamp=timestamp)
+                         mean=tuple(pre.mean), std=tuple(pre.std), timestamp=timestamp,
+                         features=features)
 
 
 def optional_monitor(spec: Optional[str], detector: Any) -> Optional[MonitorRunner]:
