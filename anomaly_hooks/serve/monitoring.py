@@ -14,6 +14,11 @@ A monitor is any object with
 It is built by a factory ``module:callable`` (``anomaly-hooks serve --monitor module:callable``)
 that the service calls with the loaded ``Detector``. Without one, ``/v1/drift`` says
 ``{"enabled": false}``.
+
+Each :class:`ObservedBatch` carries, besides the inputs and scores, ``features``: each tapped
+layer's per-image channel means ``{layer: [B, C_l]}``, taken by the scorer's own forward hooks in
+the scoring pass (collected only while a monitor is configured). This interface is what a
+monitor may rely on: fields are only ever added.
 """
 from __future__ import annotations
 
