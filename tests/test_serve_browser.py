@@ -39,8 +39,14 @@ def chromium_or_skip() -> str:
     return exe
 
 
-def test_operator_page_upload_verdict_overlay_screenshot(fitted, tmp_path):
-    exe = chromium_or_skip()
+@pytest.fixture(scope="session")  # session: set up before the session-scoped model fixture
+def chromium() -> str:
+    """The browser's path, or a skip with the reason (before the model fixture is built)."""
+    return chromium_or_skip()
+
+
+def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_path):
+    exe = chromium
     from playwright.sync_api import sync_playwright
 
     model = save_model_variant(fitted, tmp_path / "model.safetensors")
