@@ -519,6 +519,7 @@ def main(argv=None) -> int:
     if not paths:
         raise SystemExit(f"no images under {args.images}")
     bodies = [(p.name, p.read_bytes(), 200) for p in paths]
+    load_start = os.getloadavg()  # a shared machine: the figures need the load beside them
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         extra = list(args.server_arg)
         if args.soak:
@@ -534,7 +535,10 @@ def main(argv=None) -> int:
             server.stop()
     result["model"] = args.model
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    result["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
     (print_soak if args.soak else print_load)(result)
+    print(f"  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()} "
+          f"on {os.cpu_count()} CPUs")
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"written {args.out}")
     ok = all(result["targets"].values())

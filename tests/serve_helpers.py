@@ -159,6 +159,20 @@ def save_model_variant(det, path: Path, threshold_factor: float = 1.0) -> Path:
     return Path(path)
 
 
+def model_variants(det, root: Path) -> Dict[str, Path]:
+    """The model files the service tests load: ``good``, ``strict`` (threshold x3: another
+    file), ``damaged`` (64 bytes of tensor data zeroed: the checksum fails) and ``text``."""
+    good = save_model_variant(det, root / "model.safetensors")
+    strict = save_model_variant(det, root / "strict.safetensors", threshold_factor=3.0)
+    damaged = root / "damaged.safetensors"
+    raw = bytearray(good.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x00" * 64
+    damaged.write_bytes(bytes(raw))
+    text = root / "notes.txt"
+    text.write_text("not a model")
+    return {"good": good, "strict": strict, "damaged": damaged, "text": text}
+
+
 # ---- a real server --------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

@@ -23,23 +23,14 @@ from fastapi.testclient import TestClient  # noqa: E402
 from anomaly_hooks.serve import ServeSettings, create_app  # noqa: E402
 from conftest import textured_images, with_defect  # noqa: E402
 from serve_helpers import (StandInMonitor, defect_png, encode, good_png,  # noqa: E402
-                           hostile_payloads, save_model_variant)
+                           hostile_payloads, model_variants)
 
 TOKEN = "s3cret-token-for-tests"
 
 
 @pytest.fixture(scope="module")
 def models(fitted, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_models")
-    good = save_model_variant(fitted, root / "model.safetensors")
-    strict = save_model_variant(fitted, root / "strict.safetensors", threshold_factor=3.0)
-    damaged = root / "damaged.safetensors"
-    raw = bytearray(good.read_bytes())
-    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x00" * 64
-    damaged.write_bytes(bytes(raw))
-    text = root / "notes.txt"
-    text.write_text("not a model")
-    return {"good": good, "strict": strict, "damaged": damaged, "text": text}
+    return model_variants(fitted, tmp_path_factory.mktemp("serve_models"))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
 from conftest import ROOT  # noqa: E402
 from serve_helpers import (ServerProcess, defect_png, good_png,  # noqa: E402
-                           hostile_payloads, save_model_variant)
+                           hostile_payloads, model_variants)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 TESTS = str(Path(__file__).resolve().parent)
@@ -29,14 +29,7 @@ TESTS = str(Path(__file__).resolve().parent)
 
 @pytest.fixture(scope="module")
 def model_files(fitted, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_proc_models")
-    good = save_model_variant(fitted, root / "model.safetensors")
-    strict = save_model_variant(fitted, root / "strict.safetensors", threshold_factor=3.0)
-    damaged = root / "damaged.safetensors"
-    raw = bytearray(good.read_bytes())
-    raw[-100:] = b"\x01" * 100
-    damaged.write_bytes(bytes(raw))
-    return {"good": good, "strict": strict, "damaged": damaged}
+    return model_variants(fitted, tmp_path_factory.mktemp("serve_proc_models"))
 
 
 def _load(url: str, stop: threading.Event, out: list, errors: list, seed: int) -> None:
