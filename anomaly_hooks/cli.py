@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers ...`` (also
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|serve ...`` (also
 ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
@@ -401,7 +401,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers}
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The HTTP inspection service (anomaly_hooks.serve, extra [serve])."""
+    from anomaly_hooks.serve.cli import run
+
+    return run(args)
+
+
+COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
+            "serve": cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     _score_parser(sub)
     _evaluate_parser(sub)
     _layers_parser(sub)
+    from anomaly_hooks.serve.cli import add_parser as _serve_parser  # argparse only: light
+
+    _serve_parser(sub)
     return parser
 
 

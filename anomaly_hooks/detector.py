@@ -30,7 +30,7 @@ from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_p
 from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
                                    synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
-from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
+from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo, channel_means
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError
 from anomaly_hooks.modelfile import load_model, save_model
@@ -47,9 +47,20 @@ log = logging.getLogger(__name__)
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
 SEED_DRIFT = 3
-ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray, torch.Tensor)  # else: a sequence
+ONE_IMAGE = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray,
+             torch.Tensor)  # else: a sequence
 # sees a batch's layer outputs {layer: [B, C, h, w]} and its network input [B, 3, h, w]
 Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor], None]
+
+
+def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Observer:
+    """An observer that puts each layer's per-image channel means into ``taps`` (and calls
+    ``then``, if any)."""
+    def observe(features: Dict[str, torch.Tensor], images: torch.Tensor) -> None:
+        taps.update(channel_means(features))
+        if then is not None:
+            then(features, images)
+    return observe
 
 
 def resolve_layer_names(cfg: DictConfig) -> List[str]:
@@ -304,14 +315,19 @@ class Detector:
             return scorer.embedder(features)
 
     def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None,
-               observe: Optional[Observer] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               observe: Optional[Observer] = None, *,
+               taps: Optional[Dict[str, np.ndarray]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
         input size. Without ``observe`` (fit passes its own), an attached :attr:`monitor` gets
-        the batch's drift statistics and scores."""
+        the batch's drift statistics and scores. ``taps`` (the service's view), if given,
+        receives each tapped layer's per-image channel means ``[B, C_l]``."""
         scorer = scorer if scorer is not None else self.scorer_
         pending = self.monitor.batch() if observe is None and self.monitor is not None else None
+        observe = observe or pending
+        if taps is not None:
+            observe = _taps_observer(taps, observe)
         with torch.inference_mode(), ieee_float32():
-            emb = self._embed(scorer, images, observe or pending)
+            emb = self._embed(scorer, images, observe)
             patch = scorer.score(emb)
             maps = anomaly_maps(patch, self.preprocessor.input_size)
             scores = scorer.image_scores(emb, patch, maps).float().cpu()
