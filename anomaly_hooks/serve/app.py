@@ -46,7 +46,7 @@ from anomaly_hooks.serve.errors import ServeError, code_for_status, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.middleware import (AuthMiddleware, BodyLimitMiddleware,
                                             RequestMetricsMiddleware)
-from anomaly_hooks.serve.monitoring import MonitorRunner, load_factory, observed_batch
+from anomaly_hooks.serve.monitoring import MonitorRunner, observed_batch, optional_monitor
 from anomaly_hooks.serve.results import (PICTURES, ImageFiles, Record, Recorder, ResultStore,
                                          SQLiteResultStore, csv_lines, iso_time)
 from anomaly_hooks.serve.settings import ServeSettings
@@ -178,10 +178,9 @@ class Service:
         try:
             if self._monitor_object is not None:
                 self.monitor = MonitorRunner(self._monitor_object)
-            elif s.monitor:
-                factory = load_factory(s.monitor)
-                self.monitor = MonitorRunner(
-                    await self.loop.run_in_executor(self.aux, factory, engine.detector))
+            elif s.monitor and s.monitor != "none":
+                self.monitor = await self.loop.run_in_executor(
+                    self.aux, optional_monitor, s.monitor, engine.detector)
         except Exception as exc:
             self.load_error = f"drift monitor: {_message(exc)}"
             log.error("%s", self.load_error)

@@ -61,8 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"long side of overlays and masks (default {d['overlay_max_side']})")
     r.add_argument("--retention-days", type=float, help="delete results older than this")
     r.add_argument("--retention-count", type=int, help="keep only the newest N results")
-    p.add_argument("--monitor", help="drift monitor factory, module:callable (called with the "
-                   "loaded Detector)")
+    p.add_argument("--monitor", default="auto",
+                   help="drift monitor factory, module:callable (called with the loaded "
+                   "Detector); auto (default): anomaly_hooks.monitor when the model file has a "
+                   "drift reference; none: no monitor")
     p.add_argument("--no-sighup", action="store_true", help="do not reload the model on SIGHUP")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not Path(settings.model).is_file():
         raise FileNotFoundError(f"{settings.model}: model file not found")
-    if settings.monitor:
+    if settings.monitor and settings.monitor != "none":
         from anomaly_hooks.serve.monitoring import load_factory
         load_factory(settings.monitor)  # fail now, not after the model has loaded
     log = logging.getLogger("anomaly_hooks.serve")

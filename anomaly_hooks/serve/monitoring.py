@@ -73,8 +73,13 @@ class DriftMonitor(Protocol):
     def status(self) -> Dict[str, Any]: ...
 
 
+AUTO_FACTORY = "anomaly_hooks.monitor.service:build_auto"  # None for a model without reference
+
+
 def load_factory(spec: str):
-    """``module:callable`` -> the callable (raises ConfigError with a clear message)."""
+    """``module:callable`` (or ``auto``: :data:`AUTO_FACTORY`) -> the callable (raises
+    ConfigError with a clear message). A factory may return None: no monitor."""
+    spec = AUTO_FACTORY if spec == "auto" else spec
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"--monitor {spec!r}: give module:callable, e.g. "
@@ -169,4 +174,5 @@ def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: flo
 def optional_monitor(spec: Optional[str], detector: Any) -> Optional[MonitorRunner]:
     if not spec or spec == "none":
         return None
-    return MonitorRunner(load_factory(spec)(detector))
+    monitor = load_factory(spec)(detector)
+    return MonitorRunner(monitor) if monitor is not None else None
