@@ -6,9 +6,13 @@
   out-of-sample good scores, and alarm thresholds calibrated by leave-window-out at a stated
   false-alarm probability per window; stored in the model file (float32 tensors + JSON);
 * :class:`DriftMonitor` -- serving time: sliding window of the last ``W`` images, drift
-  statistics per block, ``status()`` for ``/v1/drift``, ``prometheus()`` gauges.
+  statistics per block, ``status()`` for ``/v1/drift``, ``prometheus()`` gauges;
+  ``Detector.drift_monitor()`` attaches one to a detector (every predict feeds it through the
+  hooks), ``DriftMonitor.from_detector(det)`` makes one to feed yourself;
+* ``fitting`` -- the detector's seam (collector at fit, state at save / load);
+* ``service`` -- the inspection service's monitor (``anomaly-hooks serve --monitor auto``).
 
-numpy only (no torch import): works with the torch-free runtime too, on the input and score
+numpy only (no torch import): usable without the detector or the server, e.g. on the input and score
 blocks when the layer outputs are not available.
 """
 from anomaly_hooks.monitor.monitor import DriftMonitor
