@@ -447,6 +447,20 @@ def test_fit_without_monitor(small_cfg, tmp_path):
     assert back.drift_reference_ is None
 
 
+def test_a_tiny_fit_still_works_without_a_reference(small_cfg, caplog):
+    """Three good images fit a PaDiM model as before; the drift reference needs four, so the
+    model has none (with a warning) instead of the fit failing."""
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**small_cfg, "threshold": {"holdout_fraction": 0.34}})
+    with caplog.at_level("WARNING"):
+        det.fit(textured_images(3), progress=False)
+    assert det.is_fitted and det.drift_reference_ is None
+    assert "no drift reference: 3 good image(s) are too few (4 at least)" in caplog.text
+
+
 def test_score_prints_a_drift_summary(monitored, tmp_path, capsys):
     from conftest import textured_images
 

@@ -2,12 +2,15 @@
 drift monitor, so that detector.py holds no drift logic (numpy only)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from anomaly_hooks.monitor.reference import STATE_PREFIX, DriftReference
+from anomaly_hooks.monitor.reference import MIN_REFERENCE_IMAGES, DriftReference
 from anomaly_hooks.monitor.stats import StatisticsCollector
+
+log = logging.getLogger(__name__)
 
 META_KEY = "drift"  # the model file's metadata key of the reference (absent: no reference)
 NO_REFERENCE = ("this model has no drift reference (saved before drift monitoring existed, or "
@@ -29,6 +32,10 @@ def fit_reference(collector: Optional[StatisticsCollector], good_scores: Sequenc
     """The calibrated reference from what ``collector`` saw and the out-of-sample good scores
     (the threshold images'), or None without a collector."""
     if collector is None:
+        return None
+    if collector.n_seen < MIN_REFERENCE_IMAGES:  # a tiny fit still works, without a monitor
+        log.warning("no drift reference: %d good image(s) are too few (%d at least); this "
+                    "model will have no drift monitor", collector.n_seen, MIN_REFERENCE_IMAGES)
         return None
     return DriftReference.fit(collector.vectors(), np.asarray(good_scores, dtype=np.float64),
                               window=mon_cfg.window, alpha=mon_cfg.alpha,

@@ -42,6 +42,7 @@ from anomaly_hooks.errors import ConfigError, FitError, ModelFileError
 SCORE_BLOCK = "score"
 STATE_PREFIX = "drift."
 MIN_IMAGES_PER_WINDOW = 2  # the reference needs at least 2 * window images (else W is lowered)
+MIN_REFERENCE_IMAGES = 4  # fewer good images than this: no reference at all
 
 
 def _safe_sd(sd: np.ndarray) -> np.ndarray:
@@ -246,8 +247,9 @@ class DriftReference:
         w = int(window)
         if n < MIN_IMAGES_PER_WINDOW * w:
             w = max(2, n // MIN_IMAGES_PER_WINDOW)
-        if n < 4:
-            raise FitError(f"{n} good images are too few for a drift reference (4 at least)")
+        if n < MIN_REFERENCE_IMAGES:
+            raise FitError(f"{n} good images are too few for a drift reference "
+                           f"({MIN_REFERENCE_IMAGES} at least)")
         rng = np.random.default_rng(seed)
         has_score = good_scores is not None and len(good_scores) >= 3
         a_score = alpha * score_share if has_score else 0.0
