@@ -237,7 +237,8 @@ class Detector:
         return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
 
     def _accumulate(self, scorer: Scorer, train: List[Any], held: List[Any], progress: bool,
-                    observe: Optional[Observer] = None) -> tuple[int, List[str], List[torch.Tensor], Dict[str, float]]:
+                    observe: Optional[Observer] = None
+                    ) -> tuple[int, List[str], List[torch.Tensor], Dict[str, float]]:
         """Feed the ``train`` items to the scorer, in one pass that also decodes the threshold
         images ``held`` (kept preprocessed, ``[b, 3, h, w]`` per batch, to be scored once the
         model is fitted: their decoding overlaps the training compute). Unreadable images of
