@@ -42,7 +42,8 @@ def _observed(det, images, model_id="m1"):
     from anomaly_hooks.data import load_preprocessed
     from anomaly_hooks.serve.monitoring import ObservedBatch
 
-    inputs = torch.stack([load_preprocessed(i, det.preprocessor, det.cfg.data.max_pixels)[0] for i in images])
+    inputs = torch.stack([load_preprocessed(i, det.preprocessor, det.cfg.data.max_pixels)[0]
+                          for i in images])
     features: dict = {}
     scores = det._infer(inputs, taps=features)[0].numpy()
     pre = det.preprocessor
