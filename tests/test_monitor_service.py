@@ -9,22 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from conftest import textured_images  # noqa: E402
+from conftest import textured_images
+from test_monitor import monitored  # noqa: F401  (the fitted detector with a reference)
 
 from anomaly_hooks.errors import NotFittedError
 from anomaly_hooks.monitor.service import ServiceMonitor, build, build_auto
-
-MONITOR_CFG = {"window": 4, "alpha": 0.05, "calibration_windows": 1000, "min_shift": 1.0}
-
-
-@pytest.fixture(scope="module")
-def model(small_cfg, tmp_path_factory):
-    """A detector fitted with a drift reference (windows of 4 images) and its file."""
-    from anomaly_hooks import Detector
-
-    det = Detector.from_config({**small_cfg, "monitor": MONITOR_CFG})
-    det.fit(textured_images(24), progress=False)
-    return det, det.save(tmp_path_factory.mktemp("drift_serve") / "m.safetensors")
 
 
 def _png(img: np.ndarray) -> bytes:
@@ -53,14 +42,15 @@ def _observed(det, images, model_id="m1"):
                          std=pre.std, timestamp=time.time(), features=features)
 
 
-def test_service_monitor_sees_what_the_detector_monitor_sees(model):
+def test_service_monitor_sees_what_the_detector_monitor_sees(monitored):
     """observe(ObservedBatch) gives the same statistics as the detector's own monitor seam
     (the service's layer channel means are the reference's layer statistics)."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
-    det, _ = model
+    det, _ = monitored
     good = textured_images(6, seed=5)
     dark = [(g * 0.5).astype(np.uint8) for g in good]
     svc = build(det)
+    assert isinstance(svc, ServiceMonitor)
     assert svc.status()["state"] == "warming up"
     own = det.drift_monitor()
     for batch in (good, dark):
@@ -85,14 +75,14 @@ def test_factories_without_a_reference(small_cfg):
         build(det)
 
 
-def test_injected_drift_shows_in_v1_drift_of_a_real_server(model, tmp_path):
+def test_injected_drift_shows_in_v1_drift_of_a_real_server(monitored, tmp_path):
     """``anomaly-hooks serve`` with its default ``--monitor auto``: good images keep the
     status ``ok``, a batch of darkened images (lighting drift) turns it to ``drift``."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
     httpx = pytest.importorskip("httpx", reason="httpx is not installed")
     from serve_helpers import ServerProcess
 
-    _, path = model
+    _, path = monitored
     good = textured_images(4, seed=7)
     dark = [(g * 0.5).astype(np.uint8) for g in textured_images(8, seed=8)]
 
