@@ -51,4 +51,5 @@ class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
 
 
 __all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "FitError",
-           "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError", "ResourceError"]
+           "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
+           "ResourceError"]

@@ -225,16 +225,14 @@ class HookFeatureExtractor:
             pass
 
 
-
 def channel_means(features: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
     """Per-image channel means of tapped features: ``{name: [B, C_l, h, w]}`` ->
     ``{name: [B, C_l]}`` float32 numpy on the host (a drift monitor's view of each layer; the
     mean costs one pass over maps the scorer reads anyway)."""
-    import numpy as np
-
     return {name: np.ascontiguousarray(feat.float().mean(dim=(2, 3)).cpu().numpy(),
                                        dtype=np.float32)
             for name, feat in features.items()}
+
 
 @dataclass(frozen=True)
 class LayerDescription:

@@ -460,11 +460,24 @@ def soak_test(args, server: Server, paths: List[Path]) -> dict:
         "rss_mib": {"second_minute_median": mib(base_rss), "last_minute_median": mib(last_rss),
                     "peak": mib(sampler.peak()), "growth_pct": 100 * (last_rss - base_rss) / base_rss},
         "rss_timeline_mib": [(round(t), round(mib(r))) for t, r in samples[:: max(1, len(samples) // 60)]],
+        # per minute: the floor (between batches: memory kept), median and peak (in flight)
+        "rss_per_minute_mib": per_minute(samples),
         "latency_s": {"p50": pct(res["lat"], 50), "p99": pct(res["lat"], 99)},
         "mix": by_kind, "unexpected": res["unexpected"][:20],
         "targets": {"rss_growth_lt_5pct": (last_rss - base_rss) / base_rss < 0.05,
                     "no_5xx": five_xx == 0, "zero_lost": lost == 0},
     }
+
+
+def per_minute(samples: List[Tuple[float, int]]) -> List[Tuple[int, float, float, float]]:
+    """(minute, min, median, max) RSS in MiB of each full minute of ``(seconds, bytes)``."""
+    out = []
+    for m in range(int(samples[-1][0] // 60) if samples else 0):
+        w = [r for t, r in samples if m * 60 <= t < (m + 1) * 60]
+        if w:
+            out.append((m + 1, round(mib(min(w))), round(mib(statistics.median(w))),
+                        round(mib(max(w)))))
+    return out
 
 
 def print_load(r: dict) -> None:
@@ -509,6 +522,8 @@ def print_soak(r: dict) -> None:
           f"transport errors {r['transport_errors']}, lost results {r['lost_results']}")
     print(f"  RSS (MiB): 2nd minute {rss['second_minute_median']:.0f}, last minute "
           f"{rss['last_minute_median']:.0f} ({rss['growth_pct']:+.2f} %), peak {rss['peak']:.0f}")
+    print("  per minute, min / median / max: " + "; ".join(
+        f"{m}: {a}/{b}/{c}" for m, a, b, c in r["rss_per_minute_mib"]))
     print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in r["targets"].items()))
 
 

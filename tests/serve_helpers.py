@@ -181,7 +181,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m anomaly_hooks.serve`` on a free loopback port, in its own process group."""
+    """``anomaly-hooks serve`` (the documented command, through ``python -m anomaly_hooks.cli``)
+    on a free loopback port, in its own process group."""
 
     def __init__(self, model: Path, workdir: Path, *args: str, env: Optional[dict] = None,
                  ready_timeout: float = 180.0) -> None:
@@ -192,7 +193,7 @@ class ServerProcess:
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "anomaly_hooks.serve", "--model", str(model),
+            [sys.executable, "-m", "anomaly_hooks.cli", "serve", "--model", str(model),
              "--port", str(self.port), *args],
             cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True)

@@ -80,12 +80,16 @@ def _assert_error(response, status, code):
 # ---- predictions ----------------------------------------------------------------------------
 def test_predict_raw_body(api, fitted):
     client, _ = api
-    r = client.post("/v1/predict?part_id=A-1", content=defect_png(),
+    upload = defect_png()
+    r = client.post("/v1/predict?part_id=A-1", content=upload,
                     headers={"Content-Type": "image/png"})
     assert r.status_code == 200, r.text
     body = r.json()
-    expected = fitted.predict(with_defect(textured_images(1, seed=100)[0]))
+    expected = fitted.predict(upload)  # the same bytes, in process: one Prediction
+    assert expected.score == pytest.approx(
+        fitted.predict(with_defect(textured_images(1, seed=100)[0])).score, rel=1e-6)
     assert body["score"] == pytest.approx(expected.score, rel=1e-5)
+    assert body["score"] == pytest.approx(float(fitted.decision_function(upload)[0]), rel=1e-5)
     assert body["is_anomalous"] is True and body["normalized_score"] > 0.5
     assert body["threshold"] == pytest.approx(fitted.threshold_.value)
     assert abs(body["anomalous_pixels"] - int(expected.mask.sum())) <= 10

@@ -367,3 +367,15 @@ def test_token_from_environment(monkeypatch):
     assert ServeSettings(model="m").token == "from-the-env"
     assert ServeSettings(model="m", token="explicit-token").token == "explicit-token"
     assert ServeSettings(model="m").public()["token"] == "set"
+
+
+def test_free_heap_is_given_back_without_error():
+    """The soak's RSS fix: malloc_trim through ctypes where glibc has it, a no-op elsewhere."""
+    import platform
+
+    from anomaly_hooks.serve import app
+
+    app._release_free_memory()
+    app._release_free_memory()  # loaded once, then reused
+    if platform.libc_ver()[0] == "glibc":
+        assert app._LIBC, "glibc's malloc_trim was not found"
