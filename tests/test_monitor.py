@@ -493,8 +493,9 @@ def test_score_prints_a_drift_summary(monitored, tmp_path, capsys):
 @pytest.mark.slow
 def test_injected_drift_on_the_sample_data_raises_the_alarm_within_a_window(device):
     """Fitted on data/sample/train/good; its 12 held-out test/good images raise no alarm,
-    then the same images darkened by 20 %, brightened by 20 % or blurred (sigma 2 px at the
-    256 px sensor) raise it within one window (8 images)."""
+    then the same images darkened by 20 %, brightened by 20 %, blurred (sigma 2 px at the
+    256 px sensor), at 70 % contrast or with noise (sigma 12 grey levels) raise it within one
+    window (8 images)."""
     from PIL import Image, ImageFilter
 
     from anomaly_hooks import Detector
@@ -509,11 +510,15 @@ def test_injected_drift_on_the_sample_data_raises_the_alarm_within_a_window(devi
     assert det.drift_reference_.window == 8
     good = [np.asarray(Image.open(p).convert("RGB"))
             for p in sorted((sample / "test" / "good").glob("*.png"))]
+    rng = np.random.default_rng(0)
     drifts = {
         "darker": [np.clip(g * 0.8, 0, 255).astype(np.uint8) for g in good],
         "brighter": [np.clip(g * 1.2, 0, 255).astype(np.uint8) for g in good],
         "blur": [np.asarray(Image.fromarray(g).filter(ImageFilter.GaussianBlur(2)))
                  for g in good],
+        "lower contrast": [(g.mean() + 0.7 * (g - g.mean())).astype(np.uint8) for g in good],
+        "noise": [np.clip(g + rng.normal(0, 12, g.shape), 0, 255).astype(np.uint8)
+                  for g in good],
     }
     for name, drifted in drifts.items():
         mon = det.drift_monitor()
