@@ -17,6 +17,7 @@ _EXPORTS = {
     "DataError": "anomaly_hooks.errors",
     "FitError": "anomaly_hooks.errors",
     "ImageReadError": "anomaly_hooks.errors",
+    "ImageTooLargeError": "anomaly_hooks.errors",
     "ModelFileError": "anomaly_hooks.errors",
     "NotFittedError": "anomaly_hooks.errors",
     "Prediction": "anomaly_hooks.prediction",

@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers ...`` (also
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|serve ...`` (also
 ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
@@ -16,7 +16,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
 from anomaly_hooks.images import display
@@ -46,6 +46,8 @@ def _score_parser(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--no-images", action="store_true", help="only the CSV and JSON")
     p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--no-drift", action="store_true",
+                   help="do not run the drift monitor over the scored images")
     _ray_options(p)
     p.add_argument("--format", choices=["csv", "parquet"], default="csv",
                    help="with --ray: results.csv + results.json (default) or results.parquet")
@@ -186,6 +188,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
     rows, used = [], set()
+    monitor = _score_monitor(det, args.no_drift)
     start = time.perf_counter()
     for i, pred in det.iter_predict(paths, batch_size=args.batch_size):
         path = paths[i]
@@ -201,13 +204,16 @@ def cmd_score(args: argparse.Namespace) -> int:
                                      det.cfg.data.max_pixels))
         rows.append(row)
         del pred
-    write_results(out, rows, failures, args.model)
+    write_results(out, rows, failures, args.model,
+                  None if monitor is None else monitor.status())
     seconds = time.perf_counter() - start
     n_anom = sum(r["is_anomalous"] for r in rows)
     print(f"scored {len(rows)} image(s) in {seconds:.1f} s "
           f"({1000 * seconds / max(len(rows), 1):.0f} ms/image incl. writing PNGs): {n_anom} "
           f"anomalous, {len(rows) - n_anom} normal; {len(failures)} failed. Results in "
           f"{display(out)}/results.csv and {display(out)}/results.json")
+    if monitor is not None:  # over the images in the order scored (folders sorted by name)
+        print(monitor.summary())
     return 1 if failures else 0
 
 
@@ -228,6 +234,18 @@ def _score_on_ray(args: argparse.Namespace, out: Path) -> int:
           f"{n - summary['anomalous']} normal; {summary['failed']} failed. Results in "
           f"{display(out)}")
     return 1 if summary["failed"] else 0
+
+
+def _score_monitor(det: Any, disabled: bool) -> Any:
+    """The drift monitor ``score`` attaches (None with ``--no-drift``, or, with a note, for
+    a model file that has no drift reference)."""
+    if disabled:
+        return None
+    if det.drift_reference_ is None:
+        print("drift: not monitored (the model file has no drift reference; refit it to "
+              "monitor drift)")
+        return None
+    return det.drift_monitor()
 
 
 def _evaluate_parser(sub) -> None:
@@ -283,7 +301,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers}
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The HTTP inspection service (anomaly_hooks.serve, extra [serve])."""
+    from anomaly_hooks.serve.cli import run
+
+    return run(args)
+
+
+COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
+            "serve": cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     _score_parser(sub)
     _evaluate_parser(sub)
     _layers_parser(sub)
+    from anomaly_hooks.serve.cli import add_parser as _serve_parser  # argparse only: light
+
+    _serve_parser(sub)
     return parser
 
 

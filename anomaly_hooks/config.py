@@ -27,6 +27,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from anomaly_hooks.choices import Choice, check, choices
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
+from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -99,6 +100,7 @@ class CoreConfig:
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
     data: DataConfig = field(default_factory=DataConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # drift reference
 
 
 @lru_cache(maxsize=1)
@@ -427,6 +429,7 @@ def validate_config(cfg: DictConfig) -> None:
               res.memory_limit_gb)
     check(0.0 < res.memory_fraction <= 1.0, "resources.memory_fraction", "0 < f <= 1",
           res.memory_fraction)
+    validate_monitor_config(cfg.monitor)
     for name, scorer in registered().items():
         scorer.validate_config(cfg[name])
 

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -30,10 +30,12 @@ from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_p
 from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
                                    synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
-from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
+from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo, channel_means
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError
 from anomaly_hooks.modelfile import load_model, save_model
+from anomaly_hooks.monitor import fitting as drift
+from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.resources import check_fit_memory
@@ -44,7 +46,21 @@ log = logging.getLogger(__name__)
 
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
-ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray, torch.Tensor)  # else: a sequence
+SEED_DRIFT = 3
+ONE_IMAGE = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray,
+             torch.Tensor)  # else: a sequence
+# sees a batch's layer outputs {layer: [B, C, h, w]} and its network input [B, 3, h, w]
+Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor], None]
+
+
+def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Observer:
+    """An observer that puts each layer's per-image channel means into ``taps`` (and calls
+    ``then``, if any)."""
+    def observe(features: Dict[str, torch.Tensor], images: torch.Tensor) -> None:
+        taps.update(channel_means(features))
+        if then is not None:
+            then(features, images)
+    return observe
 
 
 def resolve_layer_names(cfg: DictConfig) -> List[str]:
@@ -89,6 +105,8 @@ class Detector:
                                               precision=cfg.backbone.precision,
                                               channels_last=cfg.backbone.channels_last,
                                               copy_module=backbone is not None)
+        # drift monitor fed by every predict (see drift_monitor()); None = not monitored
+        self.monitor: Optional[DriftMonitor] = None
 
     def __getattr__(self, name: str) -> Any:
         # only reached for missing attributes: a fitted one (``threshold_``) before fit()
@@ -169,16 +187,22 @@ class Detector:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
+        # the drift reference's statistics come from the same forward passes (the hooks)
+        collector = drift.fit_collector(cfg.monitor, self.preprocessor.mean,
+                                        self.preprocessor.std, cfg.seed + SEED_DRIFT)
         with ieee_float32():
-            n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress)
+            n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress,
+                                                                  collector)
             timings = {"accumulate": lap(),
                        **{f"accumulate: {k}": v for k, v in split.items()}}
             scorer.finalize(progress=progress)
             timings["finalize"] = lap()
             timings.update({f"finalize: {k}": v
                             for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-            good_scores = self._score_images(scorer, held_images)
+            good_scores = self._score_images(scorer, held_images, collector)
             timings["threshold"] = lap()
+        reference = drift.fit_reference(collector, good_scores, cfg.monitor, cfg.seed + SEED_DRIFT)
+        timings["drift reference"] = lap()
         if self.device.type == "cuda":
             # the fit's temporaries (patch buffers, coreset distances) go back to the driver
             # rather than staying reserved by this process for predict, which needs far less
@@ -186,6 +210,8 @@ class Detector:
         threshold = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
                                                cfg.threshold.margin)
         self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
+        self.drift_reference_ = reference
+        self.monitor = None  # a monitor of the previous fit compares with its reference
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
                           "skipped": errors,
                           "threshold_source": cfg.threshold.folder or "holdout"}
@@ -210,14 +236,16 @@ class Detector:
         held_set = set(held)
         return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
 
-    def _accumulate(self, scorer: Scorer, train: List[Any], held: List[Any], progress: bool
+    def _accumulate(self, scorer: Scorer, train: List[Any], held: List[Any], progress: bool,
+                    observe: Optional[Observer] = None
                     ) -> tuple[int, List[str], List[torch.Tensor], Dict[str, float]]:
         """Feed the ``train`` items to the scorer, in one pass that also decodes the threshold
         images ``held`` (kept preprocessed, ``[b, 3, h, w]`` per batch, to be scored once the
         model is fitted: their decoding overlaps the training compute). Unreadable images of
         either kind are all listed in one error (``data.on_error=raise``) or skipped with a
         warning. Returns the training images used, the error messages, the threshold images
-        and the seconds spent waiting for images / on features / on the scorer's statistics."""
+        and the seconds spent waiting for images / on features / on the scorer's statistics.
+        ``observe`` sees every training batch (the drift reference's collector)."""
         data = self.cfg.data
         n_train = len(train)
         errors: Dict[str, List[str]] = {"training": [], "threshold": []}
@@ -239,7 +267,7 @@ class Detector:
             if k < len(batch.indices):  # a copy, so that a mixed batch is not kept whole
                 held_images.append(batch.images[k:].clone() if k else batch.images)
             if k:
-                emb = self._embed(scorer, batch.images[:k])
+                emb = self._embed(scorer, batch.images[:k], observe)
                 mark = _add_lap(split, "features", mark, self.device)
                 scorer.partial_fit(emb)
                 del emb
@@ -262,34 +290,59 @@ class Detector:
             log.warning("skipped %d unreadable %s image(s):\n%s", len(errs), what,
                         format_errors(errs))
 
-    def _score_images(self, scorer: Scorer, batches: List[torch.Tensor]) -> List[float]:
-        """Image scores of preprocessed images (``[b, 3, h, w]`` tensors), in batches."""
+    def _score_images(self, scorer: Scorer, batches: List[torch.Tensor],
+                      observe: Optional[Observer] = None) -> List[float]:
+        """Image scores of preprocessed images (``[b, 3, h, w]`` tensors), in batches;
+        ``observe`` sees their layer outputs."""
         scores: List[float] = []
         if not batches:
             return scores
         images = torch.cat(batches)
         step = self.cfg.data.batch_size
         for start in range(0, images.shape[0], step):
-            scores.extend(self._infer(images[start:start + step], scorer)[0].tolist())
+            scores.extend(self._infer(images[start:start + step], scorer, observe)[0].tolist())
         return scores
 
     # -- inference ------------------------------------------------------------------------
-    def _embed(self, scorer: Scorer, images: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings."""
+    def _embed(self, scorer: Scorer, images: torch.Tensor, observe: Optional[Observer] = None
+               ) -> torch.Tensor:
+        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings;
+        ``observe(features, images)`` sees the hooked layer outputs first (drift statistics:
+        no second backbone pass)."""
         with torch.inference_mode():
-            return scorer.embedder(self.extractor(images))
+            features = self.extractor(images)
+            if observe is not None:
+                observe(features, images)
+            return scorer.embedder(features)
 
-    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None,
+               observe: Optional[Observer] = None, *,
+               taps: Optional[Dict[str, np.ndarray]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
-        input size."""
+        input size. Without ``observe`` (fit passes its own), an attached :attr:`monitor` gets
+        the batch's drift statistics and scores. ``taps`` (the service's view), if given,
+        receives each tapped layer's per-image channel means ``[B, C_l]``."""
         scorer = scorer if scorer is not None else self.scorer_
+        pending = self.monitor.batch() if observe is None and self.monitor is not None else None
+        observe = observe or pending
+        if taps is not None:
+            observe = _taps_observer(taps, observe)
         with torch.inference_mode(), ieee_float32():
-            emb = self._embed(scorer, images)
+            emb = self._embed(scorer, images, observe)
             patch = scorer.score(emb)
             maps = anomaly_maps(patch, self.preprocessor.input_size)
-            scores = scorer.image_scores(emb, patch, maps)
-        return scores.float().cpu(), maps
+            scores = scorer.image_scores(emb, patch, maps).float().cpu()
+        if pending is not None:
+            pending.finish(scores)
+        return scores, maps
+
+    def drift_monitor(self) -> DriftMonitor:
+        """Attach a new drift monitor to this detector and return it: a sliding window over
+        every image predicted from now on (:meth:`predict`, :meth:`iter_predict`,
+        :meth:`decision_function`); read it with ``status()``. Raises
+        :class:`NotFittedError` for a model without a drift reference (an older file)."""
+        self.monitor = DriftMonitor.from_detector(self)
+        return self.monitor
 
     def predict(self, X: Union[ImageInput, Sequence[ImageInput]], *,
                 batch_size: Optional[int] = None) -> Union[Prediction, List[Prediction]]:
@@ -393,10 +446,14 @@ class Detector:
         """Write the model atomically (safetensors + JSON metadata). Returns the path."""
         self._check_fitted()
         tensors, scorer_meta = self.scorer_.state()
+        drift_tensors, drift_meta = drift.reference_state(self.drift_reference_)
+        config = to_container(self.cfg)
+        monitor_cfg = config.pop("monitor")  # beside the config: older readers load the file
         meta = {
             "anomaly_hooks_version": __version__,
             "method": str(self.cfg.method),
-            "config": to_container(self.cfg),
+            "config": config,
+            "monitor": monitor_cfg,
             "preprocess": self.preprocessor.as_dict(),
             "layers": [vars(info) for info in self.layer_info],
             "backbone": {"name": self.backbone_name,
@@ -406,7 +463,9 @@ class Detector:
             "scorer": scorer_meta,
             "fit": self.fit_info_,
             "torch_version": torch.__version__.split("+")[0],
+            **drift_meta,
         }
+        tensors = {**tensors, **{k: torch.from_numpy(v) for k, v in drift_tensors.items()}}
         return save_model(path, tensors, meta, version=self.scorer_.format_version())
 
     @classmethod
@@ -441,7 +500,8 @@ class Detector:
     def _from_saved(cls, path: Union[str, Path], tensors: Dict[str, torch.Tensor],
                     meta: Dict[str, Any], device: Optional[torch.device],
                     backbone: Optional[nn.Module]) -> "Detector":
-        cfg = load_config(literal(meta["config"]))  # stored resolved: read with no interpolation
+        # stored resolved: read with no interpolation; files before the monitor have no section
+        cfg = load_config(literal({**meta["config"], "monitor": meta.get("monitor") or {}}))
         if meta["backbone"]["name"] == CUSTOM and backbone is None:
             raise ModelFileError(f"{path} was fitted with a custom backbone "
                                  f"({meta['backbone']['class']}): pass it again with "
@@ -461,6 +521,7 @@ class Detector:
                                            meta["scorer"], det.device)
         det.threshold_ = Threshold.from_dict(meta["threshold"])
         det.fit_info_ = dict(meta.get("fit", {}))
+        det.drift_reference_ = drift.reference_from_saved(tensors, meta)
         return det
 
     def close(self) -> None:

@@ -29,6 +29,11 @@ class ImageReadError(AnomalyHooksError, ValueError):
     """An image could not be read; the message names the file (or input) and the reason."""
 
 
+class ImageTooLargeError(ImageReadError):
+    """An image has more pixels than allowed (the decompression-bomb guard): an image the
+    reader refuses by its size, not by damage (a service answers 413 rather than 400)."""
+
+
 class ModelFileError(AnomalyHooksError, ValueError):
     """A model file is missing, damaged, of another format/version, or not what was expected."""
 
@@ -46,4 +51,5 @@ class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
 
 
 __all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "FitError",
-           "ImageReadError", "ModelFileError", "NotFittedError", "ResourceError"]
+           "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
+           "ResourceError"]

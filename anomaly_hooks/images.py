@@ -3,7 +3,8 @@
 The decoding itself is torch-free (numpy float32 ``[H, W, 3]``, :func:`decode`), so the ONNX
 runtime reads images exactly as the PyTorch path does; :func:`read_image` gives the tensor.
 
-Accepted: a path (str / Path), a PIL image, a numpy array (``HxW`` or ``HxWxC`` with C in 1, 3, 4;
+Accepted: a path (str / Path), the bytes of an image file (an upload: checked exactly as a
+file is), a PIL image, a numpy array (``HxW`` or ``HxWxC`` with C in 1, 3, 4;
 uint8, uint16 / int32 holding 16-bit values, or float in [0, 1]) or a torch tensor ``[C, H, W]``
 (same dtypes). Grayscale, palette, RGBA, CMYK and 16-bit images become RGB; EXIF orientation is
 applied. The same picture gives the same tensor whatever form it came in: pixel values are scaled
@@ -27,6 +28,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -35,12 +37,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple, Unio
 import numpy as np
 from PIL import Image
 
-from anomaly_hooks.errors import ImageReadError
+from anomaly_hooks.errors import ImageReadError, ImageTooLargeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, "torch.Tensor"]
+ImageInput = Union[str, os.PathLike, bytes, Image.Image, np.ndarray, "torch.Tensor"]
+# the bytes of an image file (an upload) are one image, not a sequence of numbers
+BYTES_TYPES = (bytes, bytearray, memoryview)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm",
                   ".ppm", ".pbm"}
@@ -87,7 +91,7 @@ def _check_pixels(width: int, height: int, max_pixels: int, label: str) -> None:
     if width < 1 or height < 1:
         raise ImageReadError(f"{label}: empty image ({width}x{height})")
     if width * height > max_pixels:
-        raise ImageReadError(
+        raise ImageTooLargeError(
             f"{label}: {width}x{height} = {width * height:,} pixels exceeds the limit of "
             f"{max_pixels:,} (decompression-bomb guard); raise data.max_pixels if it is genuine"
         )
@@ -131,13 +135,18 @@ def _open_fd(path: Path, label: str) -> int:
     return fd
 
 
-def _read_jpeg(fd: int, size: int, pixels: int, label: str) -> bytes:
-    """The whole file, read once (Pillow then decodes these very bytes: what was checked is
-    what is decoded); a file far larger than any JPEG of its pixel count is refused unread."""
+def _check_jpeg_size(size: int, pixels: int, label: str) -> None:
+    """A file far larger than any JPEG of its pixel count is refused unread."""
     limit = _JPEG_BYTES_PER_PIXEL * pixels + _JPEG_METADATA_BYTES
     if size > limit:
         raise ImageReadError(f"{label}: {size:,} bytes is more than a JPEG of {pixels:,} pixels "
                              f"can hold ({limit:,}): not a plain JPEG file")
+
+
+def _read_jpeg(fd: int, size: int, pixels: int, label: str) -> bytes:
+    """The whole file, read once (Pillow then decodes these very bytes: what was checked is
+    what is decoded)."""
+    _check_jpeg_size(size, pixels, label)
     parts, pos = [], 0
     while pos < size:
         part = os.pread(fd, min(size - pos, 64 << 20), pos)
@@ -306,36 +315,67 @@ def _decode_pil(img: Image.Image, label: str, max_pixels: int,
 
 
 @contextlib.contextmanager
-def _opened(path: Path, max_pixels: int) -> Iterator[Tuple[Image.Image, str]]:
-    """The file's PIL image (not decoded yet) and its label; every failure inside the block
-    becomes an :class:`ImageReadError` naming the file. A JPEG is read whole and checked
-    strictly first, and Pillow decodes the very bytes that were checked."""
-    label = display(path)
-    fd = _open_fd(path, label)
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                img = Image.open(fh, formats=PIL_FORMATS)
-                if img.format in ("JPEG", "MPO"):
-                    _check_pixels(*img.size, max_pixels, label)  # before reading it all
-                    data = _read_jpeg(fd, os.fstat(fd).st_size, img.size[0] * img.size[1],
-                                      label)
-                    _check_jpeg(data, label)
-                    img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
-                    del data
-                yield img, label
-        except ImageReadError:
-            raise
-        except Image.DecompressionBombError as exc:  # Pillow's own guard, before ours
-            raise ImageReadError(f"{label}: too many pixels (decompression-bomb guard: {exc}); "
+def _pil_errors(label: str) -> Iterator[None]:
+    """Every failure of Pillow inside the block becomes an :class:`ImageReadError` naming the
+    input (Pillow raises many types for broken files)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    except ImageReadError:
+        raise
+    except Image.DecompressionBombError as exc:  # Pillow's own guard, before ours
+        raise ImageTooLargeError(f"{label}: too many pixels (decompression-bomb guard: {exc}); "
                                  "if it is genuine, raise data.max_pixels and Pillow's limit "
                                  "PIL.Image.MAX_IMAGE_PIXELS") from None
-        except MemoryError:
-            raise
-        except Exception as exc:  # PIL raises many types for broken files
-            reason = str(exc) or type(exc).__name__
-            raise ImageReadError(f"{label}: not a readable image ({reason})") from None
+    except MemoryError:
+        raise
+    except Exception as exc:
+        # Pillow names its stream ("<_io.BytesIO object at 0x...>"): noise in a message
+        reason = re.sub(r"\s*<_io\.\w+[^>]*>", "", str(exc)) or type(exc).__name__
+        raise ImageReadError(f"{label}: not a readable image ({reason})") from None
+
+
+def _open_checked(fh: Any, read_jpeg: Callable[[int], bytes], label: str, max_pixels: int
+                  ) -> Image.Image:
+    """The PIL image (not decoded yet) of an open file or buffer ``fh``, limited to
+    :data:`PIL_FORMATS`. A JPEG is read whole (``read_jpeg(pixels)``) and checked strictly
+    first, and Pillow decodes the very bytes that were checked."""
+    img = Image.open(fh, formats=PIL_FORMATS)
+    if img.format in ("JPEG", "MPO"):
+        _check_pixels(*img.size, max_pixels, label)  # before reading it all
+        data = read_jpeg(img.size[0] * img.size[1])
+        _check_jpeg(data, label)
+        img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
+    return img
+
+
+@contextlib.contextmanager
+def _opened(path: Path, max_pixels: int) -> Iterator[Tuple[Image.Image, str]]:
+    """The file's PIL image (not decoded yet) and its label; every failure inside the block
+    becomes an :class:`ImageReadError` naming the file."""
+    label = display(path)
+    fd = _open_fd(path, label)
+    with os.fdopen(fd, "rb") as fh, _pil_errors(label):
+        size = os.fstat(fd).st_size
+        yield _open_checked(fh, lambda pixels: _read_jpeg(fd, size, pixels, label), label,
+                            max_pixels), label
+
+
+def _decode_bytes(data: bytes, max_pixels: int, min_size: Optional[Tuple[int, int]]
+                  ) -> Tuple[np.ndarray, Tuple[int, int]]:
+    """The bytes of an image file (an upload), checked and decoded exactly as a file is."""
+    label = "image data"
+    if not data:
+        raise ImageReadError(f"{label}: empty (0 bytes)")
+
+    def whole(pixels: int) -> bytes:
+        _check_jpeg_size(len(data), pixels, label)
+        return data
+
+    with _pil_errors(label):
+        img = _open_checked(io.BytesIO(data), whole, label, max_pixels)
+        return _decode_pil(img, label, max_pixels, min_size)
 
 
 def _decode_path(path: Path, max_pixels: int, min_size: Optional[Tuple[int, int]]
@@ -428,6 +468,8 @@ def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, in
             ) -> Tuple[np.ndarray, Tuple[int, int]]:
     if isinstance(image, (str, os.PathLike)):
         return _decode_path(Path(image), max_pixels, min_size)
+    if isinstance(image, BYTES_TYPES):
+        return _decode_bytes(bytes(image), max_pixels, min_size)
     if isinstance(image, Image.Image):
         label = "PIL image"
         try:
@@ -445,7 +487,8 @@ def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, in
         arr = _tensor_to_array(image, label)
     else:
         raise ImageReadError(
-            f"unsupported image input of type {type(image).__name__}: give a path, a PIL image, "
+            f"unsupported image input of type {type(image).__name__}: give a path, the bytes of "
+            "an image file, a PIL image, "
             "a numpy array (HxW or HxWxC) or a [C, H, W] tensor"
         )
     if arr.ndim not in (2, 3):
@@ -512,6 +555,8 @@ def describe(image: Any) -> str:
     """A short name for an input, for messages and result tables."""
     if isinstance(image, (str, os.PathLike)):
         return display(image)
+    if isinstance(image, BYTES_TYPES):
+        return f"bytes({len(image):,})"
     if isinstance(image, np.ndarray):
         return f"array{tuple(image.shape)}"
     if _is_tensor(image):

@@ -10,7 +10,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from anomaly_hooks.images import display, is_folder, is_image_file
 
@@ -141,12 +141,17 @@ def atomic_text(path: Path, write) -> None:
         raise
 
 
-def write_results(out: Path, rows: List[dict], failures: List[str], model: str) -> None:
+def write_results(out: Path, rows: List[dict], failures: List[str], model: str,
+                  drift: Optional[dict] = None) -> None:
+    """``results.csv`` and ``results.json`` in ``out``, each written atomically; ``drift``
+    (the drift monitor's status over the scored images) goes into the JSON when given."""
     def write_csv(fh) -> None:
         writer = csv.DictWriter(fh, fieldnames=RESULT_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
 
     atomic_text(out / "results.csv", write_csv)
-    atomic_text(out / "results.json", lambda fh: json.dump(
-        {"model": display(model), "results": rows, "failures": failures}, fh, indent=2))
+    doc = {"model": display(model), "results": rows, "failures": failures}
+    if drift is not None:
+        doc["drift"] = drift
+    atomic_text(out / "results.json", lambda fh: json.dump(doc, fh, indent=2))

@@ -24,7 +24,7 @@ def test_all_input_forms_agree(picture):
     arr, path = picture
     ref = read_image(path)
     assert ref.shape == (3, 90, 130) and ref.dtype == torch.float32
-    forms = [str(path), Image.open(path), arr, arr.astype(np.float64) / 255.0,
+    forms = [str(path), path.read_bytes(), bytearray(path.read_bytes()), Image.open(path), arr, arr.astype(np.float64) / 255.0,
              torch.from_numpy(arr).permute(2, 0, 1), torch.from_numpy(arr).permute(2, 0, 1) / 255.0]
     for form in forms:
         torch.testing.assert_close(read_image(form), ref, rtol=0, atol=1e-6)
@@ -33,7 +33,7 @@ def test_all_input_forms_agree(picture):
 def test_same_score_for_every_form(fitted, picture):
     arr, path = picture
     scores = [fitted.predict(x).score for x in
-              (path, Image.open(path), arr, arr / 255.0, torch.from_numpy(arr).permute(2, 0, 1))]
+              (path, path.read_bytes(), Image.open(path), arr, arr / 255.0, torch.from_numpy(arr).permute(2, 0, 1))]
     assert max(scores) - min(scores) <= 1e-4 * abs(scores[0])
 
 
@@ -166,3 +166,29 @@ def test_worker_batches_equal_serial_batches(tmp_path, workers):
     assert [i for b in par for i, _ in b.errors] == [5]
     for a, b in zip(serial, par):
         assert torch.equal(a.images, b.images) and a.sizes == b.sizes
+
+
+def test_bytes_are_checked_like_files(tmp_path):
+    """The bytes of an upload go through the same checks as a file: the same error for the
+    same damage, and the too-large refusal is its own class (a service's 413, not 400)."""
+    from anomaly_hooks.errors import ImageTooLargeError
+
+    good = tmp_path / "good.png"
+    Image.fromarray(textured_images(1)[0]).save(good)
+    raw = good.read_bytes()
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ImageReadError) as from_file:
+        read_image(cut)
+    with pytest.raises(ImageReadError) as from_bytes:
+        read_image(raw[:len(raw) // 2])
+    assert str(from_bytes.value).split(": ", 1)[1] == str(from_file.value).split(": ", 1)[1]
+    with pytest.raises(ImageReadError, match=r"image data: empty \(0 bytes\)"):
+        read_image(b"")
+    with pytest.raises(ImageReadError, match="not a readable image") as info:
+        read_image(b"not an image at all")
+    assert "BytesIO" not in str(info.value)
+    with pytest.raises(ImageTooLargeError, match="exceeds the limit of 100"):
+        read_image(raw, max_pixels=100)
+    with pytest.raises(ImageTooLargeError):
+        read_image(good, max_pixels=100)  # the same class for a file

@@ -1,0 +1,22 @@
+"""The inspection service (issue 13): ``anomaly-hooks serve --model m.safetensors``.
+
+A FastAPI app on uvicorn (optional extra ``[serve]``) around one loaded model: single and batch
+prediction with dynamic batching, a results log (SQLite), an operator web page, Prometheus
+metrics, bearer-token auth and atomic model reload. Importing this package does not import
+FastAPI or torch; :func:`create_app` does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["create_app", "ServeSettings"]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: FastAPI is imported only when the app is built
+    if name == "create_app":
+        from anomaly_hooks.serve.app import create_app
+        return create_app
+    if name == "ServeSettings":
+        from anomaly_hooks.serve.settings import ServeSettings
+        return ServeSettings
+    raise AttributeError(f"module 'anomaly_hooks.serve' has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""``anomaly-hooks serve`` / ``python -m anomaly_hooks.serve``: options and the uvicorn runner.
+
+The options are defined here (imports nothing heavy), so that ``anomaly-hooks --help`` works
+without the ``[serve]`` extra; FastAPI and uvicorn are imported when the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Optional, Sequence
+
+from anomaly_hooks.errors import AnomalyHooksError
+from anomaly_hooks.serve.settings import KEEP_CHOICES, TOKEN_ENV, ServeSettings
+
+DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--host", default=d["host"],
+                   help=f"address to bind (default {d['host']}: this machine only)")
+    p.add_argument("--port", type=int, default=d["port"], help=f"default {d['port']}")
+    p.add_argument("--device", help="cpu, cuda, auto (default: as saved in the model)")
+    p.add_argument("--token", help=f"bearer token required on everything but /healthz and "
+                   f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth)")
+    g = p.add_argument_group("batching and limits")
+    g.add_argument("--max-batch", type=int, default=d["max_batch"],
+                   help=f"images per backbone batch (default {d['max_batch']})")
+    g.add_argument("--max-wait-ms", type=_wait, default="auto",
+                   help="how long a batch waits for more images after its first, in ms, or "
+                   "auto: 5 %% of a full batch's measured time, 5-1000 ms (default auto)")
+    g.add_argument("--max-queue", type=int, default=d["max_queue"],
+                   help="images in progress at most; beyond it requests get 503 + Retry-After "
+                   f"(default {d['max_queue']})")
+    g.add_argument("--decode-workers", type=int, default=d["decode_workers"],
+                   help=f"threads decoding uploads (default {d['decode_workers']})")
+    g.add_argument("--max-upload-mb", type=float,
+                   default=d["max_upload_bytes"] / 2**20,
+                   help=f"upload size limit per image (default {d['max_upload_bytes'] >> 20})")
+    g.add_argument("--max-batch-files", type=int, default=d["max_batch_files"],
+                   help=f"images per batch request (default {d['max_batch_files']})")
+    g.add_argument("--max-pixels", type=int, default=d["max_pixels"],
+                   help=f"pixel limit per image (default {d['max_pixels']:,})")
+    g.add_argument("--request-timeout", type=float, default=d["request_timeout_s"],
+                   help=f"seconds (default {d['request_timeout_s']:g})")
+    r = p.add_argument_group("results log")
+    r.add_argument("--results-dir", default=d["results_dir"],
+                   help="folder of the results log (results.sqlite) and kept pictures "
+                   f"(default {d['results_dir']})")
+    r.add_argument("--no-results", action="store_true", help="keep no results log")
+    r.add_argument("--keep-images", choices=KEEP_CHOICES, default=d["keep_images"],
+                   help=f"overlay and mask PNGs kept (default {d['keep_images']})")
+    r.add_argument("--no-thumbnails", action="store_true",
+                   help="no thumbnail per result (the page's list then shows none)")
+    r.add_argument("--overlay-max-side", type=int, default=d["overlay_max_side"],
+                   help=f"long side of overlays and masks (default {d['overlay_max_side']})")
+    r.add_argument("--retention-days", type=float, help="delete results older than this")
+    r.add_argument("--retention-count", type=int, help="keep only the newest N results")
+    p.add_argument("--monitor", default="auto",
+                   help="drift monitor factory, module:callable (called with the loaded "
+                   "Detector); auto (default): anomaly_hooks.monitor when the model file has a "
+                   "drift reference; none: no monitor")
+    p.add_argument("--no-sighup", action="store_true", help="do not reload the model on SIGHUP")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _wait(text: str) -> Optional[float]:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give milliseconds or auto") from None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``serve`` on the main CLI's sub-parsers."""
+    p = sub.add_parser("serve", help="run the HTTP inspection service (extra [serve])",
+                       description="Serve a fitted model over HTTP: prediction API, results "
+                       "log, operator page at /, Prometheus metrics at /metrics.")
+    add_arguments(p)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(
+        model=args.model, host=args.host, port=args.port, device=args.device,
+        token=args.token, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue, decode_workers=args.decode_workers,
+        max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
+        max_pixels=args.max_pixels, request_timeout_s=args.request_timeout,
+        results_dir=None if args.no_results else args.results_dir,
+        keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
+        overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
+        retention_count=args.retention_count, monitor=args.monitor,
+        sighup_reload=not args.no_sighup).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server; returns the exit code (2 when the model cannot be served)."""
+    try:
+        import fastapi  # noqa: F401
+        import multipart  # noqa: F401  (python-multipart)
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        print(f"error: the serve command needs the [serve] extra (missing {exc.name}): "
+              "pip install 'anomaly_hooks[serve]'", file=sys.stderr)
+        return 2
+    settings = settings_from_args(args)
+    if not Path(settings.model).is_file():
+        raise FileNotFoundError(f"{settings.model}: model file not found")
+    if settings.monitor and settings.monitor != "none":
+        from anomaly_hooks.serve.monitoring import load_factory
+        load_factory(settings.monitor)  # fail now, not after the model has loaded
+    log = logging.getLogger("anomaly_hooks.serve")
+    log.setLevel(getattr(logging, args.log_level.upper()))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    if settings.host not in LOOPBACK and not settings.token:
+        log.warning("binding to %s WITHOUT a token: anyone who can reach this address can use "
+                    "the service; set --token or %s", settings.host, TOKEN_ENV)
+
+    from anomaly_hooks.serve.app import create_app
+
+    fatal: list = []
+    server_box: list = []
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        if server_box:
+            server_box[0].should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=args.log_level, access_log=args.log_level == "debug",
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+                            limit_concurrency=max(256, 4 * settings.max_queue),
+                            server_header=False)
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    log.info("loading %s; the page will be at http://%s:%d/", settings.model,
+             settings.host if ":" not in settings.host else f"[{settings.host}]", settings.port)
+    server.run()
+    if fatal:
+        print(f"error: {fatal[0]}", file=sys.stderr)
+        return 2
+    if not server.started:
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m anomaly_hooks.serve",
+                                     description="the anomaly_hooks inspection service")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (AnomalyHooksError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,73 @@
+"""Errors of the HTTP service: an HTTP status, a stable machine-readable ``code`` and a message
+that says what was wrong. The JSON body of every error response is
+``{"code": ..., "message": ..., "status": ...}``.
+
+Stable codes (clients may switch on them):
+
+====== ======================= ===========================================================
+status code                    meaning
+====== ======================= ===========================================================
+400    empty_body              the request carried no image bytes
+400    unreadable_image        the bytes are of a supported type but cannot be decoded
+400    malformed_request       broken multipart body, bad Content-Length, ...
+401    unauthorized            missing or wrong bearer token
+404    not_found               no such route or result
+405    method_not_allowed      wrong HTTP method for the route
+409    reload_in_progress      another model reload is running
+413    payload_too_large       the upload exceeds the byte limit
+413    too_many_pixels         the image exceeds the pixel limit (decompression-bomb guard)
+413    too_many_images         more images in one batch request than allowed
+415    unsupported_media_type  not PNG, JPEG, TIFF, BMP or WebP
+422    invalid_parameter       a query/form parameter is invalid
+422    reload_failed           the new model file was refused; the old model keeps serving
+500    internal_error          a fault of the server, never of the input
+503    not_ready               the model is not loaded (yet); Retry-After
+503    overloaded              the bounded queue is full; Retry-After
+503    timeout                 the request took longer than the request timeout
+503    shutting_down           the server is stopping
+====== ======================= ===========================================================
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from anomaly_hooks.errors import AnomalyHooksError
+
+
+class ServeError(AnomalyHooksError, ValueError):
+    """An error with its HTTP status, stable code and message (and optional headers). Like
+    every error the library raises on purpose, an :class:`AnomalyHooksError`; the library's
+    own errors met on the request path (an unreadable upload, a refused model file) are
+    translated into one of these with the status that fits."""
+
+    def __init__(self, status: int, code: str, message: str,
+                 headers: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "status": self.status}
+
+    def __repr__(self) -> str:
+        return f"ServeError({self.status}, {self.code!r}, {self.message!r})"
+
+
+def overloaded(message: str, retry_after: int) -> ServeError:
+    return ServeError(503, "overloaded", message, {"Retry-After": str(max(1, int(retry_after)))})
+
+
+def not_ready(message: str, retry_after: int = 5) -> ServeError:
+    return ServeError(503, "not_ready", message, {"Retry-After": str(max(1, int(retry_after)))})
+
+
+STATUS_CODES = {400: "malformed_request", 401: "unauthorized", 404: "not_found",
+                405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
+                415: "unsupported_media_type", 422: "invalid_parameter", 503: "not_ready"}
+
+
+def code_for_status(status: int) -> str:
+    """The code used for framework-raised HTTP errors of a given status."""
+    return STATUS_CODES.get(status, "internal_error" if status >= 500 else "http_error")

@@ -1,0 +1,116 @@
+"""Prometheus metrics of the service (one registry per app, text format at ``GET /metrics``)."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from anomaly_hooks.serve.monitoring import numeric_leaves
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                   80.0, 160.0)
+SCORE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+RATE_WINDOW = 100
+
+
+class _CallbackCollector:
+    """Gauges computed at scrape time (model info, drift statistics)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+
+    def collect(self):
+        yield from self._fn()
+
+    def describe(self):
+        return []
+
+
+class ServiceMetrics:
+    def __init__(self, *, queue_depth: Callable[[], float], in_flight: Callable[[], float],
+                 engine: Callable[[], Any], drift_status: Callable[[], Optional[dict]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("anomaly_hooks_http_requests_total",
+                                "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("anomaly_hooks_http_request_duration_seconds",
+                                 "HTTP request latency by endpoint", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.predictions = Counter("anomaly_hooks_predictions_total",
+                                   "images scored, by verdict", ["verdict"], registry=r)
+        self.rejected = Counter("anomaly_hooks_rejected_images_total",
+                                "uploads refused, by error code", ["code"], registry=r)
+        self.scores = Histogram("anomaly_hooks_normalized_score",
+                                "normalized scores (0.5 = at the threshold)",
+                                buckets=SCORE_BUCKETS, registry=r)
+        self.anomalous_rate = Gauge("anomaly_hooks_anomalous_rate",
+                                    f"fraction anomalous among the last {RATE_WINDOW} images",
+                                    registry=r)
+        self.batch_size = Histogram("anomaly_hooks_batch_size", "images per inference batch",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("anomaly_hooks_batch_duration_seconds",
+                                       "inference time per batch", buckets=LATENCY_BUCKETS,
+                                       registry=r)
+        self.queue_depth = Gauge("anomaly_hooks_queue_depth",
+                                 "images waiting for an inference batch", registry=r)
+        self.queue_depth.set_function(queue_depth)
+        self.in_flight = Gauge("anomaly_hooks_images_in_progress",
+                               "images anywhere in the request path (admission count)",
+                               registry=r)
+        self.in_flight.set_function(in_flight)
+        self.reloads = Counter("anomaly_hooks_model_reloads_total", "model reloads by result",
+                               ["result"], registry=r)
+        self.log_errors = Counter("anomaly_hooks_results_log_errors_total",
+                                  "results-log writes that failed", registry=r)
+        self.drift_dropped = Counter("anomaly_hooks_drift_batches_dropped_total",
+                                     "batches the drift monitor was too busy to observe",
+                                     registry=r)
+        self._recent = collections.deque(maxlen=RATE_WINDOW)
+        self._engine = engine
+        self._drift = drift_status
+        r.register(_CallbackCollector(self._collect_model))
+        r.register(_CallbackCollector(self._collect_drift))
+
+    def observe_prediction(self, normalized_score: float, is_anomalous: bool) -> None:
+        self.predictions.labels("anomalous" if is_anomalous else "normal").inc()
+        self.scores.observe(normalized_score)
+        self._recent.append(1.0 if is_anomalous else 0.0)
+        self.anomalous_rate.set(sum(self._recent) / len(self._recent))
+
+    def _collect_model(self):
+        engine = self._engine()
+        ready = GaugeMetricFamily("anomaly_hooks_model_ready", "1 when a model is loaded and warm")
+        ready.add_metric([], 1.0 if engine is not None else 0.0)
+        yield ready
+        if engine is not None:
+            info = GaugeMetricFamily("anomaly_hooks_model_info", "the model being served",
+                                     labels=["model_id", "method", "backbone", "sha256"])
+            det = engine.detector
+            info.add_metric([engine.model_id, str(det.cfg.method), str(det.backbone_name),
+                             engine.sha256], 1.0)
+            yield info
+            thr = GaugeMetricFamily("anomaly_hooks_model_threshold", "raw score threshold")
+            thr.add_metric([], engine.threshold)
+            yield thr
+
+    def _collect_drift(self):
+        status = self._drift()
+        enabled = GaugeMetricFamily("anomaly_hooks_drift_enabled", "1 when a drift monitor runs")
+        enabled.add_metric([], 1.0 if status is not None else 0.0)
+        yield enabled
+        if status is None:
+            return
+        values = GaugeMetricFamily("anomaly_hooks_drift",
+                                   "numeric fields of the drift monitor's status()",
+                                   labels=["key"])
+        for key, value in numeric_leaves({k: v for k, v in status.items() if k != "enabled"}):
+            values.add_metric([key], value)
+        yield values
+        if isinstance(status.get("state"), str):
+            state = GaugeMetricFamily("anomaly_hooks_drift_state", "drift monitor state",
+                                      labels=["state"])
+            state.add_metric([status["state"]], 1.0)
+            yield state

@@ -1,0 +1,51 @@
+"""The pictures the service sends back and keeps: overlay and mask PNGs, thumbnail JPEGs."""
+from __future__ import annotations
+
+import io
+from typing import Any, Tuple
+
+import numpy as np
+from PIL import Image
+
+
+def fit_size(height: int, width: int, max_side: int) -> Tuple[int, int]:
+    """(h, w) scaled down so that the long side is at most ``max_side`` (never scaled up)."""
+    long_side = max(height, width)
+    if long_side <= max_side:
+        return height, width
+    s = max_side / long_side
+    return max(1, int(round(height * s))), max(1, int(round(width * s)))
+
+
+def preview(image: Any, max_side: int) -> np.ndarray:
+    """``[H, W, 3]`` uint8 copy of a canonical ``[3, H, W]`` tensor, long side <= max_side."""
+    import torch
+    import torch.nn.functional as F
+
+    h, w = fit_size(image.shape[1], image.shape[2], max_side)
+    x = image
+    if (h, w) != tuple(image.shape[1:]):
+        x = F.interpolate(image[None], size=(h, w), mode="bilinear", align_corners=False,
+                          antialias=True)[0]
+    x = (x.clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+    return x.permute(1, 2, 0).contiguous().numpy()
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    """PNG of an ``[H, W]`` bool/uint8 or ``[H, W, 3]`` uint8 array (fast compression)."""
+    if array.dtype == bool:
+        img = Image.fromarray(array.astype(np.uint8) * 255).convert("1")
+    else:
+        img = Image.fromarray(array)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def jpeg_bytes(array: np.ndarray, max_side: int, quality: int = 80) -> bytes:
+    """A small JPEG (thumbnail) of an ``[H, W, 3]`` uint8 array."""
+    img = Image.fromarray(array)
+    img.thumbnail((max_side, max_side), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()

@@ -1,0 +1,453 @@
+"""The results log: every prediction the service makes, for traceability.
+
+* :class:`ResultStore` is the small interface the service uses (add, query, get, count, prune);
+  :class:`SQLiteResultStore` implements it on an embedded SQLite database in WAL mode with
+  ``synchronous=FULL``: a record is on disk when :meth:`ResultStore.add` returns, and the service
+  answers a request only after that, so a ``kill -9`` (or a power cut) loses nothing that was
+  acknowledged. A server database (PostgreSQL, ...) plugs in by implementing the same six methods.
+* :class:`ImageFiles` keeps the overlay / mask / thumbnail PNGs and JPEGs under a folder; the
+  records hold their paths relative to it.
+* :class:`Recorder` is the group commit: request handlers hand their record to one writer
+  thread, which commits whatever has accumulated in one transaction (one fsync for many records)
+  and then wakes the handlers.
+
+Scores: higher = more anomalous. Times are Unix seconds (UTC) in the store, ISO 8601 in JSON/CSV.
+"""
+from __future__ import annotations
+
+import abc
+import csv
+import io
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from anomaly_hooks.errors import ConfigError
+
+log = logging.getLogger("anomaly_hooks.serve")
+
+
+@dataclass
+class Record:
+    """One prediction."""
+
+    time: float
+    request_id: str
+    score: float
+    normalized_score: float
+    is_anomalous: bool
+    threshold: float
+    model_id: str
+    model_checksum: str
+    part_id: Optional[str] = None
+    source: Optional[str] = None
+    anomalous_pixels: Optional[int] = None
+    width: Optional[int] = None
+    height: Optional[int] = None
+    overlay_path: Optional[str] = None
+    mask_path: Optional[str] = None
+    thumb_path: Optional[str] = None
+    latency_ms: Optional[float] = None
+    id: Optional[int] = None
+
+    def as_json(self) -> Dict[str, Any]:
+        """JSON form: ISO time, URLs of the stored pictures (no server paths)."""
+        out = asdict(self)
+        out["time_iso"] = iso_time(self.time)
+        for kind, key in (("overlay", "overlay_path"), ("mask", "mask_path"),
+                          ("thumb", "thumb_path")):
+            out[f"{kind}_url"] = (f"/v1/results/{self.id}/{PICTURES[kind]}"
+                                  if out.pop(key) and self.id is not None else None)
+        return out
+
+
+COLUMNS = [f.name for f in fields(Record) if f.name != "id"]
+PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
+CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
+               "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
+               "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id"]
+
+
+def iso_time(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class ResultStore(abc.ABC):
+    """Where predictions are recorded. Implementations must be safe to call from several
+    threads; :meth:`add` returns only once the records are durable."""
+
+    @abc.abstractmethod
+    def add(self, records: Sequence[Record]) -> List[int]:
+        """Store records atomically; return their ids (in order). Durable on return."""
+
+    @abc.abstractmethod
+    def query(self, *, since: Optional[float] = None, until: Optional[float] = None,
+              anomalous: Optional[bool] = None, part_id: Optional[str] = None,
+              before_id: Optional[int] = None, limit: int = 100) -> List[Record]:
+        """Newest first: records with ``since <= time < until``, id < before_id (paging)."""
+
+    @abc.abstractmethod
+    def get(self, record_id: int) -> Optional[Record]:
+        """One record, or None."""
+
+    @abc.abstractmethod
+    def count(self) -> int:
+        """Number of records."""
+
+    @abc.abstractmethod
+    def prune(self, *, max_age_s: Optional[float] = None, max_count: Optional[int] = None,
+              now: Optional[float] = None) -> List[Record]:
+        """Delete records older than ``max_age_s`` and all but the newest ``max_count``;
+        return the deleted records (so that their pictures can be removed)."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+    def iter_query(self, page: int = 1000, **filters: Any) -> Iterator[Record]:
+        """All records matching ``filters`` (newest first), fetched a page at a time."""
+        limit = filters.pop("limit", None)
+        before = filters.pop("before_id", None)
+        seen = 0
+        while limit is None or seen < limit:
+            n = page if limit is None else min(page, limit - seen)
+            rows = self.query(before_id=before, limit=n, **filters)
+            if not rows:
+                return
+            yield from rows
+            seen += len(rows)
+            before = rows[-1].id
+            if len(rows) < n:
+                return
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS results (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    score REAL NOT NULL,
+    normalized_score REAL NOT NULL,
+    is_anomalous INTEGER NOT NULL,
+    threshold REAL NOT NULL,
+    model_id TEXT NOT NULL,
+    model_checksum TEXT NOT NULL,
+    part_id TEXT,
+    source TEXT,
+    anomalous_pixels INTEGER,
+    width INTEGER,
+    height INTEGER,
+    overlay_path TEXT,
+    mask_path TEXT,
+    thumb_path TEXT,
+    latency_ms REAL
+);
+CREATE INDEX IF NOT EXISTS results_time ON results (time);
+CREATE INDEX IF NOT EXISTS results_anomalous ON results (is_anomalous, id);
+CREATE INDEX IF NOT EXISTS results_part ON results (part_id, id);
+"""
+SCHEMA_VERSION = 1
+
+
+class SQLiteResultStore(ResultStore):
+    """The default store: one SQLite file in WAL mode (readers never block the writer)."""
+
+    def __init__(self, path: os.PathLike | str, synchronous: str = "FULL") -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._synchronous = synchronous
+        self._lock = threading.Lock()
+        self._write = self._connect()
+        with self._lock:
+            mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode}); put the "
+                                   "results log on a local file system")
+            version = self._write.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path}: results log of a newer version ({version})")
+            self._write.executescript(SCHEMA)
+            self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._local = threading.local()
+
+    def _connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
+                              check_same_thread=False)
+        con.execute(f"PRAGMA synchronous={self._synchronous}")
+        con.execute("PRAGMA busy_timeout=30000")
+        return con
+
+    def _reader(self) -> sqlite3.Connection:
+        con = getattr(self._local, "con", None)
+        if con is None:
+            con = self._connect()
+            con.execute("PRAGMA query_only=1")
+            self._local.con = con
+        return con
+
+    def add(self, records: Sequence[Record]) -> List[int]:
+        if not records:
+            return []
+        sql = (f"INSERT INTO results ({', '.join(COLUMNS)}) "
+               f"VALUES ({', '.join('?' for _ in COLUMNS)})")
+        ids: List[int] = []
+        with self._lock:
+            con = self._write
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                for rec in records:
+                    cur = con.execute(sql, [_to_sql(getattr(rec, c)) for c in COLUMNS])
+                    ids.append(int(cur.lastrowid))
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        for rec, rid in zip(records, ids):
+            rec.id = rid
+        return ids
+
+    def _where(self, since, until, anomalous, part_id, before_id):
+        clauses, args = [], []
+        if since is not None:
+            clauses.append("time >= ?")
+            args.append(float(since))
+        if until is not None:
+            clauses.append("time < ?")
+            args.append(float(until))
+        if anomalous is not None:
+            clauses.append("is_anomalous = ?")
+            args.append(1 if anomalous else 0)
+        if part_id is not None:
+            clauses.append("part_id = ?")
+            args.append(part_id)
+        if before_id is not None:
+            clauses.append("id < ?")
+            args.append(int(before_id))
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
+
+    def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
+              limit: int = 100) -> List[Record]:
+        where, args = self._where(since, until, anomalous, part_id, before_id)
+        rows = self._reader().execute(
+            f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",
+            [*args, int(limit)]).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def get(self, record_id: int) -> Optional[Record]:
+        row = self._reader().execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
+                                     [int(record_id)]).fetchone()
+        return _from_row(row) if row else None
+
+    def count(self) -> int:
+        return int(self._reader().execute("SELECT COUNT(*) FROM results").fetchone()[0])
+
+    def prune(self, *, max_age_s=None, max_count=None, now=None) -> List[Record]:
+        cols = f"id, {', '.join(COLUMNS)}"
+        removed: List[Record] = []
+        with self._lock:
+            con = self._write
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                if max_age_s is not None:
+                    cutoff = (time.time() if now is None else now) - float(max_age_s)
+                    removed += [_from_row(r) for r in con.execute(
+                        f"SELECT {cols} FROM results WHERE time < ?", [cutoff]).fetchall()]
+                    con.execute("DELETE FROM results WHERE time < ?", [cutoff])
+                if max_count is not None:
+                    row = con.execute("SELECT id FROM results ORDER BY id DESC LIMIT 1 OFFSET ?",
+                                      [int(max_count)]).fetchone()
+                    if row is not None:
+                        removed += [_from_row(r) for r in con.execute(
+                            f"SELECT {cols} FROM results WHERE id <= ?", [row[0]]).fetchall()]
+                        con.execute("DELETE FROM results WHERE id <= ?", [row[0]])
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._write.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:
+                pass
+            self._write.close()
+
+
+def _to_sql(value: Any) -> Any:
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _from_row(row: Sequence[Any]) -> Record:
+    data = dict(zip(["id", *COLUMNS], row))
+    data["is_anomalous"] = bool(data["is_anomalous"])
+    return Record(**data)
+
+
+def open_store(spec: str) -> ResultStore:
+    """A store from a spec: a file path or ``sqlite:///path`` (the only built-in kind)."""
+    if spec.startswith("sqlite:///"):
+        return SQLiteResultStore(spec[len("sqlite:///"):])
+    if "://" in spec:
+        raise ConfigError(f"unsupported results store {spec!r}: give a file path or "
+                         "sqlite:///path (other databases: implement ResultStore)")
+    return SQLiteResultStore(spec)
+
+
+def _csv_safe(value: Any) -> Any:
+    """Neutralise spreadsheet formulas in client-given text (CSV injection)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def csv_lines(records: Iterator[Record]) -> Iterator[str]:
+    """The CSV export, a chunk of lines at a time (header first)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(CSV_COLUMNS)
+    n = 0
+    for rec in records:
+        row = asdict(rec)
+        row["time_iso"] = iso_time(rec.time)
+        row["is_anomalous"] = int(rec.is_anomalous)
+        writer.writerow([_csv_safe(row[c]) for c in CSV_COLUMNS])
+        n += 1
+        if n % 500 == 0:
+            yield buf.getvalue()
+            buf.seek(0)
+            buf.truncate()
+    yield buf.getvalue()
+
+
+class ImageFiles:
+    """Pictures of kept results: ``<root>/images/YYYY-MM-DD/<request id>_<kind>.<ext>``."""
+
+    def __init__(self, root: os.PathLike | str) -> None:
+        self.root = Path(root).resolve()
+
+    def write(self, request_id: str, ts: float, pictures: Dict[str, Optional[bytes]]
+              ) -> Dict[str, Optional[str]]:
+        """Write the given pictures (kind -> bytes or None); return kind -> relative path."""
+        day = time.strftime("%Y-%m-%d", time.gmtime(ts))
+        folder = self.root / "images" / day
+        out: Dict[str, Optional[str]] = {}
+        for kind, data in pictures.items():
+            if data is None:
+                out[kind] = None
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            ext = PICTURES[kind].rsplit(".", 1)[1]
+            path = folder / f"{request_id}_{kind}.{ext}"
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            out[kind] = str(path.relative_to(self.root))
+        return out
+
+    def resolve(self, rel: str) -> Optional[Path]:
+        """Absolute path of a stored picture (None if outside the root or missing)."""
+        path = (self.root / rel).resolve()
+        if self.root not in path.parents or not path.is_file():
+            return None
+        return path
+
+    def delete(self, records: Sequence[Record]) -> int:
+        n = 0
+        for rec in records:
+            for rel in (rec.overlay_path, rec.mask_path, rec.thumb_path):
+                if rel:
+                    path = self.resolve(rel)
+                    if path is not None:
+                        try:
+                            path.unlink()
+                            n += 1
+                        except OSError:
+                            pass
+        return n
+
+
+class Recorder:
+    """Group commit on one writer thread: :meth:`submit` returns a future that resolves to the
+    record's id once it is durable; many concurrent records share one transaction."""
+
+    _STOP = object()
+
+    def __init__(self, store: ResultStore, max_group: int = 256) -> None:
+        self.store = store
+        self.max_group = max_group
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="results-writer", daemon=True)
+        self._thread.start()
+        self.commits = 0
+
+    def submit(self, record: Record) -> "Future[int]":
+        fut: "Future[int]" = Future()
+        self._queue.put((record, fut))
+        return fut
+
+    def call(self, fn, *args, **kwargs) -> "Future[Any]":
+        """Run ``fn`` on the writer thread (for pruning: writes stay on one thread)."""
+        fut: "Future[Any]" = Future()
+        self._queue.put(((fn, args, kwargs), fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            group = [item]
+            while len(group) < self.max_group:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is self._STOP:
+                    self._queue.put(self._STOP)
+                    break
+                group.append(nxt)
+            records = [(r, f) for r, f in group if isinstance(r, Record)]
+            calls = [(c, f) for c, f in group if not isinstance(c, Record)]
+            if records:
+                try:
+                    ids = self.store.add([r for r, _ in records])
+                    self.commits += 1
+                    for (_, fut), rid in zip(records, ids):
+                        _resolve(fut, rid)
+                except BaseException as exc:  # disk full, locked, ...: each waiter learns it
+                    log.exception("results log write failed")
+                    for _, fut in records:
+                        _resolve(fut, error=exc)
+            for (fn, args, kwargs), fut in calls:
+                try:
+                    _resolve(fut, fn(*args, **kwargs))
+                except BaseException as exc:
+                    _resolve(fut, error=exc)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._queue.put(self._STOP)
+        self._thread.join(timeout)
+
+
+def _resolve(fut: "Future[Any]", value: Any = None, error: Optional[BaseException] = None
+             ) -> None:
+    """Set a future's outcome unless its waiter gave up (cancelled) meanwhile."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    except Exception:  # InvalidStateError: cancelled between the check and the set
+        pass

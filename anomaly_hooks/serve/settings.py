@@ -1,0 +1,75 @@
+"""Settings of the inspection service (the ``anomaly-hooks serve`` options)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from anomaly_hooks.errors import ConfigError
+
+TOKEN_ENV = "ANOMALY_HOOKS_TOKEN"
+KEEP_CHOICES = ("none", "anomalous", "all")
+
+
+@dataclass
+class ServeSettings:
+    """Everything the service can be told. Defaults suit one CPU box on a production line."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: Optional[str] = None           # None = as saved in the model
+    token: Optional[str] = None            # None = no auth (fine on loopback only)
+    max_batch: int = 16                    # images per backbone batch
+    max_wait_ms: Optional[float] = None    # wait after a batch's first image; None = auto
+    max_queue: int = 64                    # images in the request path at most (then 503)
+    decode_workers: int = 2                # threads decoding uploads and rendering overlays
+    max_upload_bytes: int = 20 * 1024 * 1024
+    max_batch_files: int = 32
+    max_pixels: int = 25_000_000
+    request_timeout_s: float = 120.0
+    results_dir: Optional[str] = "serve_results"   # None = no results log
+    keep_images: str = "anomalous"         # pictures kept in the results log: none|anomalous|all
+    thumbnails: bool = True                # a small overlay JPEG per result (the page's list)
+    thumb_side: int = 160
+    overlay_max_side: int = 1024           # overlays/masks are at most this size (long side)
+    retention_days: Optional[float] = None
+    retention_count: Optional[int] = None
+    retention_interval_s: float = 60.0
+    monitor: Optional[str] = None          # module:callable building a drift monitor
+    sighup_reload: bool = True
+
+    def __post_init__(self) -> None:
+        if self.token is None:
+            self.token = os.environ.get(TOKEN_ENV) or None
+
+    def validate(self) -> "ServeSettings":
+        """Raise ConfigError naming the bad option."""
+        positive = ("max_batch", "max_queue", "decode_workers", "max_upload_bytes",
+                    "max_batch_files", "max_pixels", "overlay_max_side")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, not "
+                                 f"{getattr(self, name)}")
+        if self.max_wait_ms is not None and self.max_wait_ms < 0:
+            raise ConfigError("max-wait-ms must be >= 0")
+        if self.request_timeout_s <= 0:
+            raise ConfigError("request-timeout must be > 0")
+        if self.max_queue < self.max_batch:
+            raise ConfigError(f"max-queue ({self.max_queue}) must be >= max-batch "
+                             f"({self.max_batch})")
+        if self.keep_images not in KEEP_CHOICES:
+            raise ConfigError(f"keep-images must be one of {', '.join(KEEP_CHOICES)}")
+        if self.retention_days is not None and self.retention_days <= 0:
+            raise ConfigError("retention-days must be > 0")
+        if self.retention_count is not None and self.retention_count < 1:
+            raise ConfigError("retention-count must be >= 1")
+        if self.token is not None and len(self.token) < 8:
+            raise ConfigError("the token must have at least 8 characters")
+        return self
+
+    def public(self) -> dict:
+        """The settings without the token (for GET /v1/model)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["token"] = "set" if self.token else None
+        return out

@@ -1,0 +1,226 @@
+// Operator page of the anomaly_hooks inspection service. Plain JavaScript, no dependencies,
+// nothing loaded from elsewhere (works air-gapped). Client-given text is only ever inserted
+// with textContent, never parsed as HTML.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const fmt = (x, digits = 4) => (x === null || x === undefined) ? "–" : Number(x).toPrecision(digits);
+
+async function api(path, options = {}) {
+  const response = await fetch(path, { credentials: "same-origin", ...options });
+  const type = response.headers.get("content-type") || "";
+  const body = type.includes("json") ? await response.json() : await response.text();
+  if (!response.ok) {
+    const message = (body && body.message) ? `${body.code}: ${body.message}` : `HTTP ${response.status}`;
+    throw new Error(message);
+  }
+  return body;
+}
+
+function setStatus(text, isError = false) {
+  const el = $("status");
+  el.textContent = text;
+  el.classList.toggle("error", isError);
+}
+
+function localTime(iso) {
+  const d = new Date(iso);
+  return isNaN(d) ? iso : d.toLocaleString();
+}
+
+// ---- model state --------------------------------------------------------------------
+async function refreshModel() {
+  try {
+    const ready = await api("/readyz");
+    $("model-id").textContent = ready.model_id;
+    $("ready-dot").className = "dot ok";
+  } catch (err) {
+    $("model-id").textContent = err.message;
+    $("ready-dot").className = "dot bad";
+  }
+}
+
+// ---- inspect ------------------------------------------------------------------------
+function showResult(res, originalUrl) {
+  $("result").hidden = false;
+  const verdict = $("verdict");
+  verdict.textContent = res.is_anomalous ? "ANOMALOUS" : "OK";
+  verdict.className = "verdict " + (res.is_anomalous ? "anomalous" : "normal");
+  verdict.dataset.state = res.is_anomalous ? "anomalous" : "normal";
+  $("r-score").textContent = fmt(res.score);
+  $("r-threshold").textContent = fmt(res.threshold);
+  $("r-norm").textContent = fmt(res.normalized_score, 3);
+  $("r-pixels").textContent = res.anomalous_pixels ?? "–";
+  const w = res.image ? res.image.width : res.width;
+  const h = res.image ? res.image.height : res.height;
+  $("r-size").textContent = (w && h) ? `${w} × ${h}` + (res.image ? ` ${res.image.format}` : "") : "–";
+  $("r-time").textContent = localTime(res.time || res.time_iso);
+  $("r-source").textContent = [res.part_id, res.source].filter(Boolean).join(" · ") || "–";
+  const overlay = res.overlay_png ? "data:image/png;base64," + res.overlay_png : res.overlay_url;
+  const mask = res.mask_png ? "data:image/png;base64," + res.mask_png : res.mask_url;
+  setPicture("original", originalUrl);
+  setPicture("overlay", overlay);
+  setPicture("mask", mask);
+}
+
+function setPicture(id, url) {
+  const img = $(id);
+  if (url) { img.src = url; img.parentElement.hidden = false; }
+  else { img.removeAttribute("src"); img.parentElement.hidden = true; }
+}
+
+let lastObjectUrl = null;
+async function inspect(file) {
+  if (!file) return;
+  const form = new FormData();
+  form.append("file", file, file.name);
+  const partId = $("part-id").value.trim();
+  if (partId) form.append("part_id", partId);
+  setStatus(`inspecting ${file.name}…`);
+  const started = performance.now();
+  try {
+    const res = await api("/v1/predict?heatmap=png", { method: "POST", body: form });
+    if (lastObjectUrl) URL.revokeObjectURL(lastObjectUrl);
+    lastObjectUrl = URL.createObjectURL(file);
+    showResult(res, lastObjectUrl);
+    setStatus(`${file.name}: done in ${((performance.now() - started) / 1000).toFixed(2)} s ` +
+              `(batch of ${res.timing_ms.batch_size})`);
+    refreshResults();
+  } catch (err) {
+    setStatus(`${file.name}: ${err.message}`, true);
+  }
+}
+
+function setupUpload() {
+  const drop = $("drop");
+  $("file").addEventListener("change", (e) => { inspect(e.target.files[0]); e.target.value = ""; });
+  ["dragenter", "dragover"].forEach((t) => drop.addEventListener(t, (e) => {
+    e.preventDefault(); drop.classList.add("over");
+  }));
+  ["dragleave", "drop"].forEach((t) => drop.addEventListener(t, (e) => {
+    e.preventDefault(); drop.classList.remove("over");
+  }));
+  drop.addEventListener("drop", (e) => inspect(e.dataTransfer.files[0]));
+}
+
+// ---- recent inspections and the score chart -----------------------------------------
+function renderRecent(rows) {
+  const body = $("recent");
+  body.replaceChildren();
+  $("recent-empty").hidden = rows.length > 0;
+  for (const r of rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.id = r.id;
+    const thumb = document.createElement("td");
+    if (r.thumb_url) {
+      const img = document.createElement("img");
+      img.loading = "lazy"; img.alt = ""; img.src = r.thumb_url;
+      thumb.append(img);
+    }
+    const time = document.createElement("td"); time.textContent = localTime(r.time_iso);
+    const who = document.createElement("td");
+    who.textContent = [r.part_id, r.source].filter(Boolean).join(" · ") || "–";
+    const score = document.createElement("td"); score.textContent = fmt(r.score);
+    const verdict = document.createElement("td");
+    const tag = document.createElement("span");
+    tag.className = "tag " + (r.is_anomalous ? "anomalous" : "normal");
+    tag.textContent = r.is_anomalous ? "anomalous" : "ok";
+    verdict.append(tag);
+    tr.append(thumb, time, who, score, verdict);
+    tr.addEventListener("click", () => showResult(r, null));
+    body.append(tr);
+  }
+}
+
+function drawChart(rows) {
+  const canvas = $("chart");
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 600, height = canvas.clientHeight || 200;
+  canvas.width = width * ratio; canvas.height = height * ratio;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const points = rows.slice().reverse();  // oldest first
+  ctx.fillStyle = "#6b7385"; ctx.font = "11px system-ui, sans-serif";
+  if (!points.length) { ctx.fillText("no scores yet", 10, 20); return; }
+  const values = points.flatMap((p) => [p.score, p.threshold]);
+  let lo = Math.min(...values), hi = Math.max(...values);
+  if (hi - lo < 1e-9) { hi += 1; lo -= 1; }
+  const pad = (hi - lo) * 0.08; lo -= pad; hi += pad;
+  const left = 48, right = 8, top = 8, bottom = 18;
+  const x = (i) => left + (points.length === 1 ? 0.5 : i / (points.length - 1)) * (width - left - right);
+  const y = (v) => top + (1 - (v - lo) / (hi - lo)) * (height - top - bottom);
+  ctx.strokeStyle = "#dde2ea"; ctx.lineWidth = 1;
+  for (let k = 0; k <= 4; k++) {
+    const v = lo + (hi - lo) * k / 4;
+    ctx.beginPath(); ctx.moveTo(left, y(v)); ctx.lineTo(width - right, y(v)); ctx.stroke();
+    ctx.fillText(Number(v).toPrecision(3), 2, y(v) + 4);
+  }
+  ctx.fillText(`last ${points.length} inspections`, left, height - 4);
+  ctx.strokeStyle = "#e5484d"; ctx.setLineDash([5, 4]); ctx.lineWidth = 1.5;  // threshold
+  ctx.beginPath();
+  points.forEach((p, i) => { const px = x(i), py = y(p.threshold); i ? ctx.lineTo(px, py) : ctx.moveTo(px, py); });
+  ctx.stroke(); ctx.setLineDash([]);
+  points.forEach((p, i) => {
+    ctx.fillStyle = p.is_anomalous ? "#e5484d" : "#2fbf71";
+    ctx.beginPath(); ctx.arc(x(i), y(p.score), 3, 0, 2 * Math.PI); ctx.fill();
+  });
+}
+
+async function refreshResults() {
+  try {
+    const onlyAnomalous = $("only-anomalous").checked;
+    const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : ""));
+    renderRecent(recent.results);
+    drawChart((await api("/v1/results?limit=200")).results);
+  } catch (err) {
+    $("recent-empty").hidden = false;
+    $("recent-empty").textContent = err.message;
+  }
+}
+
+// ---- drift --------------------------------------------------------------------------
+function leaves(obj, prefix = "", out = []) {
+  for (const [k, v] of Object.entries(obj || {})) {
+    const key = prefix ? `${prefix}.${k}` : k;
+    if (v !== null && typeof v === "object") leaves(v, key, out);
+    else if (typeof v === "number" || typeof v === "boolean") out.push([key, v]);
+  }
+  return out;
+}
+
+async function refreshDrift() {
+  const state = $("drift-state"), table = $("drift-table");
+  try {
+    const status = await api("/v1/drift");
+    table.replaceChildren();
+    if (!status.enabled) {
+      state.textContent = "not enabled";
+      state.className = "drift-state off";
+      $("drift-message").textContent = "This server runs without a drift monitor (start it with --monitor).";
+      return;
+    }
+    const s = String(status.state || (status.drift ? "drift" : "ok"));
+    state.textContent = s;
+    state.className = "drift-state " + s.toLowerCase();
+    $("drift-message").textContent = status.message || "";
+    const rest = Object.fromEntries(Object.entries(status).filter(([k]) => !["enabled", "state", "message"].includes(k)));
+    for (const [key, value] of leaves(rest).slice(0, 40)) {
+      const tr = document.createElement("tr");
+      const a = document.createElement("td"); a.textContent = key;
+      const b = document.createElement("td");
+      b.textContent = typeof value === "number" ? fmt(value, 4) : String(value);
+      tr.append(a, b); table.append(tr);
+    }
+  } catch (err) {
+    state.textContent = "unavailable"; state.className = "drift-state error";
+    $("drift-message").textContent = err.message;
+  }
+}
+
+setupUpload();
+$("only-anomalous").addEventListener("change", refreshResults);
+refreshModel(); refreshResults(); refreshDrift();
+setInterval(refreshModel, 10000);
+setInterval(refreshResults, 3000);
+setInterval(refreshDrift, 5000);

@@ -1,0 +1,564 @@
+"""Load test of the inspection service on loopback (issue 13, item 5).
+
+Starts ``anomaly-hooks serve`` on 127.0.0.1 (a free port, a temporary results log), then
+
+* measures ``Detector.predict`` on batches of ``--max-batch`` images of the same files in this
+  process (the reference; before and after the load, with the server idle);
+* runs ``--clients`` concurrent HTTP clients for ``--duration`` seconds (at most
+  ``--max-requests``) posting real images, and reports p50/p95/p99 latency, throughput, errors,
+  the server's peak RSS, the mean batch size, the throughput as a ratio to the reference and the
+  p99 latency as a multiple of the reference batch latency;
+* checks that every acknowledged prediction is in the results log (lost results).
+
+``--soak SECONDS`` instead runs mixed good, defective and hostile uploads (corrupt and truncated
+files, decompression bombs, huge headers, over-size bodies, unsupported types, 16-bit PNGs) and
+reports the server's RSS growth between the second minute and the last minute, wrong statuses and
+5xx answers.
+
+    python scripts/bench_serve.py --model models/padim.safetensors --clients 16 --duration 180
+    python scripts/bench_serve.py --model models/padim.safetensors --soak 600 --clients 8
+
+Bounded: loopback only, a request cap and a time cap; the server is stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import random
+import socket
+import sqlite3
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HOST = "127.0.0.1"  # never anything else
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", default=str(ROOT / "data" / "sample" / "test"),
+                   help="folder of images to post (recursive; default data/sample/test)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    p.add_argument("--max-requests", type=int, default=5000)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-wait-ms", default="auto", help="ms or auto (the server's default)")
+    p.add_argument("--reference-passes", type=int, default=2,
+                   help="timed Detector.predict batches before each load segment and at the end")
+    p.add_argument("--cycles", type=int, default=3,
+                   help="load segments, with reference batches between them (the machine's load "
+                   "drifts: interleaving keeps the ratio fair)")
+    p.add_argument("--soak", type=float, default=0.0,
+                   help="seconds of mixed good/defective/hostile uploads instead of the load test")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra option for the server (repeatable), e.g. --server-arg=--keep-images=all")
+    p.add_argument("--out", default="bench_serve.json")
+    return p.parse_args(argv)
+
+
+# ---- the server -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args, workdir: Path, extra: List[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.results = workdir / "results"
+        self.log_path = workdir / "server.log"
+        cmd = [sys.executable, "-m", "anomaly_hooks.serve", "--model", args.model, "--host", HOST,
+               "--port", str(self.port), "--results-dir", str(self.results),
+               "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
+               "--max-queue", str(max(64, 2 * args.clients)), "--log-level", "warning", *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("ANOMALY_HOOKS_TOKEN", None)
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=open(self.log_path, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("server not ready in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RssSampler(threading.Thread):
+    """The server's resident memory (with children), every ``interval`` seconds."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.interval = interval
+        self.samples: List[Tuple[float, int]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        t0 = time.monotonic()
+        while not self._halt.is_set():
+            try:
+                rss = self.proc.memory_info().rss + sum(
+                    c.memory_info().rss for c in self.proc.children(recursive=True))
+            except psutil.Error:
+                return
+            self.samples.append((time.monotonic() - t0, rss))
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def peak(self) -> int:
+        return max((r for _, r in self.samples), default=0)
+
+
+# ---- payloads ---------------------------------------------------------------------------------
+def list_images(folder: Path, limit: int = 400) -> List[Path]:
+    from anomaly_hooks.images import is_image_file
+
+    return sorted(p for p in folder.rglob("*") if p.is_file() and is_image_file(p))[:limit]
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(
+        ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def hostile_payloads(sample: bytes, max_upload: int) -> Dict[str, Tuple[bytes, int]]:
+    """name -> (bytes, expected HTTP status). ``sample``: a valid PNG."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(sample)).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90)
+    jpeg = bytearray(buf.getvalue())
+    corrupt = bytes(jpeg[: len(jpeg) // 3]) + os.urandom(len(jpeg) // 3)
+    bomb = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 50000, 50000, 8, 2, 0, 0, 0))
+            + _chunk(b"IDAT", zlib.compress(b"\x00" * 150001 * 4, 9)) + _chunk(b"IEND", b""))
+    over = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 8000, 8000, 8, 2, 0, 0, 0))
+            + _chunk(b"IDAT", zlib.compress(b"\x00" * 24001 * 4, 9)) + _chunk(b"IEND", b""))
+    text = _chunk(b"zTXt", b"comment\x00\x00" + zlib.compress(b"A" * (8 << 20), 9))
+    huge_header = sample[:33] + text + sample[33:]
+    g16 = io.BytesIO()
+    Image.fromarray((np.asarray(img.convert("L"), dtype=np.uint16) * 257)).save(g16, "PNG")
+    gif = io.BytesIO()
+    img.save(gif, "GIF")
+    return {
+        "corrupt_jpeg": (corrupt, 400),
+        "truncated_png": (sample[: len(sample) // 2], 400),
+        "png_bomb_50k": (bomb, 413),
+        "png_over_pixel_limit": (over, 413),
+        "png_huge_text_header": (huge_header, 400),
+        "oversize_body": (os.urandom(max_upload + 200 * 1024), 413),
+        "gif": (gif.getvalue(), 415),
+        "text": (b"GET / HTTP/1.1 this is not an image" * 10, 415),
+        "empty": (b"", 400),
+        "png16_valid": (g16.getvalue(), 200),
+    }
+
+
+# ---- the reference ----------------------------------------------------------------------------
+REFERENCE_CODE = r"""
+import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import psutil
+from anomaly_hooks import Detector
+import torch
+torch.zeros(1 << 20).add_(1)   # first parallel torch op on the main thread: see serve/app.py
+model, batch = sys.argv[1], int(sys.argv[2])
+paths = sys.argv[3:]
+pool = ThreadPoolExecutor(1)   # batches on a worker thread, as the service runs them
+det = pool.submit(Detector.load, model, device="cpu").result()
+pool.submit(det.predict, paths[:batch], batch_size=batch).result()   # warm-up
+print(json.dumps({"ready": True}), flush=True)
+done = 0
+for line in sys.stdin:
+    times, proc = [], psutil.Process()
+    c0 = proc.cpu_times()
+    for _ in range(int(line)):
+        chunk = [paths[(done * batch + k) % len(paths)] for k in range(batch)]
+        t = time.perf_counter()
+        pool.submit(det.predict, chunk, batch_size=batch).result()
+        times.append(time.perf_counter() - t)
+        done += 1
+    c1 = proc.cpu_times()
+    print(json.dumps({"times": times, "user": c1.user - c0.user,
+                      "system": c1.system - c0.system}), flush=True)
+"""
+
+
+class Reference:
+    """``Detector.predict`` on batches of the same files, in a process of its own started like
+    the server (a fresh interpreter that imports anomaly_hooks first), kept alive and idle
+    while the load runs, so that the same run can interleave both. (Measured in the load
+    generator's own process it came out up to twice as expensive per image: the two must not
+    differ in anything but the HTTP service.)"""
+
+    def __init__(self, model: str, paths: List[Path], batch: int) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", REFERENCE_CODE, model, str(batch), *map(str, paths)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self._read()
+        self.times: List[float] = []
+        self.user = self.system = 0.0
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("the reference process died")
+        return json.loads(line)
+
+    def run(self, passes: int) -> List[float]:
+        self.proc.stdin.write(f"{passes}\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        self.times += out["times"]
+        self.user += out["user"]
+        self.system += out["system"]
+        return out["times"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def _cpu(pid: int) -> Tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads (page faults and huge-page
+    compaction count as system time)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user, t.system
+
+
+# ---- load -------------------------------------------------------------------------------------
+async def run_clients(url: str, bodies: List[Tuple[str, bytes, int]], clients: int,
+                      duration: float, max_requests: int, warmup: bool = True) -> dict:
+    """Each client posts ``bodies`` round-robin (shifted per client) until the time or request
+    cap. Returns latencies (s) of 200s, statuses, acknowledged request ids and the wall time."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    out = {"lat": [], "status": {}, "unexpected": [], "acked": [], "transport_errors": 0}
+    counter = {"n": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        if warmup:  # one request per client, not counted: the first batches and connections
+            await asyncio.gather(*(client.post("/v1/predict", content=bodies[i % len(bodies)][1])
+                                   for i in range(clients)))
+        start = time.perf_counter()
+        deadline = start + duration
+
+        async def one_client(cid: int) -> None:
+            i = cid * 7
+            while time.perf_counter() < deadline and counter["n"] < max_requests:
+                counter["n"] += 1
+                name, body, expect = bodies[i % len(bodies)]
+                i += 1
+                t = time.perf_counter()
+                try:
+                    r = await client.post(f"/v1/predict?part_id=c{cid}-{i}", content=body)
+                except httpx.HTTPError as exc:
+                    out["transport_errors"] += 1
+                    out["unexpected"].append(f"{name}: {type(exc).__name__}")
+                    continue
+                dt = time.perf_counter() - t
+                out["status"][r.status_code] = out["status"].get(r.status_code, 0) + 1
+                if r.status_code != expect:
+                    out["unexpected"].append(f"{name}: {r.status_code} {r.text[:200]}")
+                if r.status_code == 200:
+                    out["lat"].append(dt)
+                    out["acked"].append(r.json()["request_id"])
+
+        await asyncio.gather(*(one_client(c) for c in range(clients)))
+        out["wall"] = time.perf_counter() - start
+    return out
+
+
+def pct(values: List[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def batch_stats(url: str) -> Tuple[float, float, float]:
+    """(images batched, batches, seconds of inference) so far, from the server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    vals = {}
+    keys = ("anomaly_hooks_batch_size_sum", "anomaly_hooks_batch_size_count",
+            "anomaly_hooks_batch_duration_seconds_sum")
+    for line in text.splitlines():
+        for key in keys:
+            if line.startswith(key + " "):
+                vals[key] = float(line.split()[1])
+    return tuple(vals.get(k, 0.0) for k in keys)  # type: ignore[return-value]
+
+
+def lost_results(db: Path, acked: List[str]) -> int:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    stored = {r[0] for r in con.execute("SELECT request_id FROM results")}
+    con.close()
+    return sum(1 for a in acked if a not in stored)
+
+
+def mib(n: float) -> float:
+    return n / 2**20
+
+
+# ---- main -------------------------------------------------------------------------------------
+def load_test(args, server: Server, paths: List[Path], bodies) -> dict:
+    ref = Reference(args.model, paths, args.max_batch)
+    ref.run(args.reference_passes)
+    sampler = RssSampler(server.proc.pid)
+    sampler.start()
+    sum0, cnt0, sec0 = batch_stats(server.url)
+    res: dict = {"lat": [], "status": {}, "unexpected": [], "acked": [], "transport_errors": 0,
+                 "wall": 0.0}
+    segment = args.duration / max(1, args.cycles)
+    server_user = server_sys = 0.0
+    for cycle in range(max(1, args.cycles)):
+        if cycle:
+            ref.run(args.reference_passes)
+        if cycle == 0:  # warm-up round (not counted), then the measured segment
+            asyncio.run(run_clients(server.url, bodies, args.clients, 0, 0, warmup=True))
+        u0, s0 = _cpu(server.proc.pid)
+        part = asyncio.run(run_clients(server.url, bodies, args.clients, segment,
+                                       args.max_requests - len(res["lat"]), warmup=False))
+        u1, s1 = _cpu(server.proc.pid)
+        server_user += u1 - u0
+        server_sys += s1 - s0
+        for key in ("lat", "unexpected", "acked"):
+            res[key] += part[key]
+        for code, n in part["status"].items():
+            res["status"][code] = res["status"].get(code, 0) + n
+        res["transport_errors"] += part["transport_errors"]
+        res["wall"] += part["wall"]
+        print(f"  segment {cycle + 1}: {len(part['lat'])} ok in {part['wall']:.0f} s "
+              f"({len(part['lat']) / part['wall']:.3f} img/s); reference batches so far "
+              f"{[round(t, 2) for t in ref.times]}", flush=True)
+    sum1, cnt1, sec1 = batch_stats(server.url)
+    ref.run(args.reference_passes)
+    ref.close()
+    ref_times = ref.times
+    sampler.stop()
+    ref_batch = statistics.mean(ref_times)
+    ref_tput = args.max_batch / ref_batch
+    ok = len(res["lat"])
+    tput = ok / res["wall"]
+    ref_user, ref_sys = ref.user, ref.system
+    ref_img_per_cpu = args.max_batch * len(ref_times) / (ref_user + ref_sys)
+    server_cpu = server_user + server_sys
+    srv_img_per_cpu = ok / server_cpu if server_cpu else float("nan")
+    errors = sum(n for s, n in res["status"].items() if s != 200) + res["transport_errors"]
+    lost = lost_results(server.results / "results.sqlite", res["acked"])
+    p = {q: pct(res["lat"], q) for q in (50, 95, 99)}
+    return {
+        "mode": "load", "clients": args.clients, "max_batch": args.max_batch,
+        "max_wait_ms": args.max_wait_ms, "images": len(paths), "requests_ok": ok,
+        "errors": errors, "statuses": res["status"], "lost_results": lost,
+        "wall_s": res["wall"], "cycles": args.cycles, "throughput_img_s": tput,
+        "latency_s": {"p50": p[50], "p95": p[95], "p99": p[99], "max": max(res["lat"], default=0)},
+        "mean_batch_size": (sum1 - sum0) / max(cnt1 - cnt0, 1),
+        "server_batch_seconds_mean": (sec1 - sec0) / max(cnt1 - cnt0, 1),
+        "reference": {"batch_seconds": ref_times, "batch_seconds_mean": ref_batch,
+                      "batch_seconds_median": statistics.median(ref_times),
+                      "throughput_img_s": ref_tput},
+        "throughput_ratio": tput / ref_tput, "p99_over_batch_latency": p[99] / ref_batch,
+        "cpu": {"server_user_s": server_user, "server_system_s": server_sys,
+                "server_img_per_cpu_s": srv_img_per_cpu, "reference_user_s": ref_user,
+                "reference_system_s": ref_sys, "reference_img_per_cpu_s": ref_img_per_cpu,
+                "ratio": srv_img_per_cpu / ref_img_per_cpu},
+        "server_peak_rss_mib": mib(sampler.peak()),
+        "targets": {"zero_errors": errors == 0, "zero_lost": lost == 0,
+                    "throughput_ratio_ge_0.85": tput / ref_tput >= 0.85,
+                    "p99_lt_3x_batch": p[99] < 3 * ref_batch},
+        "unexpected": res["unexpected"][:20],
+    }
+
+
+def soak_test(args, server: Server, paths: List[Path]) -> dict:
+    goods = [p for p in paths if p.parent.name == "good"] or paths
+    defects = [p for p in paths if p.parent.name != "good"] or paths
+    sample = goods[0].read_bytes()
+    max_upload = 4 << 20
+    hostile = hostile_payloads(sample, max_upload)
+    rng = random.Random(0)
+    mix: List[Tuple[str, bytes, int]] = []
+    for i in range(400):  # ~45 % good, 25 % defective, 30 % hostile, shuffled
+        u = rng.random()
+        if u < 0.45:
+            p = goods[i % len(goods)]
+            mix.append((f"good:{p.name}", p.read_bytes(), 200))
+        elif u < 0.70:
+            p = defects[i % len(defects)]
+            mix.append((f"defect:{p.name}", p.read_bytes(), 200))
+        else:
+            name = rng.choice(sorted(hostile))
+            mix.append((name, *hostile[name]))
+    sampler = RssSampler(server.proc.pid, interval=1.0)
+    sampler.start()
+    res = asyncio.run(run_clients(server.url, mix, args.clients, args.soak, args.max_requests))
+    sampler.stop()
+    samples = sampler.samples
+    end_t = samples[-1][0] if samples else 0.0
+    base = [r for t, r in samples if 60 <= t < 120] or [r for _, r in samples[: len(samples) // 4]]
+    last = [r for t, r in samples if t >= end_t - 60]
+    base_rss, last_rss = statistics.median(base), statistics.median(last)
+    by_kind: Dict[str, int] = {}
+    for name, _, _ in mix:
+        by_kind[name.split(":")[0]] = by_kind.get(name.split(":")[0], 0) + 1
+    five_xx = sum(n for s, n in res["status"].items() if s >= 500)
+    lost = lost_results(server.results / "results.sqlite", res["acked"])
+    return {
+        "mode": "soak", "seconds": res["wall"], "clients": args.clients,
+        "requests": sum(res["status"].values()), "statuses": res["status"],
+        "scored_ok": len(res["lat"]), "wrong_status": len(res["unexpected"]), "5xx": five_xx,
+        "transport_errors": res["transport_errors"], "lost_results": lost,
+        "rss_mib": {"second_minute_median": mib(base_rss), "last_minute_median": mib(last_rss),
+                    "peak": mib(sampler.peak()), "growth_pct": 100 * (last_rss - base_rss) / base_rss},
+        "rss_timeline_mib": [(round(t), round(mib(r))) for t, r in samples[:: max(1, len(samples) // 60)]],
+        # per minute: the floor (between batches: memory kept), median and peak (in flight)
+        "rss_per_minute_mib": per_minute(samples),
+        "latency_s": {"p50": pct(res["lat"], 50), "p99": pct(res["lat"], 99)},
+        "mix": by_kind, "unexpected": res["unexpected"][:20],
+        "targets": {"rss_growth_lt_5pct": (last_rss - base_rss) / base_rss < 0.05,
+                    "no_5xx": five_xx == 0, "zero_lost": lost == 0},
+    }
+
+
+def per_minute(samples: List[Tuple[float, int]]) -> List[Tuple[int, float, float, float]]:
+    """(minute, min, median, max) RSS in MiB of each full minute of ``(seconds, bytes)``."""
+    out = []
+    for m in range(int(samples[-1][0] // 60) if samples else 0):
+        w = [r for t, r in samples if m * 60 <= t < (m + 1) * 60]
+        if w:
+            out.append((m + 1, round(mib(min(w))), round(mib(statistics.median(w))),
+                        round(mib(max(w)))))
+    return out
+
+
+def print_load(r: dict) -> None:
+    ref = r["reference"]
+    lat = r["latency_s"]
+    print(f"\nload test: {r['clients']} clients, {r['wall_s']:.0f} s in {r['cycles']} segments, "
+          f"max batch {r['max_batch']}, "
+          f"max wait {r['max_wait_ms']} ms, {r['images']} images")
+    rows = [
+        ("requests ok / errors / lost results", f"{r['requests_ok']} / {r['errors']} / "
+                                                f"{r['lost_results']}"),
+        ("throughput (img/s)", f"{r['throughput_img_s']:.3f}"),
+        (f"Detector.predict, batches of {r['max_batch']} (img/s)", f"{ref['throughput_img_s']:.3f}"),
+        ("throughput ratio (target >= 0.85)", f"{r['throughput_ratio']:.3f}"),
+        ("images per CPU-second: server / Detector.predict",
+         f"{r['cpu']['server_img_per_cpu_s']:.3f} / {r['cpu']['reference_img_per_cpu_s']:.3f}"
+         f" = {r['cpu']['ratio']:.3f}"),
+        ("CPU s per image, user + system: server / Detector.predict",
+         f"{r['cpu']['server_user_s'] / r['requests_ok']:.3f} + "
+         f"{r['cpu']['server_system_s'] / r['requests_ok']:.3f} / "
+         f"{r['cpu']['reference_user_s'] / len(ref['batch_seconds']) / r['max_batch']:.3f} + "
+         f"{r['cpu']['reference_system_s'] / len(ref['batch_seconds']) / r['max_batch']:.3f}"),
+        ("latency p50 / p95 / p99 (s)", f"{lat['p50']:.2f} / {lat['p95']:.2f} / {lat['p99']:.2f}"),
+        (f"batch latency, Detector.predict of {r['max_batch']} (s, mean)",
+         f"{ref['batch_seconds_mean']:.2f}"),
+        ("p99 / batch latency (target < 3)", f"{r['p99_over_batch_latency']:.2f}"),
+        ("mean batch size; the server's inference time per batch (s)",
+         f"{r['mean_batch_size']:.2f}; {r['server_batch_seconds_mean']:.2f}"),
+        ("server peak RSS (MiB)", f"{r['server_peak_rss_mib']:.0f}"),
+    ]
+    width = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a:<{width}}  {b}")
+    print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in r["targets"].items()))
+
+
+def print_soak(r: dict) -> None:
+    rss = r["rss_mib"]
+    print(f"\nsoak: {r['seconds']:.0f} s, {r['clients']} clients, {r['requests']} requests "
+          f"{r['statuses']}; mix {r['mix']}")
+    print(f"  scored {r['scored_ok']}, wrong status {r['wrong_status']}, 5xx {r['5xx']}, "
+          f"transport errors {r['transport_errors']}, lost results {r['lost_results']}")
+    print(f"  RSS (MiB): 2nd minute {rss['second_minute_median']:.0f}, last minute "
+          f"{rss['last_minute_median']:.0f} ({rss['growth_pct']:+.2f} %), peak {rss['peak']:.0f}")
+    print("  per minute, min / median / max: " + "; ".join(
+        f"{m}: {a}/{b}/{c}" for m, a, b, c in r["rss_per_minute_mib"]))
+    print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in r["targets"].items()))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.model = str(Path(args.model).resolve())
+    paths = list_images(Path(args.images))
+    if not paths:
+        raise SystemExit(f"no images under {args.images}")
+    bodies = [(p.name, p.read_bytes(), 200) for p in paths]
+    load_start = os.getloadavg()  # a shared machine: the figures need the load beside them
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+        extra = list(args.server_arg)
+        if args.soak:
+            extra += ["--max-upload-mb", "4"]
+        server = Server(args, Path(tmp), extra)
+        try:
+            t = time.perf_counter()
+            server.wait_ready()
+            print(f"server ready in {time.perf_counter() - t:.1f} s on {server.url}")
+            result = soak_test(args, server, paths) if args.soak else load_test(
+                args, server, paths, bodies)
+        finally:
+            server.stop()
+    result["model"] = args.model
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    result["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
+    (print_soak if args.soak else print_load)(result)
+    print(f"  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()} "
+          f"on {os.cpu_count()} CPUs")
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"written {args.out}")
+    ok = all(result["targets"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,530 @@
+"""Drift monitor: statistics, reference, leave-window-out calibration, sliding window, the
+detector's hook seam, the model file and the ``score`` summary."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anomaly_hooks.errors import ConfigError, DataError, FitError, ModelFileError, NotFittedError
+from anomaly_hooks.monitor import (DriftMonitor, DriftReference, StatisticsCollector,
+                                   input_statistics, layer_statistics)
+from anomaly_hooks.monitor.reference import _joint_thresholds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def correlated(n, d, rng, shift=None):
+    """Good per-image vectors: a few latent factors plus channel noise."""
+    mix = np.random.default_rng(123).normal(size=(4, d))
+    x = rng.normal(size=(n, 4)) @ mix + 0.5 * rng.normal(size=(n, d)) + 3.0
+    return x if shift is None else x + shift
+
+
+def synthetic_reference(n=160, alpha=0.02, seed=0, with_scores=True, min_shift=0.0):
+    rng = np.random.default_rng(seed)
+    vecs = {"input": correlated(n, 7, rng), "layer": correlated(n, 40, rng)}
+    scores = np.exp(rng.normal(1.0, 0.2, 40)) if with_scores else None
+    return DriftReference.fit(vecs, scores, window=8, alpha=alpha, n_windows=4000, seed=seed,
+                              min_shift=min_shift)
+
+
+def test_monitor_imports_without_torch():
+    """numpy only: usable by the torch-free runtime and without the detector."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "import anomaly_hooks.monitor as m\n"
+        "import numpy as np\n"
+        "x = np.random.default_rng(0).normal(size=(30, 5))\n"
+        "ref = m.DriftReference.fit({'input': x}, None, window=4, alpha=0.05, n_windows=800)\n"
+        "mon = m.DriftMonitor(ref); mon.update({'input': x[:6]})\n"
+        "print(mon.status()['images_seen'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6"
+
+
+def test_false_alarm_rate_on_fresh_good_windows_is_about_alpha():
+    """Leave-window-out calibration: windows of new good images from the same distribution
+    alarm at about alpha (the reference's own sampling error included), not far more."""
+    alpha = 0.02
+    rates = []
+    for seed in range(6):  # over several references (the rate is conditional on one)
+        ref = synthetic_reference(alpha=alpha, seed=seed, with_scores=False)
+        rng = np.random.default_rng(100 + seed)
+        m = 2000
+        fresh = {"input": correlated(m * ref.window, 7, rng),
+                 "layer": correlated(m * ref.window, 40, rng)}
+        hit = np.zeros(m, bool)
+        for name, block in ref.blocks.items():
+            xbar = fresh[name].reshape(m, ref.window, -1).mean(1)
+            for s, v in block.stats_of_means(xbar, ref.window).items():
+                hit |= v > ref.thresholds[s]
+        rates.append(hit.mean())
+    assert 0.25 * alpha < np.mean(rates) < 2.0 * alpha, rates
+
+
+def test_shifted_windows_alarm():
+    ref = synthetic_reference(with_scores=False)
+    rng = np.random.default_rng(7)
+    mon = DriftMonitor(ref)
+    mon.update({"input": correlated(ref.window, 7, rng), "layer": correlated(ref.window, 40, rng)})
+    assert not mon.status()["alarm"]
+    shift = np.zeros(40)
+    shift[:10] = 0.8  # 10 of 40 channels move by about half their spread
+    n = 0
+    while not mon.alarm and n < ref.window:
+        mon.update({"input": correlated(1, 7, rng), "layer": correlated(1, 40, rng, shift)})
+        n += 1
+    st = mon.status()
+    assert st["alarm"] and n <= ref.window, st
+    assert any(s.startswith("layer:") for s in st["alarming"])
+    assert st["first_alarm_image"] == ref.window + n
+
+
+def test_min_shift_floor_silences_small_significant_shifts():
+    """A consistent shift of 1 spread in every channel is significant for 8-image windows
+    but below a 1.5-spread floor; 2.5 spreads is above it."""
+    rng = np.random.default_rng(11)
+    x = correlated(160, 40, rng)
+    sd = x.std(0)
+    for min_shift, shift, alarm in ((0.0, 1.0, True), (1.5, 1.0, False), (1.5, 2.5, True)):
+        ref = DriftReference.fit({"layer": x}, None, window=8, alpha=0.02, n_windows=2000,
+                                 min_shift=min_shift)
+        mon = DriftMonitor(ref)
+        mon.update({"layer": correlated(8, 40, rng, shift * sd)})
+        st = mon.status()
+        assert st["alarm"] is alarm, (min_shift, shift, st["statistics"])
+        assert st["statistics"]["layer:shift"]["shift"] == pytest.approx(
+            np.sqrt(st["statistics"]["layer:shift"]["value"] / 8))
+    assert ref.thresholds["layer:shift"] >= 8 * 1.5 ** 2
+    assert ref.info["calibrated_thresholds"]["layer:shift"] < ref.thresholds["layer:shift"]
+
+
+def test_no_check_before_the_window_is_full():
+    ref = synthetic_reference(with_scores=False)
+    mon = DriftMonitor(ref)
+    big = correlated(ref.window - 1, 40, np.random.default_rng(0), shift=100.0)
+    mon.update({"layer": big})
+    st = mon.status()
+    assert not st["alarm"] and st["statistics"]["layer:shift"]["value"] is None
+    mon.update({"layer": big[:1]})
+    assert mon.status()["alarm"]
+
+
+def test_score_statistic_is_one_sided():
+    ref = synthetic_reference()
+    rng = np.random.default_rng(3)
+    low = np.exp(rng.normal(0.0, 0.2, ref.window))  # scores fell: not an alarm
+    high = np.exp(rng.normal(2.0, 0.2, ref.window))
+    mon = DriftMonitor(ref)
+    mon.update({}, scores=low)
+    assert not mon.alarm
+    mon.update({}, scores=high)
+    assert mon.status()["alarming"] == ["score:shift"]
+
+
+def test_state_round_trip_is_float32_and_exact():
+    ref = synthetic_reference()
+    tensors, meta = ref.state()
+    assert all(v.dtype == np.float32 for v in tensors.values())
+    assert all(k.startswith("drift.") for k in tensors)
+    meta = json.loads(json.dumps(meta))
+    back = DriftReference.from_state(tensors, meta)
+    assert back.thresholds == ref.thresholds and back.window == ref.window
+    x = correlated(ref.window, 40, np.random.default_rng(1))[None].mean(1)
+    a = ref.blocks["layer"].stats_of_means(x, ref.window)
+    b = back.blocks["layer"].stats_of_means(x, ref.window)
+    for k in a:
+        assert np.allclose(a[k], b[k], rtol=1e-4)
+    bad = dict(tensors)
+    bad["drift.layer.basis"] = bad["drift.layer.basis"][:, :1]
+    with pytest.raises(ModelFileError, match="shapes"):
+        DriftReference.from_state(bad, meta)
+    with pytest.raises(ModelFileError, match="version 2 is not supported"):
+        DriftReference.from_state(tensors, {**meta, "version": 2})
+    with pytest.raises(ModelFileError, match="without thresholds"):
+        DriftReference.from_state(tensors, {**meta, "thresholds": {}})
+
+
+def test_small_reference_lowers_the_window():
+    rng = np.random.default_rng(0)
+    ref = DriftReference.fit({"input": correlated(20, 7, rng)}, None, window=16, alpha=0.05,
+                             n_windows=1000)  # min_shift default
+    assert ref.window == 10 and ref.info["window_requested"] == 16
+
+
+def test_joint_thresholds_meet_alpha_with_correlated_statistics():
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=20000)
+    cal = {"a": base + 0.1 * rng.normal(size=20000), "b": base, "c": rng.normal(size=20000)}
+    thr, q = _joint_thresholds(cal, 0.01)
+    rate = np.mean(np.any([cal[s] > thr[s] for s in cal], 0))
+    assert 0.008 <= rate <= 0.0101
+    assert 1 - 0.01 < q < 1 - 0.01 / 3  # better than Bonferroni for correlated a, b
+
+
+def test_threads_lose_no_image():
+    ref = synthetic_reference(with_scores=False)
+    mon = DriftMonitor(ref)
+    x = correlated(5, 40, np.random.default_rng(0))
+
+    def work():
+        for _ in range(50):
+            mon.update({"layer": x})
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mon.status()["images_seen"] == 8 * 50 * 5
+
+
+def test_input_statistics_see_brightness_contrast_blur_noise():
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:64, 0:64]
+    img = 0.5 + 0.2 * np.sin(xx / 3.0)[None].repeat(3, 0)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+    def stats(raw):
+        return input_statistics(((raw - 0.5) / 0.25)[None], mean, std)[0]
+
+    base = stats(img)
+    assert stats(img * 1.2)[0] > base[0] * 1.15  # brightness
+    assert stats(0.5 + (img - 0.5) * 0.7)[3] < base[3] * 0.75  # contrast
+    fine = 0.5 + 0.2 * np.sin(xx * 1.3)[None].repeat(3, 0)  # a fine texture, then blurred
+    blurred = (fine[:, :, :-2] + fine[:, :, 1:-1] + fine[:, :, 2:]) / 3
+    assert stats(blurred)[4] < stats(fine[:, :, 1:-1])[4] - 1  # sharpness (log Lap. var.)
+    assert stats(img + rng.normal(0, 0.05, img.shape))[5] > base[5] + 1  # noise
+
+
+def test_collector_reservoir_is_bounded_and_seeded():
+    torch = pytest.importorskip("torch")
+    feats = {"l": torch.randn(10, 3, 4, 4)}
+    imgs = torch.randn(10, 3, 8, 8)
+    a = StatisticsCollector((0, 0, 0), (1, 1, 1), max_images=7, seed=1)
+    b = StatisticsCollector((0, 0, 0), (1, 1, 1), max_images=7, seed=1)
+    for _ in range(3):
+        a(feats, imgs)
+        b(feats, imgs)
+    va, vb = a.vectors(), b.vectors()
+    assert va["l"].shape == (7, 3) and va["input"].shape == (7, 7) and a.n_seen == 30
+    assert np.array_equal(va["l"], vb["l"])
+
+
+def test_sliding_window_false_alarm_rate_on_an_iid_stream():
+    """Through the monitor itself: the share of checks (one per image once the window is full)
+    in alarm over a long stream of fresh good images is about the stated alpha."""
+    alpha = 0.05
+    rates = []
+    for seed in range(4):
+        ref = synthetic_reference(alpha=alpha, seed=seed, with_scores=False)
+        rng = np.random.default_rng(200 + seed)
+        mon = DriftMonitor(ref)
+        n = 3000
+        mon.update({"input": correlated(n, 7, rng), "layer": correlated(n, 40, rng)})
+        st = mon.status()
+        rates.append(st["alarm_images"] / (n - ref.window + 1))
+    assert 0.25 * alpha < np.mean(rates) < 2.0 * alpha, rates
+
+
+def _grey(x):
+    return 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
+
+
+def test_input_statistics_match_scipy_references():
+    """Each input statistic against a float64 reference written another way (scipy's
+    Laplacian and 2-D convolution, numpy's std and gradients)."""
+    from scipy import ndimage, signal
+
+    rng = np.random.default_rng(0)
+    raw = rng.uniform(0, 1, (3, 3, 40, 52))  # [B, 3, h, w] in [0, 1]
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    norm = (raw - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
+    got = input_statistics(norm.astype(np.float32), mean, std).astype(np.float64)
+    g = _grey(raw)
+    imm_kernel = np.outer([1, -2, 1], [1, -2, 1])
+    for i in range(raw.shape[0]):
+        lap = ndimage.laplace(g[i])[1:-1, 1:-1]
+        imm = signal.convolve2d(g[i], imm_kernel, mode="valid")
+        want = [*raw[i].mean((1, 2)), g[i].std(),
+                math.log(lap.var() + 1e-10),
+                math.log(math.sqrt(math.pi / 2) / 6 * np.abs(imm).mean() + 1e-6),
+                math.log(np.abs(np.diff(g[i], axis=0)).mean()
+                         + np.abs(np.diff(g[i], axis=1)).mean() + 1e-6)]
+        np.testing.assert_allclose(got[i], want, rtol=2e-4, atol=2e-5)
+
+
+def test_statistics_of_tensors_match_numpy(device):
+    """The detector hands torch tensors (on its device); the statistics are the same as of
+    the numpy arrays (layer: the spatial channel mean)."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(4, 6, 7, 9, generator=gen)
+    imgs = torch.randn(4, 3, 20, 24, generator=gen)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    np.testing.assert_allclose(layer_statistics(feats.to(device)),
+                               feats.double().mean((2, 3)).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(input_statistics(imgs.to(device), mean, std),
+                               input_statistics(imgs.numpy(), mean, std), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_a_message():
+    ref = synthetic_reference(with_scores=False)
+    mon = DriftMonitor(ref)
+    with pytest.raises(DataError, match=r"drift block 'layer': expected \[B, 40\]"):
+        mon.update({"layer": np.zeros((2, 39))})
+    with pytest.raises(DataError, match="different numbers of images"):
+        mon.update({"layer": np.zeros((2, 40)), "input": np.zeros((3, 7))})
+    with pytest.raises(DataError, match=r"expected images \[B, 3, h, w\]"):
+        input_statistics(np.zeros((2, 1, 8, 8)), (0, 0, 0), (1, 1, 1))
+    with pytest.raises(DataError, match="too small"):
+        input_statistics(np.zeros((2, 3, 2, 8)), (0, 0, 0), (1, 1, 1))
+    with pytest.raises(FitError, match="too few"):
+        DriftReference.fit({"input": np.zeros((3, 7))}, None, window=2, n_windows=2000)
+    with pytest.raises(FitError, match="different numbers"):
+        DriftReference.fit({"a": np.zeros((9, 2)), "b": np.zeros((8, 2))}, None)
+    with pytest.raises(ConfigError, match="alpha"):
+        DriftReference.fit({"a": np.ones((9, 2))}, None, alpha=0.7)
+    assert mon.status()["images_seen"] == 0  # a refused update adds nothing
+
+
+def test_monitor_config_is_checked(small_cfg):
+    from anomaly_hooks.config import load_config
+
+    with pytest.raises(ConfigError, match="monitor.alpha"):
+        load_config({**small_cfg, "monitor": {"alpha": 0.0}})
+    with pytest.raises(ConfigError, match="monitor.calibration_windows"):
+        load_config({**small_cfg, "monitor": {"alpha": 0.001, "calibration_windows": 1000}})
+    with pytest.raises(ConfigError, match="monitor.window"):
+        load_config({**small_cfg, "monitor": {"window": 1}})
+
+
+# -- through the detector -----------------------------------------------------------------
+MONITOR_CFG = {"window": 4, "alpha": 0.05, "calibration_windows": 1000, "min_shift": 1.0}
+
+
+@pytest.fixture(scope="module")
+def monitored(small_cfg, tmp_path_factory):
+    """A detector fitted with a drift reference, and its saved file."""
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**small_cfg, "monitor": MONITOR_CFG})
+    det.fit(textured_images(24), progress=False)
+    return det, det.save(tmp_path_factory.mktemp("drift") / "m.safetensors")
+
+
+def test_fit_records_the_reference_through_the_hooks(monitored):
+    """The reference is fitted from the fit's own forward passes: one backbone pass per
+    image (training + threshold), and every block is there."""
+    det, _ = monitored
+    ref = det.drift_reference_
+    assert set(ref.blocks) == {"input", *det.layers, "score"}
+    assert ref.info["n_images"] == 24  # training and threshold images
+    assert ref.info["n_scores"] == det.fit_info_["n_threshold"]
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+
+    calls = []
+    fresh = Detector.from_config(det.cfg)
+    fresh.extractor.model.register_forward_pre_hook(lambda m, args: calls.append(len(args[0])))
+    fresh.fit(textured_images(24), progress=False)
+    assert sum(calls) == 24  # no second pass for the drift statistics
+    assert fresh.drift_reference_.thresholds == pytest.approx(ref.thresholds)  # seeded
+
+
+def test_save_load_round_trip_and_alarm(monitored):
+    from conftest import textured_images, with_defect
+
+    from anomaly_hooks import Detector
+    from anomaly_hooks.config import load_config
+    from anomaly_hooks.modelfile import load_model
+
+    det, path = monitored
+    back = Detector.load(path)
+    assert back.drift_reference_.thresholds == pytest.approx(det.drift_reference_.thresholds,
+                                                              rel=1e-6)
+    assert back.cfg.monitor.window == 4
+    _, meta = load_model(path)  # the monitor settings beside the config: older readers load it
+    assert "monitor" not in meta["config"] and meta["monitor"]["window"] == 4
+    load_config(meta["config"])
+    mon = back.drift_monitor()
+    good = textured_images(8, seed=5)
+    back.predict(good)
+    st = mon.status()
+    assert st["images_seen"] == 8 and st["window_filled"] == 4 and not st["alarm_episodes"]
+    dark = [(g * 0.5).astype(np.uint8) for g in good]
+    for _, _pred in back.iter_predict([with_defect(b) for b in dark], batch_size=2):
+        pass
+    st = mon.status()
+    assert st["images_seen"] == 16 and st["alarm"]
+    assert "anomaly_hooks_drift_alarm 1" in mon.prometheus()
+    back.decision_function(good[:2])
+    assert mon.status()["images_seen"] == 18  # every predict path feeds the monitor
+    other = DriftMonitor.from_detector(back)  # not attached: sees nothing by itself
+    back.predict(good[:2])
+    assert other.status()["images_seen"] == 0
+
+
+def _old_model_file(path: Path, dst: Path) -> Path:
+    """The same model as a file written before the drift monitor (no ``drift`` tensors or
+    metadata, no ``monitor`` section)."""
+    from anomaly_hooks.modelfile import load_model, save_model
+
+    tensors, meta = load_model(path)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("drift.")}
+    meta = {k: v for k, v in meta.items() if k not in ("drift", "monitor")}
+    return save_model(dst, tensors, meta, version=1)
+
+
+def test_old_model_file_loads_and_says_monitoring_is_off(monitored, tmp_path, capsys):
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+    from anomaly_hooks.cli import main
+
+    _, path = monitored
+    old = _old_model_file(path, tmp_path / "old.safetensors")
+    det = Detector.load(old)
+    assert det.drift_reference_ is None
+    assert det.predict(textured_images(1)[0]).score > 0
+    with pytest.raises(NotFittedError, match="no drift reference .* refit it"):
+        det.drift_monitor()
+    with pytest.raises(NotFittedError, match="no drift reference"):
+        DriftMonitor.from_detector(det)
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(textured_images(1)[0]).save(folder / "a.png")
+    assert main(["score", "--model", str(old), str(folder), "--out", str(tmp_path / "o"),
+                 "--no-images"]) == 0
+    assert "drift: not monitored (the model file has no drift reference" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert "drift" not in doc
+
+
+def test_inconsistent_drift_reference_is_a_model_file_error(monitored, tmp_path):
+    from anomaly_hooks import Detector
+    from anomaly_hooks.modelfile import load_model, save_model
+
+    _, path = monitored
+    tensors, meta = load_model(path)
+    meta["drift"]["blocks"][0]["dim"] += 1
+    bad = save_model(tmp_path / "bad.safetensors", tensors, meta, version=1)
+    with pytest.raises(ModelFileError, match="drift block .input.: tensor shapes do not match"):
+        Detector.load(bad)
+    del tensors["drift.layer1.mean"]
+    meta["drift"]["blocks"][0]["dim"] -= 1
+    bad = save_model(tmp_path / "bad2.safetensors", tensors, meta, version=1)
+    with pytest.raises(ModelFileError, match="inconsistent model file.*drift.layer1.mean"):
+        Detector.load(bad)
+
+
+def test_fit_without_monitor(small_cfg, tmp_path):
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**small_cfg, "monitor": {"enabled": False}})
+    det.fit(textured_images(12), progress=False)
+    assert det.drift_reference_ is None and "drift reference" in det.fit_timings_
+    with pytest.raises(NotFittedError, match="no drift reference"):
+        det.drift_monitor()
+    back = Detector.load(det.save(tmp_path / "m.safetensors"))
+    assert back.drift_reference_ is None
+
+
+def test_a_tiny_fit_still_works_without_a_reference(small_cfg, caplog):
+    """Three good images fit a PaDiM model as before; the drift reference needs four, so the
+    model has none (with a warning) instead of the fit failing."""
+    from conftest import textured_images
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**small_cfg, "threshold": {"holdout_fraction": 0.34}})
+    with caplog.at_level("WARNING"):
+        det.fit(textured_images(3), progress=False)
+    assert det.is_fitted and det.drift_reference_ is None
+    assert "no drift reference: 3 good image(s) are too few (4 at least)" in caplog.text
+
+
+def test_score_prints_a_drift_summary(monitored, tmp_path, capsys):
+    from conftest import textured_images
+
+    from PIL import Image
+
+    from anomaly_hooks.cli import main
+
+    _, path = monitored
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    good = textured_images(8, seed=5)
+    dark = [(g * 0.5).astype(np.uint8) for g in good]
+    for i, img in enumerate(good + dark):  # sorted by name: the good ones first
+        Image.fromarray(img).save(folder / f"{i:02d}.png")
+    out = tmp_path / "out"
+    assert main(["score", "--model", str(path), str(folder), "--out", str(out),
+                 "--no-images"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("drift (windows of 4 images, false-alarm probability 0.05 per "
+                           "window") and ": ALARM " in line and "input:" in line, line
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["drift"]["images_seen"] == 16 and doc["drift"]["alarm_episodes"] >= 1
+    assert doc["drift"]["first_alarm_image"] > 8  # not while the good images were scored
+    assert main(["score", "--model", str(path), str(folder), "--out", str(out),
+                 "--no-images", "--no-drift"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("scored 16 image(s)")
+    assert "drift" not in json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_injected_drift_on_the_sample_data_raises_the_alarm_within_a_window(device):
+    """Fitted on data/sample/train/good; its 12 held-out test/good images raise no alarm,
+    then the same images darkened by 20 %, brightened by 20 %, blurred (sigma 2 px at the
+    256 px sensor), at 70 % contrast or with noise (sigma 12 grey levels) raise it within one
+    window (8 images)."""
+    from PIL import Image, ImageFilter
+
+    from anomaly_hooks import Detector
+
+    sample = ROOT / "data" / "sample"
+    cfg = {"method": "padim", "seed": 0, "device": str(device),
+           "backbone": {"name": "resnet18", "weights": None},
+           "preprocess": {"resize": 80, "crop": 72}, "padim": {"n_features": 40},
+           "threshold": {"holdout_fraction": 0.25}, "data": {"batch_size": 8, "num_workers": 0},
+           "monitor": {"window": 8}}
+    det = Detector.from_config(cfg).fit(sample / "train" / "good", progress=False)
+    assert det.drift_reference_.window == 8
+    good = [np.asarray(Image.open(p).convert("RGB"))
+            for p in sorted((sample / "test" / "good").glob("*.png"))]
+    rng = np.random.default_rng(0)
+    drifts = {
+        "darker": [np.clip(g * 0.8, 0, 255).astype(np.uint8) for g in good],
+        "brighter": [np.clip(g * 1.2, 0, 255).astype(np.uint8) for g in good],
+        "blur": [np.asarray(Image.fromarray(g).filter(ImageFilter.GaussianBlur(2)))
+                 for g in good],
+        "lower contrast": [(g.mean() + 0.7 * (g - g.mean())).astype(np.uint8) for g in good],
+        "noise": [np.clip(g + rng.normal(0, 12, g.shape), 0, 255).astype(np.uint8)
+                  for g in good],
+    }
+    for name, drifted in drifts.items():
+        mon = det.drift_monitor()
+        det.predict(good)
+        assert mon.status()["alarm_episodes"] == 0, (name, mon.summary())
+        det.predict(drifted)
+        st = mon.status()
+        assert st["alarm"] and len(good) < st["first_alarm_image"] <= len(good) + 8, \
+            (name, mon.summary())

@@ -1,0 +1,110 @@
+"""The operator page in a real headless Chromium (Debian's ``chromium`` package driven by
+Playwright) against a real server: upload an image, wait for the verdict, check that the overlay,
+the recent list with thumbnails and the drift panel are shown, take a screenshot.
+
+Skipped, with the reason, where Playwright or the browser is missing. Never downloads a browser
+(no ``playwright install``). ``ANOMALY_HOOKS_DOCS_SCREENSHOT=1`` also writes
+``docs/serve_page.png`` (the README's picture).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed")
+
+from conftest import ROOT  # noqa: E402
+from serve_helpers import ServerProcess, defect_png, good_png, save_model_variant  # noqa: E402
+
+TOKEN = "browser-test-token"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-dev-shm-usage"]
+
+
+def chromium_or_skip() -> str:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("browser test skipped: Playwright is not installed (pip install playwright)")
+    exe = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
+        "chromium-browser")
+    if not exe or not Path(exe).exists():
+        pytest.skip("browser test skipped: no Chromium browser here (Debian: apt-get install "
+                    "chromium; or set CHROMIUM=/path/to/chromium)")
+    return exe
+
+
+@pytest.fixture(scope="session")  # session: set up before the session-scoped model fixture
+def chromium() -> str:
+    """The browser's path, or a skip with the reason (before the model fixture is built)."""
+    return chromium_or_skip()
+
+
+def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_path):
+    exe = chromium
+    from playwright.sync_api import sync_playwright
+
+    model = save_model_variant(fitted, tmp_path / "model.safetensors")
+    upload = tmp_path / "scratched_part.png"
+    upload.write_bytes(defect_png(77))
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
+    with ServerProcess(model, tmp_path, "--token", TOKEN, "--results-dir",
+                       str(tmp_path / "results"), "--monitor", "serve_helpers:standin_factory",
+                       env=env) as server:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for i in range(6):  # some history for the list and the chart
+            body = defect_png(i) if i in (1, 4) else good_png(i)
+            r = httpx.post(server.url + f"/v1/predict?part_id=SN-{1000 + i}", content=body,
+                           headers=auth, timeout=60)
+            assert r.status_code == 200, r.text
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
+            try:
+                context = browser.new_context(
+                    viewport={"width": 1280, "height": 900},
+                    http_credentials={"username": "operator", "password": TOKEN})
+                page = context.new_page()
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.on("console", lambda msg: problems.append(msg.text)
+                        if msg.type == "error" else None)
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length >= 6")
+                page.fill("#part-id", "SN-2024-0042")
+                page.set_input_files("#file", str(upload))
+                page.wait_for_selector("#verdict[data-state]", timeout=60000)
+                assert page.inner_text("#verdict") == "ANOMALOUS"
+                page.wait_for_function(
+                    "['overlay', 'mask', 'original'].every(id => "
+                    "document.getElementById(id).complete && "
+                    "document.getElementById(id).naturalWidth > 0)")
+                assert page.eval_on_selector("#overlay", "e => e.naturalWidth") == 112
+                assert "SN-2024-0042" in page.inner_text("#r-source")
+                # the new inspection appears in the list, with its thumbnail
+                page.wait_for_function("document.querySelectorAll('#recent tr').length >= 7")
+                page.wait_for_function(
+                    "[...document.querySelectorAll('#recent img')].every("
+                    "i => i.complete && i.naturalWidth > 0)")
+                assert "SN-2024-0042" in page.inner_text("#recent tr:first-child")
+                page.wait_for_function(
+                    "document.getElementById('drift-state').textContent === 'ok'")
+                assert "observed" in page.inner_text("#drift-table")
+                # the filter keeps anomalous inspections only
+                page.check("#only-anomalous")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 3")
+                tags = page.eval_on_selector_all("#recent .tag", "ts => ts.map(t => t.textContent)")
+                assert tags == ["anomalous"] * 3
+                page.uncheck("#only-anomalous")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
+                shot = page.screenshot(path=str(tmp_path / "serve_page.png"), full_page=True)
+                assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+                if os.environ.get("ANOMALY_HOOKS_DOCS_SCREENSHOT") == "1":
+                    (ROOT / "docs" / "serve_page.png").write_bytes(shot)
+            finally:
+                browser.close()
+        assert not problems, problems

@@ -1,0 +1,216 @@
+"""The inspection service as a real process (uvicorn on a free loopback port): kill -9
+durability of the results log, SIGHUP reload under load, the command line, batching over HTTP."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed")
+
+from conftest import ROOT  # noqa: E402
+from serve_helpers import (ServerProcess, defect_png, good_png,  # noqa: E402
+                           hostile_payloads, model_variants)
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+TESTS = str(Path(__file__).resolve().parent)
+
+
+@pytest.fixture(scope="module")
+def model_files(fitted, tmp_path_factory):
+    return model_variants(fitted, tmp_path_factory.mktemp("serve_proc_models"))
+
+
+def _load(url: str, stop: threading.Event, out: list, errors: list, seed: int) -> None:
+    """One client: predictions until ``stop``; acknowledged results into ``out``."""
+    with httpx.Client(timeout=60) as client:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            body = defect_png(seed * 1000 + i) if i % 4 == 0 else good_png(seed * 1000 + i)
+            try:
+                r = client.post(url + f"/v1/predict?part_id=c{seed}-{i}", content=body)
+            except httpx.HTTPError as exc:  # the server was killed mid-request
+                errors.append(repr(exc))
+                continue
+            if r.status_code == 200:
+                out.append(r.json())
+            else:
+                errors.append(f"{r.status_code} {r.text}")
+
+
+def test_kill9_loses_no_acknowledged_result(model_files, tmp_path):
+    results = tmp_path / "results"
+    server = ServerProcess(model_files["good"], tmp_path, "--results-dir", str(results),
+                           "--max-wait-ms", "5", "--keep-images", "all").wait_ready()
+    acked: list = []
+    errors: list = []
+    stop = threading.Event()
+    try:
+        threads = [threading.Thread(target=_load, args=(server.url, stop, acked, errors, s))
+                   for s in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(acked) < 30:
+            assert time.monotonic() < deadline, (errors, server.log())
+            time.sleep(0.01)
+        server.kill9()          # while requests are in flight
+        n_acked = len(acked)
+        stop.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+        server.stop()
+    acked = acked[:]
+    assert len(acked) >= n_acked >= 30
+    con = sqlite3.connect(results / "results.sqlite")
+    rows = {r[0]: r[1:] for r in con.execute(
+        "SELECT request_id, id, score, is_anomalous, part_id, overlay_path FROM results")}
+    con.close()
+    lost = [a["request_id"] for a in acked if a["request_id"] not in rows]
+    assert not lost, f"{len(lost)} acknowledged results lost"
+    for a in acked:
+        rid, score, anomalous, part_id, overlay = rows[a["request_id"]]
+        assert (rid, score, bool(anomalous), part_id) == (a["id"], a["score"],
+                                                          a["is_anomalous"], a["part_id"])
+        assert (results / overlay).is_file()
+    # a new server on the same log carries on
+    with ServerProcess(model_files["good"], tmp_path, "--results-dir", str(results)) as again:
+        listed = httpx.get(again.url + "/v1/results?limit=1000").json()
+        assert {a["id"] for a in acked} <= {r["id"] for r in listed["results"]}
+        new = httpx.post(again.url + "/v1/predict", content=good_png()).json()
+        assert new["id"] > max(a["id"] for a in acked)
+
+
+def test_sighup_reload_under_load(model_files, tmp_path):
+    live = tmp_path / "live.safetensors"
+    shutil.copy(model_files["good"], live)
+    acked: list = []
+    errors: list = []
+    stop = threading.Event()
+    with ServerProcess(live, tmp_path, "--results-dir", str(tmp_path / "res"),
+                       "--max-wait-ms", "5") as server:
+        old_id = httpx.get(server.url + "/v1/model").json()["model_id"]
+        threads = [threading.Thread(target=_load, args=(server.url, stop, acked, errors, s))
+                   for s in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            while len(acked) < 8:
+                time.sleep(0.01)
+            tmp = tmp_path / "incoming.tmp"
+            shutil.copy(model_files["strict"], tmp)
+            os.replace(tmp, live)               # the way a new model should be dropped in
+            server.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 120
+            while httpx.get(server.url + "/v1/model").json()["model_id"] == old_id:
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.1)
+            new_id = httpx.get(server.url + "/v1/model").json()["model_id"]
+            n = len(acked)
+            while len(acked) < n + 8:
+                time.sleep(0.01)
+            # a damaged file: refused, the new model keeps serving
+            shutil.copy(model_files["damaged"], tmp)
+            os.replace(tmp, live)
+            server.signal(signal.SIGHUP)
+            while (httpx.get(server.url + "/v1/model").json()["last_reload"] or {}).get(
+                    "ok", True):
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.1)
+            info = httpx.get(server.url + "/v1/model").json()
+            assert info["model_id"] == new_id and "checksum" in info["last_reload"]["error"]
+            n = len(acked)
+            while len(acked) < n + 4:
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+    assert not errors, errors[:5]
+    ids = [a["model"]["id"] for a in acked]
+    assert ids[0] == old_id and ids[-1] == new_id and set(ids) == {old_id, new_id}
+    for a in acked:  # each answer is consistent with the model that says it scored it
+        factor = 3.0 if a["model"]["id"] == new_id else 1.0
+        assert a["threshold"] == pytest.approx(factor * acked[0]["threshold"])
+    assert "refused" in server.log()
+
+
+def test_http_batching_and_monitor_plugin(model_files, tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), TESTS])}
+    with ServerProcess(model_files["good"], tmp_path, "--max-wait-ms", "300", "--monitor",
+                       "serve_helpers:standin_factory", "--no-results", "--max-upload-mb", "1",
+                       env=env) as server:
+        # an over-size upload: the client, still sending, gets to read the 413
+        for body in (os.urandom(3 << 20), iter([os.urandom(1 << 20)] * 3)):
+            r = httpx.post(server.url + "/v1/predict", content=body, timeout=60)
+            assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
+        # every bad upload of the hardening issue, all at once: its 4xx JSON, never a 500
+        hostile = hostile_payloads()
+        with ThreadPoolExecutor(4) as pool:
+            refused = dict(zip(hostile, pool.map(
+                lambda data: httpx.post(server.url + "/v1/predict", content=data, timeout=60),
+                [data for data, _, _ in hostile.values()])))
+        for name, (data, status, code) in hostile.items():
+            if len(data) > 1 << 20:  # over this server's --max-upload-mb
+                status, code = 413, "payload_too_large"
+            r = refused[name]
+            assert (r.status_code, r.json()["code"]) == (status, code), (name, r.text)
+            assert r.json()["message"], name
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: httpx.post(server.url + "/v1/predict",
+                                                         content=good_png(i), timeout=60),
+                                    range(8)))
+        assert all(a.status_code == 200 for a in answers)
+        assert max(a.json()["timing_ms"]["batch_size"] for a in answers) >= 2
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/v1/drift").json().get("observed", 0) < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(server.url + "/v1/drift").json()["enabled"] is True
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'anomaly_hooks_drift{key="observed"} 8.0' in metrics
+        # hostile HTTP: a huge header, a lying Content-Length; the server stays up
+        r = httpx.post(server.url + "/v1/predict", content=good_png(),
+                       headers={"X-Junk": "a" * 200_000}, timeout=30)
+        assert 400 <= r.status_code < 500
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                         b"Content-Type: image/png\r\n\r\n" + good_png()[:100])
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1024)
+        assert httpx.get(server.url + "/healthz").status_code == 200
+        assert httpx.post(server.url + "/v1/predict", content=good_png()).status_code == 200
+        assert server.stop() in (0, -signal.SIGTERM)  # SIGTERM: graceful shutdown
+        assert "Application shutdown complete" in server.log()
+
+
+def _run_cli(*args, timeout=180):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "anomaly_hooks.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_refuses_a_model_it_cannot_serve(model_files, tmp_path):
+    missing = _run_cli("serve", "--model", str(tmp_path / "nope.safetensors"))
+    assert missing.returncode == 2 and "model file not found" in missing.stderr
+    bad = _run_cli("serve", "--model", str(model_files["damaged"]), "--port", "0",
+                   "--results-dir", str(tmp_path / "r"))
+    assert bad.returncode == 2 and "checksum" in bad.stderr.splitlines()[-1], bad.stderr
+    opts = _run_cli("serve", "--model", str(model_files["good"]), "--max-batch", "0")
+    assert opts.returncode == 2 and "max-batch" in opts.stderr
+    helptext = _run_cli("serve", "--help")
+    assert helptext.returncode == 0 and "--max-wait-ms" in helptext.stdout
