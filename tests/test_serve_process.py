@@ -184,9 +184,15 @@ def test_http_batching_and_monitor_plugin(model_files, tmp_path):
         metrics = httpx.get(server.url + "/metrics").text
         assert 'anomaly_hooks_drift{key="observed"} 8.0' in metrics
         # hostile HTTP: a huge header, a lying Content-Length; the server stays up
-        r = httpx.post(server.url + "/v1/predict", content=good_png(),
-                       headers={"X-Junk": "a" * 200_000}, timeout=30)
-        assert 400 <= r.status_code < 500
+        # (uvicorn answers 400 and closes while the client may still be sending the header:
+        # the kernel then resets the connection before the client reads the answer; either
+        # is a refusal, what matters is that the server stays up)
+        try:
+            r = httpx.post(server.url + "/v1/predict", content=good_png(),
+                           headers={"X-Junk": "a" * 200_000}, timeout=30)
+            assert 400 <= r.status_code < 500
+        except httpx.ReadError as exc:
+            assert "reset" in str(exc).lower(), exc
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
             sock.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
                          b"Content-Type: image/png\r\n\r\n" + good_png()[:100])
