@@ -168,7 +168,8 @@ def far_interval(scores: Sequence[float], threshold: float, tail: str = "gumbel_
     samples = x[rng.integers(0, x.size, size=(n_boot, x.size))]
     if tail in ("gumbel", "gumbel_upper"):  # vectorised
         mu, beta = gumbel_mle(samples, UPPER_CENSOR if tail == "gumbel_upper" else 0.0)
-        far = -np.expm1(-np.exp(-(threshold - mu) / beta))
+        with np.errstate(over="ignore"):  # exp(+large) = inf: an exceedance of 1, as it should
+            far = -np.expm1(-np.exp(-(threshold - mu) / beta))
     else:
         far = np.array([fit_tail(s, 0.5, tail).sf(threshold) for s in samples])
     lo, hi = np.quantile(far, [(1 - level) / 2, (1 + level) / 2])
