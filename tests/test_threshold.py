@@ -329,3 +329,19 @@ def test_false_alarms_on_test_good_no_worse_than_the_hold_out(method, data):
     far_hold, _ = _false_alarms(config, root, "holdout")
     assert far_all <= far_hold
     assert recall_all >= 0.5
+
+
+def test_memory_estimate_counts_the_samples_kept_for_leave_one_out(small_cfg):
+    from anomaly_hooks.config import load_config
+    from anomaly_hooks.scorers.padim.scorer import PadimScorer
+
+    det = Detector.from_config(small_cfg)
+    part = "training samples kept for leave-one-out"
+    sizes = {}
+    for mode in ("all-images", "holdout"):
+        cfg = load_config({**small_cfg, "padim": {"n_features": 40, "covariance": "dense"},
+                           "threshold": {"mode": mode}})
+        sizes[mode] = PadimScorer.estimate_memory(cfg, det.layer_info,
+                                                  det.preprocessor.input_size, 50)[part]
+    positions = sizes["all-images"] // (50 * 40 * 4)
+    assert sizes["holdout"] == 0 and sizes["all-images"] == positions * 50 * 40 * 4 > 0

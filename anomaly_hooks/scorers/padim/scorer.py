@@ -81,10 +81,14 @@ class PadimScorer(Scorer):
                      "inverse Gram factors": small, "batch": batch},
                     samples + small + positions * d * 4)
         factor_bytes = 2 if pad.factor_dtype == "float16" else 4
+        loo = (cfg.threshold.mode == "all-images" and not cfg.threshold.folder
+               and n_train <= DENSE_KEEP_SAMPLES * d)
         # the float32 sums become the covariances, then the factors, in place
         return ({"statistics (float32 sums, factorised in place)": positions * d * d * 4,
                  "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
-                 "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch},
+                 "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch,
+                 "training samples kept for leave-one-out":
+                     positions * n_train * d * 4 if loo else 0},
                 positions * d * d * factor_bytes + positions * d * 4)
 
     @classmethod
