@@ -109,7 +109,7 @@ class ReportWriter:
         metrics = "".join(
             f"<tr><th>{esc(k)}</th><td>{v:.4f}</td></tr>" if isinstance(v, float)
             else f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>"
-            for k, v in summary.items() if k != "config")
+            for k, v in summary.items() if k not in ("config", "threshold_scores"))
         imgs = "".join(f'<img src="{c}" alt="{c}">' for c in curves)
         body = []
         for row in sorted(self.rows, key=lambda r: -r["score"]):

@@ -117,6 +117,7 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
         "threshold_target_far": thr.false_alarm_rate,
         "threshold_far_interval": thr.far_interval,
         "threshold_n_images": thr.n_images,
+        "threshold_scores": thr.scores,  # the good scores the threshold came from
         "fit_seconds": fit_seconds,
         "ms_per_image": 1000.0 * predict_seconds / max(len(records), 1),
         "config": to_container(cfg),
