@@ -24,6 +24,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from anomaly_hooks.calibration import TAILS
 from anomaly_hooks.choices import Choice, check, choices
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
@@ -35,7 +36,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
 OnError = choices("OnError", ["raise", "skip"])
 ThresholdMode = choices("ThresholdMode", ["all-images", "holdout"])
-Tail = choices("Tail", ["gumbel_upper", "gumbel", "empirical", "conformal"])  # calibration.TAILS
+Tail = choices("Tail", list(TAILS))  # the tail models of calibration
 
 
 @dataclass
