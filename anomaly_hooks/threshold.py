@@ -78,6 +78,19 @@ class Threshold:
         return from_tail(self.scores, false_alarm_rate, tail or self.tail or "gumbel_upper",
                          self.source)
 
+    def describe(self) -> str:
+        """Where the threshold came from, in words (printed by ``fit``)."""
+        where = {"all-images": "every good image in the model, scored out of sample",
+                 "holdout": "held-out good images", "folder": "threshold.folder"}
+        text = where.get(self.source, self.source)
+        if self.false_alarm_rate is None:
+            return f"{text}; quantile {self.quantile:g} + margin {self.margin:g}"
+        text += f"; {self.tail} tail at a {100 * self.false_alarm_rate:.3g} % false-alarm rate"
+        if self.far_interval:
+            lo, hi = self.far_interval
+            text += f" (90 % interval {100 * lo:.2g}-{100 * hi:.2g} %)"
+        return text
+
     def normalize(self, score: float) -> float:
         """Map a raw score to (0, 1); the threshold maps to 0.5."""
         z = (score - self.value) / self.scale

@@ -225,6 +225,9 @@ def test_model_file_records_the_mode_and_the_rate(small_cfg, tmp_path):
     lo, hi = thr.far_interval
     assert lo <= 0.02 <= hi
     assert thr.recalibrate(0.1).value < thr.value
+    assert thr.describe() == (
+        "every good image in the model, scored out of sample; gumbel_upper tail at a 2 % "
+        f"false-alarm rate (90 % interval {100 * lo:.2g}-{100 * hi:.2g} %)")
     # a threshold stored before these fields existed still loads (holdout, no tail)
     old = {k: v for k, v in thr.as_dict().items()
            if k in ("value", "scale", "quantile", "margin", "n_images", "good_min",
