@@ -134,7 +134,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     info, thr = det.fit_info_, det.threshold_
     print(f"fitted {cfg.method} on {info['n_train']} images in {seconds:.1f} s "
           f"({info['n_train'] / max(seconds, 1e-9):.1f} img/s); threshold {thr.value:.4g} from "
-          f"{thr.n_images} good images")
+          f"{thr.n_images} good images ({thr.describe()})")
     if info["skipped"]:
         print(f"skipped {len(info['skipped'])} unreadable image(s)")
     print(path)

@@ -24,6 +24,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from anomaly_hooks.calibration import TAILS
 from anomaly_hooks.choices import Choice, check, choices
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
@@ -35,6 +36,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
 OnError = choices("OnError", ["raise", "skip"])
+ThresholdMode = choices("ThresholdMode", ["all-images", "holdout"])
+Tail = choices("Tail", list(TAILS))  # the tail models of calibration
 
 
 @dataclass
@@ -60,11 +63,17 @@ class PreprocessConfig:
 
 @dataclass
 class ThresholdConfig:
-    """Decision threshold from good images only: quantile + margin * (quantile - median)."""
+    """Decision threshold from good images only (README: "Threshold")."""
 
-    holdout_fraction: float = 0.2  # of the training images, used only to set the threshold
-    folder: Optional[str] = None  # a separate folder of good images instead of a hold-out
-    quantile: float = 0.99
+    # all-images: fit on every good image, score each as if unseen (PaDiM: exact leave-one-out;
+    # PatchCore: nearest bank point of another image); holdout: keep holdout_fraction of them
+    # out of the model and score those
+    mode: ThresholdMode = ThresholdMode["all-images"]
+    holdout_fraction: float = 0.2  # of the training images (mode=holdout only)
+    folder: Optional[str] = None  # a separate folder of good images instead (either mode)
+    false_alarm_rate: Optional[float] = 0.01  # target rate; null = quantile + margin below
+    tail: Tail = Tail["gumbel_upper"]  # tail model fitted to the good scores
+    quantile: float = 0.99  # with false_alarm_rate: null
     margin: float = 0.5
 
 
@@ -419,6 +428,8 @@ def validate_config(cfg: DictConfig) -> None:
           thr.holdout_fraction)
     check(0.0 < thr.quantile <= 1.0, "threshold.quantile", "0 < q <= 1", thr.quantile)
     check(thr.margin >= 0, "threshold.margin", ">= 0", thr.margin)
+    check(thr.false_alarm_rate is None or 0.0 < thr.false_alarm_rate < 0.5,
+          "threshold.false_alarm_rate", "null or 0 < rate < 0.5", thr.false_alarm_rate)
     data = cfg.data
     check(1 <= data.batch_size <= 65_536, "data.batch_size", "1 to 65536", data.batch_size)
     check(0 <= data.num_workers <= 256, "data.num_workers", "0 to 256", data.num_workers)

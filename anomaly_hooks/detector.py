@@ -40,7 +40,7 @@ from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
-from anomaly_hooks.threshold import Threshold
+from anomaly_hooks.threshold import Threshold, calibrate_threshold
 
 log = logging.getLogger(__name__)
 
@@ -162,21 +162,30 @@ class Detector:
     def fit(self, X: Any, y: None = None, *, progress: bool = True) -> "Detector":
         """Fit on good images ``X``: a folder (an MVTec root uses ``train/good``), a list of
         paths, or an iterable of images (``y`` only for scikit-learn's signature: it must be
-        None, every training image is good). Sets the threshold from held-out good images (or
-        ``threshold.folder``). Returns ``self``; a failed fit leaves a fitted detector as it was.
+        None, every training image is good). Sets the threshold from good images' scores:
+        ``threshold.mode=all-images`` fits on every image and scores each out of sample (as if
+        unseen), ``holdout`` keeps a fraction out of the model; ``threshold.folder`` scores a
+        separate folder. Returns ``self``; a failed fit leaves a fitted detector as it was.
         """
         if y is not None:
             raise FitError("fit() takes good images only: y must be None (no labels)")
         cfg = self.cfg
         items = resolve_items(X, training=True)
-        train, held = self._split(items)
+        out_of_sample = cfg.threshold.mode == "all-images" and not cfg.threshold.folder
+        train, held = (items, []) if out_of_sample else self._split(items)
         scorer_cls = get_scorer(cfg.method)
+        if out_of_sample and len(train) < scorer_cls.min_out_of_sample_images:
+            raise FitError(f"{cfg.method} needs at least {scorer_cls.min_out_of_sample_images} "
+                           "training images for threshold.mode=all-images (each scored by a "
+                           f"model without it); got {len(train)}: add images")
         if len(train) < scorer_cls.min_train_images:
             raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
                            f"images after the threshold hold-out; got {len(train)} of "
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
         scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
                                    cfg.seed + SEED_SCORER)
+        if out_of_sample:
+            scorer.request_out_of_sample()
         memory = check_fit_memory(scorer_cls, cfg, self.layer_info, self.preprocessor.input_size,
                                   len(train), self.device, n_threshold=len(held))
         scorer.begin(len(train))
@@ -199,7 +208,11 @@ class Detector:
             timings["finalize"] = lap()
             timings.update({f"finalize: {k}": v
                             for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-            good_scores = self._score_images(scorer, held_images, collector)
+            if out_of_sample:
+                good_scores, source = self._out_of_sample_scores(scorer, train), "all-images"
+            else:
+                good_scores = self._score_images(scorer, held_images, collector)
+                source = "folder" if cfg.threshold.folder else "holdout"
             timings["threshold"] = lap()
         reference = drift.fit_reference(collector, good_scores, cfg.monitor, cfg.seed + SEED_DRIFT)
         timings["drift reference"] = lap()
@@ -207,17 +220,48 @@ class Detector:
             # the fit's temporaries (patch buffers, coreset distances) go back to the driver
             # rather than staying reserved by this process for predict, which needs far less
             torch.cuda.empty_cache()
-        threshold = Threshold.from_good_scores(good_scores, cfg.threshold.quantile,
-                                               cfg.threshold.margin)
+        threshold = calibrate_threshold(good_scores, cfg.threshold, source)
         self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
         self.drift_reference_ = reference
         self.monitor = None  # a monitor of the previous fit compares with its reference
         self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
                           "skipped": errors,
-                          "threshold_source": cfg.threshold.folder or "holdout"}
+                          "threshold_source": cfg.threshold.folder or source}
         # Timings are not saved: model files are byte-identical across fits.
         self.fit_timings_ = {**timings, "total": clock[-1] - clock[0]}
         return self
+
+    def _out_of_sample_scores(self, scorer: Scorer, train: List[Any]) -> List[float]:
+        """Image scores of every training image from a model that did not see it: from the
+        out-of-sample patch scores the fit made, else by a second pass over the training images
+        (read again, in fit order; unreadable ones were skipped in the fit and are again)."""
+        patch = scorer.take_out_of_sample_scores()
+        if patch is not None:
+            return self._scores_from_patches(patch)
+        data = self.cfg.data
+        scores: List[float] = []
+        first = 0
+        for batch in iter_batches(list(train), self.preprocessor, batch_size=data.batch_size,
+                                  num_workers=data.num_workers, max_pixels=data.max_pixels,
+                                  pin_memory=self.device.type == "cuda"):
+            if not batch.indices:
+                continue
+            with torch.inference_mode():
+                patch = scorer.out_of_sample_scores(self._embed(scorer, batch.images), first)
+            scores.extend(self._scores_from_patches(patch))
+            first += len(batch.indices)
+        return scores
+
+    def _scores_from_patches(self, patch: torch.Tensor) -> List[float]:
+        """Image scores of patch-score maps ``[n, h, w]``: the heatmap pipeline, then its max
+        (the scorers that support out-of-sample scores use the plain max as image score)."""
+        out: List[float] = []
+        step = self.cfg.data.batch_size
+        with torch.inference_mode():
+            for lo in range(0, patch.shape[0], step):
+                maps = anomaly_maps(patch[lo:lo + step], self.preprocessor.input_size)
+                out.extend(maps.flatten(1).amax(dim=1).float().cpu().tolist())
+        return out
 
     def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
         thr = self.cfg.threshold

@@ -1,16 +1,23 @@
 """A decision threshold from good images only, and the normalised score.
 
-``threshold = q + margin * (q - median)`` where ``q`` is the ``quantile`` of the held-out good
-images' scores: a margin in units of the good scores' own spread, so it works on any score scale
-and needs no defective image. ``normalized_score = sigmoid((score - threshold) / scale)`` with
+Two rules, both from good images' scores (out of sample: the model did not see the image):
+
+* ``threshold.false_alarm_rate`` set: a tail model fitted to the scores
+  (:mod:`anomaly_hooks.calibration`) places the threshold at that exceedance probability; the
+  model file records the tail, its parameters, a bootstrap interval of the false-alarm rate at
+  the stored threshold, and the scores themselves (:meth:`Threshold.recalibrate`).
+* ``false_alarm_rate: null``: ``threshold = q + margin * (q - median)`` where ``q`` is the
+  ``quantile`` of the scores: a margin in units of the good scores' own spread.
+
+``normalized_score = sigmoid((score - threshold) / scale)`` with
 ``scale`` the good scores' standard deviation: 0.5 at the threshold, in (0, 1).
 """
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +39,13 @@ class Threshold:
     good_min: float
     good_median: float
     good_max: float
+    source: str = "holdout"  # all-images | holdout | folder: where the good scores came from
+    false_alarm_rate: Optional[float] = None  # the rate asked for (None: quantile + margin)
+    tail: Optional[str] = None  # the tail model fitted (calibration.TAILS)
+    tail_params: Dict[str, float] = field(default_factory=dict)
+    far_interval: Optional[List[float]] = None  # bootstrap 90 % interval of the false-alarm rate
+    tail_gap: Optional[float] = None  # largest |empirical - fitted| exceedance, upper half
+    scores: Optional[List[float]] = None  # the good scores (recalibration, reports)
 
     @classmethod
     def from_good_scores(cls, scores: Sequence[float], quantile: float, margin: float) -> "Threshold":
@@ -57,6 +71,26 @@ class Threshold:
         return cls(value, scale, quantile, margin, int(arr.size), float(arr.min()), med,
                    float(arr.max()))
 
+    def recalibrate(self, false_alarm_rate: float, tail: Optional[str] = None) -> "Threshold":
+        """The threshold for another false-alarm rate from the same stored good scores."""
+        if not self.scores:
+            raise ValueError("this threshold stored no good scores: refit to recalibrate")
+        return from_tail(self.scores, false_alarm_rate, tail or self.tail or "gumbel_upper",
+                         self.source)
+
+    def describe(self) -> str:
+        """Where the threshold came from, in words (printed by ``fit``)."""
+        where = {"all-images": "every good image in the model, scored out of sample",
+                 "holdout": "held-out good images", "folder": "threshold.folder"}
+        text = where.get(self.source, self.source)
+        if self.false_alarm_rate is None:
+            return f"{text}; quantile {self.quantile:g} + margin {self.margin:g}"
+        text += f"; {self.tail} tail at a {100 * self.false_alarm_rate:.3g} % false-alarm rate"
+        if self.far_interval:
+            lo, hi = self.far_interval
+            text += f" (90 % interval {100 * lo:.2g}-{100 * hi:.2g} %)"
+        return text
+
     def normalize(self, score: float) -> float:
         """Map a raw score to (0, 1); the threshold maps to 0.5."""
         z = (score - self.value) / self.scale
@@ -71,5 +105,36 @@ class Threshold:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Threshold":
-        """Inverse of :meth:`as_dict`."""
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """Inverse of :meth:`as_dict` (fields added later take their defaults: older files)."""
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def _summary(arr: np.ndarray, value: float) -> Dict[str, Any]:
+    spread = float(arr.std()) if arr.size > 1 else 0.0
+    return {"scale": max(spread, 1e-3 * abs(value), 1e-12), "n_images": int(arr.size),
+            "good_min": float(arr.min()), "good_median": float(np.median(arr)),
+            "good_max": float(arr.max())}
+
+
+def from_tail(scores: Sequence[float], false_alarm_rate: float, tail: str = "gumbel_upper",
+              source: str = "all-images") -> Threshold:
+    """The threshold at ``false_alarm_rate`` under ``tail`` fitted to good ``scores``."""
+    from anomaly_hooks.calibration import far_interval, fit_tail, goodness_of_fit
+
+    arr = np.asarray(scores, dtype=np.float64)
+    fit = fit_tail(arr, false_alarm_rate, tail)
+    lo, hi = far_interval(arr, fit.threshold, tail)
+    return Threshold(value=fit.threshold, quantile=1.0 - false_alarm_rate, margin=0.0,
+                     source=source, false_alarm_rate=false_alarm_rate, tail=tail,
+                     tail_params=dict(fit.params), far_interval=[lo, hi],
+                     tail_gap=goodness_of_fit(arr, fit), scores=[float(v) for v in arr],
+                     **_summary(arr, fit.threshold))
+
+
+def calibrate_threshold(scores: Sequence[float], cfg: Any, source: str) -> Threshold:
+    """The threshold the config asks for (``cfg``: the ``threshold`` section) from good
+    ``scores``: a tail model at ``false_alarm_rate``, or quantile + margin when it is null."""
+    if cfg.false_alarm_rate is None:
+        thr = Threshold.from_good_scores(scores, cfg.quantile, cfg.margin)
+        return replace(thr, source=source, scores=[float(v) for v in scores])
+    return from_tail(scores, float(cfg.false_alarm_rate), str(cfg.tail), source)

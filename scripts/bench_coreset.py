@@ -80,8 +80,9 @@ def main() -> int:
     report: dict = {"data": str(args.data), "config": args.config}
 
     if args.only_fits:
-        for name, extra in (("one_shot", []),
-                            ("bounded", [f"patchcore.max_bank_points={args.max_bank_points}"])):
+        for name, extra in (("one_shot", ["threshold.mode=holdout"]),
+                            ("bounded", [f"patchcore.max_bank_points={args.max_bank_points}",
+                                         "threshold.mode=holdout"])):
             report[f"fit_{name}"] = fit_peak_memory(args.config, args.data,
                                                     list(args.overrides) + extra)
             print(f"fit {name}: {report[f'fit_{name}']}")
@@ -138,8 +139,9 @@ def main() -> int:
     del feats, banks, bounded, rand
 
     if not args.skip_fits:
-        for name, extra in (("one_shot", []),
-                            ("bounded", [f"patchcore.max_bank_points={args.max_bank_points}"])):
+        for name, extra in (("one_shot", ["threshold.mode=holdout"]),
+                            ("bounded", [f"patchcore.max_bank_points={args.max_bank_points}",
+                                         "threshold.mode=holdout"])):
             report[f"fit_{name}"] = fit_peak_memory(args.config, args.data,
                                                     list(args.overrides) + extra)
             print(f"fit {name}: {report[f'fit_{name}']}")

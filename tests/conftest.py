@@ -78,7 +78,9 @@ def small_cfg() -> dict:
             "backbone": {"name": "resnet18", "weights": None},
             "preprocess": {"resize": [80, 96], "crop": [64, 80]},
             "padim": {"n_features": 40},
-            "threshold": {"holdout_fraction": 0.25},
+            # the hold-out and quantile + margin rule these tests were written for
+            # (tests/test_threshold.py sets threshold.mode=all-images itself)
+            "threshold": {"mode": "holdout", "false_alarm_rate": None, "holdout_fraction": 0.25},
             "data": {"batch_size": 4, "num_workers": 0}}
 
 

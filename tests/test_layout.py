@@ -69,7 +69,8 @@ def test_no_method_branches_outside_the_scorers():
 
 
 def test_torch_free_modules_import_no_torch():
-    torch_free = ["errors", "choices", "images", "prediction", "threshold", "__init__"]
+    torch_free = ["errors", "choices", "images", "prediction", "threshold", "calibration",
+                  "__init__"]
     for name in torch_free:
         tree = ast.parse((PACKAGE / f"{name}.py").read_text())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -83,6 +84,7 @@ def test_config_choices_are_enums_that_pickle():
 
     cfg = load_config(None, ["method=patchcore", "patchcore.knn_backend=faiss-flat"])
     for value in (cfg.method, cfg.patchcore.knn_backend, cfg.backbone.precision,
-                  cfg.padim.covariance, cfg.data.on_error):
+                  cfg.padim.covariance, cfg.data.on_error, cfg.threshold.mode,
+                  cfg.threshold.tail):
         assert pickle.loads(pickle.dumps(value)) == value
         assert str(value) == f"{value}" == value.value

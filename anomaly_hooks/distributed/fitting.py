@@ -18,6 +18,7 @@ finalises and sets the threshold.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,9 +32,10 @@ from anomaly_hooks.devices import ieee_float32
 from anomaly_hooks.distributed.cluster import connect, maybe_die, require_ray
 from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.scorers import Scorer, get_scorer
-from anomaly_hooks.threshold import Threshold
+from anomaly_hooks.threshold import calibrate_threshold
 
 MAX_TASK_RETRIES = 3
+log = logging.getLogger("anomaly_hooks")
 
 
 def new_scorer(det: Detector) -> Scorer:
@@ -89,6 +91,18 @@ def shard_bounds(n: int, n_shards: int, align: int) -> List[Tuple[int, int]]:
     return [(min(lo, n), min(hi, n)) for lo, hi in zip(cuts[:-1], cuts[1:]) if lo < hi]
 
 
+def _with_holdout(cfg: Any) -> Any:
+    """The config a sharded fit runs: ``threshold.mode=all-images`` needs every training
+    image's out-of-sample score, which the merged states do not give, so the threshold comes
+    from the hold-out (or ``threshold.folder``); the model file records the mode used."""
+    if str(cfg.threshold.mode) == "all-images" and not cfg.threshold.folder:
+        log.warning("a sharded fit sets its threshold from a hold-out of %.0f %% of the good "
+                    "images (threshold.mode=holdout): the merged shards give no out-of-sample "
+                    "scores", 100 * cfg.threshold.holdout_fraction)
+        cfg.threshold.mode = "holdout"
+    return cfg
+
+
 def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_workers: int = 2,
         gpus_per_worker: float = 0, cpus_per_worker: float = 1, shards_per_worker: int = 1,
         progress: bool = False) -> Detector:
@@ -98,7 +112,7 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     if num_workers < 1 or shards_per_worker < 1:
         raise ConfigError("num_workers and shards_per_worker must be >= 1")
     require_ray()
-    cfg = load_config(cfg)
+    cfg = _with_holdout(load_config(cfg))
     ray = connect(address)
     clock = {"start": time.perf_counter()}
     det = Detector(cfg)
@@ -137,8 +151,9 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     good = det._score_images(scorer, held_images)
     clock["threshold"] = time.perf_counter()
     det.scorer_ = scorer
-    det.threshold_ = Threshold.from_good_scores(good, cfg.threshold.quantile,
-                                                cfg.threshold.margin)
+    det.threshold_ = calibrate_threshold(good, cfg.threshold,
+                                         "folder" if cfg.threshold.folder else "holdout")
+    det.drift_reference_ = None  # the shards' statistics are not gathered (yet)
     det.fit_info_ = {"n_train": scorer.n_train, "n_threshold": len(good),
                      "skipped": errors + held_errors,
                      "threshold_source": cfg.threshold.folder or "holdout"}

@@ -28,6 +28,21 @@ def _thumb(array: np.ndarray, path: Path) -> None:
     img.save(path)
 
 
+def _mark_operating_point(ax: Any, far: float, recall: float, target: Optional[float],
+                          interval: Optional[List[float]]) -> None:
+    """The stored threshold on the ROC: a dot at its measured (false-alarm rate, recall) on the
+    test images, and (tail-model thresholds) the false-alarm rate asked for as a dotted line
+    with its bootstrap interval shaded."""
+    if interval is not None:
+        ax.axvspan(interval[0], interval[1], color="tab:orange", alpha=0.15, lw=0)
+    if target is not None:
+        ax.axvline(target, color="tab:orange", ls=":", lw=1,
+                   label=f"asked-for false-alarm rate {100 * target:.3g} %")
+    ax.plot([far], [recall], "o", color="tab:red", ms=6,
+            label=f"stored threshold: FAR {100 * far:.1f} %, recall {100 * recall:.1f} %")
+    ax.legend(loc="lower right", fontsize=7)
+
+
 class ReportWriter:
     """Collects pictures while the test set is scored, then writes ``index.html``."""
 
@@ -80,6 +95,8 @@ class ReportWriter:
             ax.plot(x, y, lw=1.5)
             if limit is not None:
                 ax.axvline(limit, color="grey", ls="--", lw=1)
+            if name == "roc" and "roc_point" in curves:
+                _mark_operating_point(ax, *curves["roc_point"])
             ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xlim=(0, 1), ylim=(0, 1.02))
             fig.tight_layout()
             fig.savefig(self.out / f"{name}.png")
@@ -92,7 +109,7 @@ class ReportWriter:
         metrics = "".join(
             f"<tr><th>{esc(k)}</th><td>{v:.4f}</td></tr>" if isinstance(v, float)
             else f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>"
-            for k, v in summary.items() if k != "config")
+            for k, v in summary.items() if k not in ("config", "threshold_scores"))
         imgs = "".join(f'<img src="{c}" alt="{c}">' for c in curves)
         body = []
         for row in sorted(self.rows, key=lambda r: -r["score"]):

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY_KEYS = ("image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
                 "fit_seconds", "ms_per_image")
+# the stored threshold's verdicts: precision, recall, false-alarm rate on the good test images
+THRESHOLD_KEYS = ("threshold_precision", "threshold_recall", "threshold_far")
 
 
 @dataclass
@@ -99,19 +101,30 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     scores = np.array([r["score"] for r in records])
     verdicts = np.array([r["is_anomalous"] for r in records])
     precision, recall = _precision_recall(labels, verdicts)
+    good = labels == 0
+    far = float(verdicts[good].mean()) if good.any() else None
+    thr = det.threshold_
     summary: Dict[str, Any] = {
         "dataset": dataset.name, "method": cfg.method, "backbone": det.backbone_name,
         "layers": det.layers, "n_train": det.fit_info_.get("n_train"),
         "n_test": len(records), "n_defective": int(labels.sum()),
         "image_auroc": metrics.image_auroc(labels, scores),
         "image_f1_max": metrics.f1_max(labels, scores)[0],
-        "threshold": det.threshold_.value,
+        "threshold": thr.value,
         "threshold_precision": precision, "threshold_recall": recall,
+        "threshold_far": far,
+        "threshold_source": thr.source, "threshold_tail": thr.tail,
+        "threshold_target_far": thr.false_alarm_rate,
+        "threshold_far_interval": thr.far_interval,
+        "threshold_n_images": thr.n_images,
+        "threshold_scores": thr.scores,  # the good scores the threshold came from
         "fit_seconds": fit_seconds,
         "ms_per_image": 1000.0 * predict_seconds / max(len(records), 1),
         "config": to_container(cfg),
     }
     curves: Dict[str, Any] = {"roc": metrics.roc_curve_points(labels, scores)[:2]}
+    if far is not None and labels.any():  # the stored threshold's operating point on the ROC
+        curves["roc_point"] = (far, recall, thr.false_alarm_rate, thr.far_interval)
     pixel = _pixel_metrics(masks, maps) if masks else {}
     if "_pro_curve" in pixel:
         curves["pro"] = pixel.pop("_pro_curve")
@@ -136,7 +149,7 @@ def write_results(results: List[EvalResult], out: Path) -> None:
         json.dump({"datasets": [r.as_dict() for r in results],
                    "mean": mean_row(results)}, fh, indent=2, default=_json_default)
     (out / "results.md").write_text(format_markdown(results) + "\n")
-    cols = ["dataset", "method", *SUMMARY_KEYS, "threshold_precision", "threshold_recall"]
+    cols = ["dataset", "method", *SUMMARY_KEYS, *THRESHOLD_KEYS]
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
@@ -156,7 +169,7 @@ def mean_row(results: List[EvalResult]) -> Dict[str, Any]:
     """Mean of each metric over the datasets that have it."""
     row: Dict[str, Any] = {"dataset": "mean", "method": results[0].summary["method"]
                            if results else ""}
-    for key in (*SUMMARY_KEYS, "threshold_precision", "threshold_recall"):
+    for key in (*SUMMARY_KEYS, *THRESHOLD_KEYS):
         vals = [r.summary[key] for r in results if r.summary.get(key) is not None]
         row[key] = float(np.mean(vals)) if vals else None
     return row
@@ -165,10 +178,11 @@ def mean_row(results: List[EvalResult]) -> Dict[str, Any]:
 def format_markdown(results: List[EvalResult]) -> str:
     """The results as a Markdown table (what BENCHMARKS.md is made of)."""
     keys = ["image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
-            "fit_seconds", "ms_per_image"]
+            *THRESHOLD_KEYS, "fit_seconds", "ms_per_image"]
     head = "| dataset | method | backbone | image AUROC | pixel AUROC | AUPRO | image F1-max | " \
-           "pixel F1-max | fit s | ms / image |"
-    lines = [head, "|" + "---|" * 10]
+           "pixel F1-max | thr. precision | thr. recall | thr. FAR (test good) | fit s | " \
+           "ms / image |"
+    lines = [head, "|" + "---|" * 13]
     rows = [r.summary for r in results]
     if len(results) > 1:
         rows.append({**mean_row(results), "backbone": results[0].summary["backbone"]})
@@ -186,9 +200,9 @@ def format_markdown(results: List[EvalResult]) -> str:
 def format_table(results: List[EvalResult]) -> str:
     """A fixed-width table: one row per dataset, then the mean."""
     head = ["dataset", "img AUROC", "pix AUROC", "AUPRO", "img F1", "pix F1", "fit s", "ms/img",
-            "thr P", "thr R"]
+            "thr P", "thr R", "thr FAR"]
     keys = ["image_auroc", "pixel_auroc", "aupro", "image_f1_max", "pixel_f1_max",
-            "fit_seconds", "ms_per_image", "threshold_precision", "threshold_recall"]
+            "fit_seconds", "ms_per_image", *THRESHOLD_KEYS]
     rows = [[r.summary["dataset"]] + [r.summary.get(k) for k in keys] for r in results]
     if len(results) > 1:
         mean = mean_row(results)

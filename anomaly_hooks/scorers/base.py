@@ -34,6 +34,8 @@ class Scorer(ABC):
     default_layers: ClassVar[Dict[str, List[str]]]  # backbone name -> layers; "*": any other
     memory_advice: ClassVar[str]  # which keys lower the memory of a fit, for the guard's error
     min_train_images: ClassVar[int] = 1
+    # threshold.mode=all-images: training images needed to score each as if unseen
+    min_out_of_sample_images: ClassVar[int] = 2
 
     # -- what the method needs, before any scorer exists --------------------------------
     @classmethod
@@ -67,6 +69,9 @@ class Scorer(ABC):
         self.fitted = False
         self.grid: Optional[Tuple[int, int]] = None  # the embedding grid (h, w) of the fit
         self.n_train = 0
+        self.want_out_of_sample = False
+        # [n, h, w] out-of-sample patch scores of the training images, when the fit made them
+        self._oos_patch_scores: Optional[torch.Tensor] = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -121,6 +126,32 @@ class Scorer(ABC):
         """Fit this fresh scorer (from :meth:`create`) from a merged state, as :meth:`finalize`
         fits it from its own batches; the fitted tensors live on ``device``."""
         raise _unmergeable(self.method)
+
+    # -- out-of-sample scores of the training images (threshold.mode=all-images) ----------
+    def out_of_sample_unsupported(self) -> Optional[str]:
+        """None when this scorer can score its own training images as if each were unseen
+        (with the plain max-of-heatmap image score); else the reason, for the error."""
+        return f"{self.method} cannot score its training images out of sample"
+
+    def request_out_of_sample(self) -> None:
+        """Before :meth:`begin`: make out-of-sample scores of the training images."""
+        reason = self.out_of_sample_unsupported()
+        if reason is not None:
+            raise ConfigError(f"threshold.mode=all-images: {reason}; use threshold.mode=holdout")
+        self.want_out_of_sample = True
+
+    def take_out_of_sample_scores(self) -> Optional[torch.Tensor]:
+        """After :meth:`finalize`: the out-of-sample patch scores ``[n, h, w]`` of the training
+        images (in fit order) when the fit made them, handed over once; None when they need a
+        second pass over the images (:meth:`out_of_sample_scores`)."""
+        out, self._oos_patch_scores = self._oos_patch_scores, None
+        return out
+
+    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
+        """Out-of-sample patch scores ``[B, h, w]`` of the training images ``first_image``,
+        ``first_image + 1``, ... (their order in the fit) from their embeddings ``[B, D, h, w]``:
+        the second pass, for fits that keep too little to make them in :meth:`finalize`."""
+        raise NotImplementedError(f"{self.method} makes its out-of-sample scores in the fit")
 
     # -- scoring --------------------------------------------------------------------------
     @abstractmethod

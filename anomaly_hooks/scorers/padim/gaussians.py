@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
+from anomaly_hooks.scorers.padim.loo import dense_loo_squared, dense_terms, gram_loo_squared
+
 CHUNK_POSITIONS = 128  # positions per chunk of fitting work (bounds the temporaries)
 SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)
@@ -254,6 +256,16 @@ class DenseGaussians:
             self.chol.shape[-1], self.chol.device)
         return _chunked_distances(x, self.mean, step, self._squared)
 
+    def loo_distances(self, x: torch.Tensor, n: int, epsilon: float) -> torch.Tensor:
+        """Leave-one-out distances ``[P, B]`` of *training* samples ``x`` ``[P, B, D]``: each to
+        the model refitted without it (``n`` training images; :func:`loo.dense_loo_squared`)."""
+        terms = dense_terms(n)
+
+        def squared(lo: int, hi: int, diff: torch.Tensor) -> torch.Tensor:
+            return dense_loo_squared(diff, self.chol[lo:hi], n, epsilon, terms).clamp_min_(0)
+
+        return _chunked_distances(x, self.mean, HALF_CHUNK, squared)
+
     def _squared(self, lo: int, hi: int, diff: torch.Tensor) -> torch.Tensor:
         chol = self.chol[lo:hi].float()  # float32 factors: the tensor itself, no copy
         # [c, D, B] right-hand sides in column-major order: what the solver wants
@@ -319,12 +331,15 @@ class LowRankGaussians:
     def __init__(self, mean: torch.Tensor, y: torch.Tensor, cinv: torch.Tensor,
                  epsilon: float) -> None:
         self.mean, self.y, self.cinv, self.epsilon = mean, y, cinv, epsilon
+        self.loo: Optional[torch.Tensor] = None  # [P, n] LOO distances, when the fit made them
 
     @classmethod
     @torch.inference_mode()  # the store's state lives in inference mode
-    def from_samples(cls, store: SampleStore, epsilon: float) -> "LowRankGaussians":
+    def from_samples(cls, store: SampleStore, epsilon: float,
+                     loo: bool = False) -> "LowRankGaussians":
         """Centre and scale the stored samples in place (they become ``Y``) and factorise
-        ``eps I + Y Y^T`` position chunk by position chunk."""
+        ``eps I + Y Y^T`` position chunk by position chunk. ``loo``: also the training samples'
+        exact leave-one-out distances ``[P, n]`` (in ``.loo``), from the same Gram matrices."""
         x = store.samples()
         p, n, d = x.shape
         if n < store.buf.shape[1]:  # fewer images than planned: drop the unused capacity
@@ -333,14 +348,20 @@ class LowRankGaussians:
         mean = torch.empty(p, d, dtype=torch.float32, device=x.device)
         cinv = torch.empty(p, n, n, dtype=torch.float32, device=x.device)
         eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
+        loo_sq = torch.empty(p, n, dtype=torch.float32, device=x.device) if loo else None
         for lo in range(0, p, CHUNK_POSITIONS):
             y = x[lo:lo + CHUNK_POSITIONS]
             # a float32 mean (the stored one): Y is centred on exactly the mean the model keeps
             torch.mean(y, dim=1, out=mean[lo:lo + y.shape[0]])
             y.sub_(mean[lo:lo + y.shape[0]].unsqueeze(1)).mul_(1.0 / math.sqrt(n - 1))
-            cinv[lo:lo + y.shape[0]] = inverse_cholesky(
-                torch.baddbmm(eps_eye, y, y.transpose(1, 2)))
-        return cls(mean, x, cinv, epsilon)
+            gram = torch.baddbmm(eps_eye, y, y.transpose(1, 2))
+            cinv[lo:lo + y.shape[0]] = inverse_cholesky(gram)
+            if loo_sq is not None:
+                loo_sq[lo:lo + y.shape[0]] = gram_loo_squared(gram, epsilon)
+        out = cls(mean, x, cinv, epsilon)
+        if loo_sq is not None:
+            out.loo = loo_sq.clamp_min_(0).sqrt_()
+        return out
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
         """Mahalanobis distances ``[P, B]`` of ``x`` ``[P, B, D]`` (any strides)."""

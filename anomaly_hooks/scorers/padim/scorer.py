@@ -25,9 +25,14 @@ from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussian
                                                    GaussianAccumulator, LowRankGaussians,
                                                    SampleStore, choose_covariance,
                                                    lowrank_capacity)
+from anomaly_hooks.scorers.padim.loo import loo_distances_from_samples
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
 Gaussians = Union[DenseGaussians, LowRankGaussians]
+# dense form, out-of-sample scores: keep the training samples during the fit (exact LOO
+# distances from their Gram matrices in finalize, no second pass) while they take at most this
+# many times the memory of the dense factors (n <= 2 D); beyond, a second pass (dense series)
+DENSE_KEEP_SAMPLES = 2.0
 
 
 def default_n_features(backbone_name: str, total: int) -> int:
@@ -49,6 +54,7 @@ class PadimScorer(Scorer):
                      "with it times the number of images), or preprocess.crop / resize, or use "
                      "layers with a coarser grid")
     min_train_images = 2
+    min_out_of_sample_images = 3  # a leave-one-out covariance needs two images
 
     def __init__(self, embedder: PatchEmbedder, epsilon: float,
                  factor_dtype: str = "float32", covariance: str = "auto") -> None:
@@ -59,6 +65,7 @@ class PadimScorer(Scorer):
         self._expected: Optional[int] = None
         self._acc: Optional[GaussianAccumulator] = None
         self._store: Optional[SampleStore] = None
+        self._oos_store: Optional[SampleStore] = None  # dense form: samples kept for LOO
         self.gaussians: Optional[Gaussians] = None
 
     @classmethod
@@ -75,10 +82,14 @@ class PadimScorer(Scorer):
                      "inverse Gram factors": small, "batch": batch},
                     samples + small + positions * d * 4)
         factor_bytes = 2 if pad.factor_dtype == "float16" else 4
+        loo = (cfg.threshold.mode == "all-images" and not cfg.threshold.folder
+               and n_train <= DENSE_KEEP_SAMPLES * d)
         # the float32 sums become the covariances, then the factors, in place
         return ({"statistics (float32 sums, factorised in place)": positions * d * d * 4,
                  "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
-                 "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch},
+                 "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch,
+                 "training samples kept for leave-one-out":
+                     positions * n_train * d * 4 if loo else 0},
                 positions * d * d * factor_bytes + positions * d * 4)
 
     @classmethod
@@ -108,6 +119,8 @@ class PadimScorer(Scorer):
             self._store = SampleStore(capacity=n)
         else:
             self._acc = GaussianAccumulator()
+            if self.want_out_of_sample and n <= DENSE_KEEP_SAMPLES * d:
+                self._oos_store = SampleStore(capacity=n)
 
     def partial_fit(self, embeddings: torch.Tensor) -> None:
         if self.fitted:
@@ -122,12 +135,19 @@ class PadimScorer(Scorer):
                 and self._store.n + b > lowrank_capacity(d)):
             self._to_dense()  # more images than auto keeps in low-rank form
         (self._store if self._store is not None else self._acc).update(x)
+        if self._oos_store is not None:
+            if self._oos_store.n + b > DENSE_KEEP_SAMPLES * d:  # too many: a second pass instead
+                self._oos_store = None
+            else:
+                self._oos_store.update(x)
 
     def _to_dense(self) -> None:
         """Move the stored samples into streaming sums and go on with those."""
         acc = GaussianAccumulator()
         if self._store.n:
             acc.update(self._store.samples())
+        if self.want_out_of_sample:  # the samples are already kept: go on keeping them
+            self._oos_store = self._store
         self._store, self._acc = None, acc
 
     @torch.inference_mode()  # state is only ever touched in inference mode
@@ -138,12 +158,18 @@ class PadimScorer(Scorer):
             raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
                            f"for a covariance; got {n}")
         if self._store is not None:
-            self.gaussians = LowRankGaussians.from_samples(self._store, self.epsilon)
+            self.gaussians = LowRankGaussians.from_samples(self._store, self.epsilon,
+                                                           loo=self.want_out_of_sample)
+            loo, self.gaussians.loo = self.gaussians.loo, None
         else:
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
             self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
+            loo = (None if self._oos_store is None else
+                   loo_distances_from_samples(self._oos_store.samples(), self.epsilon))
+        if loo is not None:  # [P, n] -> [n, h, w]
+            self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self.n_train = n
-        self._acc = self._store = None
+        self._acc = self._store = self._oos_store = None
         self.fitted = True
 
     # -- sharded fitting (scorers/padim/partial.py) ----------------------------------------
@@ -176,6 +202,21 @@ class PadimScorer(Scorer):
         self.grid, self.n_train = tuple(state["grid"]), n
         self._acc = self._store = None
         self.fitted = True
+
+    # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
+    def out_of_sample_unsupported(self) -> Optional[str]:
+        return None
+
+    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
+        """Exact leave-one-out patch distances ``[B, h, w]`` of *training* images (dense form
+        with ``n > 2 D``; ``first_image`` unused: PaDiM's LOO needs only the image itself)."""
+        self.check_fitted()
+        if self.gaussians.kind != "dense":
+            raise FitError("the low-rank form makes its leave-one-out distances in the fit")
+        b, _, h, w = embeddings.shape
+        x = embeddings.flatten(2).permute(2, 0, 1)  # [P, B, D]
+        dist = self.gaussians.loo_distances(x, self.n_train, self.epsilon)
+        return dist.t().reshape(b, h, w)
 
     # -- scoring --------------------------------------------------------------------------
     def score(self, embeddings: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,13 @@ from anomaly_hooks.scorers.patchcore.config import PatchCoreConfig, validate
 from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
                                                      greedy_coreset, projection_matrix)
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
+from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
 
 log = logging.getLogger(__name__)
 
 SEED_PROJECTION = 11
 SEED_CORESET = 12
+OOS_QUERY_CHUNK = 65536  # training patches per out-of-sample search
 
 
 def build_embedder(cfg: Any, layers: Sequence[LayerInfo], seed: int,
@@ -73,6 +75,7 @@ class PatchCoreScorer(Scorer):
                 count=cfg.coreset_count, max_points=cfg.max_bank_points,
                 projection_dim=cfg.projection_dim, seed=seed + SEED_CORESET)
         self.bank: Optional[torch.Tensor] = None  # [M, D]
+        self.bank_image: Optional[torch.Tensor] = None  # [M] int32: each point's source image
         self.index: Optional[NearestNeighbors] = None
         self.n_patches = 0
         self._expected: Optional[int] = None  # training images announced by begin()
@@ -138,6 +141,7 @@ class PatchCoreScorer(Scorer):
         if self.n_train < self.min_train_images:
             raise FitError("PatchCore needs at least one training image")
         start = time.perf_counter()
+        features = None
         if self._stream is not None:
             bank = self._stream.finalize(progress)
         else:
@@ -147,7 +151,9 @@ class PatchCoreScorer(Scorer):
             idx = greedy_coreset(features, k, projection_dim=self.cfg.projection_dim,
                                  seed=self.seed + SEED_CORESET, progress=progress)
             bank = features[idx]  # advanced indexing: already a new tensor
-            del features
+            # patches come image by image, h * w of each, in fit order
+            self.bank_image = torch.div(idx.cpu(), self.grid[0] * self.grid[1],
+                                        rounding_mode="floor").to(torch.int32)
         synchronize(bank.device)  # the selection's queued GPU work is the coreset's time
         selected = time.perf_counter()
         self._set_bank(bank)
@@ -156,6 +162,48 @@ class PatchCoreScorer(Scorer):
                                   "search index": time.perf_counter() - selected}
         self._stream = None
         self.fitted = True
+        if features is not None and self.want_out_of_sample:
+            # every training patch is still here: no second pass over the images
+            mark = time.perf_counter()
+            ids = torch.arange(self.n_train, dtype=torch.int32).repeat_interleave(
+                self.grid[0] * self.grid[1])
+            self._oos_patch_scores = self._foreign_scores(features, ids).reshape(
+                self.n_train, *self.grid)
+            synchronize(bank.device)
+            self.finalize_timings_["out-of-sample scores"] = time.perf_counter() - mark
+        del features
+
+    # -- out-of-sample scores of the training images ----------------------------------------
+    def out_of_sample_unsupported(self) -> Optional[str]:
+        if self.cfg.reweight:
+            return "patchcore.reweight (eq. 7) has no skip-own-image variant"
+        if self.cfg.max_bank_points is not None:
+            return ("the bounded fit (patchcore.max_bank_points) does not record which image "
+                    "each bank point came from")
+        return None
+
+    def _foreign_scores(self, patches: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Out-of-sample patch scores ``[N]`` of training patches ``[N, D]`` of images ``ids``
+        ``[N]``: mean distance to the ``k`` nearest bank points of other images."""
+        out = torch.empty(patches.shape[0], dtype=torch.float32, device=patches.device)
+        for lo in range(0, patches.shape[0], OOS_QUERY_CHUNK):
+            hi = lo + OOS_QUERY_CHUNK
+            dist = foreign_neighbor_distances(self.index, self.bank_image, patches[lo:hi],
+                                              ids[lo:hi], self.cfg.k)
+            out[lo:hi] = dist.mean(dim=1)
+        return out
+
+    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
+        """Out-of-sample patch scores ``[B, h, w]`` of training images ``first_image ..`` (in
+        fit order) from their embeddings ``[B, D, h, w]``."""
+        self.check_fitted()
+        if self.bank_image is None:
+            raise FitError("this bank records no source images (a bounded fit, or a model "
+                           "file written before they were saved): use threshold.mode=holdout")
+        b, _, h, w = embeddings.shape
+        ids = torch.arange(first_image, first_image + b, dtype=torch.int32).repeat_interleave(
+            h * w)
+        return self._foreign_scores(self._patches(embeddings), ids).reshape(b, h, w)
 
     # -- sharded fitting (scorers/patchcore/partial.py) ------------------------------------
     def begin_shard(self, n_total: int, n_shard: int) -> None:
@@ -268,8 +316,11 @@ class PatchCoreScorer(Scorer):
         return {"bank_size": int(self.bank.shape[0]), "patches": self.n_patches}
 
     def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-        return {"patchcore.bank": self.bank}, {"n_patches": self.n_patches, "seed": self.seed,
-                                               "bank_size": int(self.bank.shape[0])}
+        tensors = {"patchcore.bank": self.bank}
+        if self.bank_image is not None:  # optional: readers before it ignore it
+            tensors["patchcore.bank_image"] = self.bank_image.to(torch.int32).contiguous()
+        return tensors, {"n_patches": self.n_patches, "seed": self.seed,
+                         "bank_size": int(self.bank.shape[0])}
 
     @classmethod
     def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],
@@ -287,5 +338,11 @@ class PatchCoreScorer(Scorer):
             raise ValueError(f"patchcore.bank {tuple(bank.shape)} does not fit "
                              f"{embedder.out_channels} channels")
         scorer._set_bank(bank.to(device))
+        if "patchcore.bank_image" in tensors:  # optional: files written before it existed
+            ids = tensors["patchcore.bank_image"]
+            if tuple(ids.shape) != (bank.shape[0],) or ids.dtype != torch.int32:
+                raise ValueError(f"patchcore.bank_image {tuple(ids.shape)} {ids.dtype} does not "
+                                 f"fit a bank of {bank.shape[0]} points (int32 expected)")
+            scorer.bank_image = ids
         scorer.fitted = True
         return scorer

@@ -1,0 +1,135 @@
+"""Exact leave-one-out (LOO) Mahalanobis distances of PaDiM's own training samples.
+
+At one patch position the model fitted on all ``n`` training embeddings ``x_1..x_n`` is
+``N(mu, Sigma + eps I)`` with ``Sigma = S / (n - 1)``, ``S = sum_j u_j u_j^T``, ``u_j = x_j - mu``.
+The LOO model of image ``i`` is what a refit without ``x_i`` gives, *with the same* ``eps``::
+
+    mu_-i = mu - u_i / (n - 1),   S_-i = S - n/(n-1) u_i u_i^T,   A_-i = S_-i / (n - 2) + eps I
+
+and ``x_i - mu_-i = n/(n-1) u_i``. Write ``B = S + eps (n - 2) I`` (note ``n - 2``: the full
+model's ``(n - 1) (Sigma + eps I)`` is ``S + eps (n - 1) I``, so ``eps`` makes the LOO covariance
+*not* a rank-one update of the full one; without ``eps`` it is, and this reduces to the classic
+leverage identity). Sherman-Morrison on ``(n - 2) A_-i = B - n/(n-1) u_i u_i^T``, with
+``h_i = u_i^T B^-1 u_i``::
+
+    d^2_-i(x_i) = (n/(n-1))^2 (n - 2) h_i / (1 - n h_i / (n - 1))                      (1)
+
+**From the samples** (the low-rank form keeps ``Y = U / sqrt(n-1)``; the dense form keeps them
+during the fit when ``n <= 2 D``): ``h_i`` is a diagonal entry of the ``n x n`` Gram world.
+``K 1 = 0`` (centred samples), so ``(K + eps' I)^-1`` has the eigenvalue ``1 / eps'`` along
+``1``; taking it out (``P = I - 1 1^T / n``) turns (1) into::
+
+    d^2_-i(x_i) = (n - 1) / (eps g_i) - n (n - 2) / (n - 1),
+    g_i = [P (Y Y^T + eps'' I)^-1 P]_ii,   eps'' = eps (n - 2) / (n - 1)                 (2)
+
+without the cancellation of ``1 - n h_i / (n - 1)`` in (1). ``g`` comes from the inverse
+Cholesky factor ``C^-1`` of ``M = Y Y^T + eps'' I + c 1 1^T / n`` (``c`` = the mean diagonal of
+``Y Y^T``: the ``1`` direction gets an eigenvalue of the data's scale instead of the tiny
+``eps''``, and ``P M^-1 P = P (Y Y^T + eps'' I)^-1 P``): ``g_i = || C^-1 P e_i ||^2``. Cost per
+position: one more ``n x n`` float64 factorisation of the Gram matrix the fit builds anyway.
+
+**From the dense factor** (``n > 2 D``; only ``L L^T = Sigma + eps I`` is kept):
+``B = (n - 1) L L^T - eps I`` is solved by the series ``h = sum_k eps^k u^T A^-(k+1) u /
+(n - 1)^(k+1)``, whose terms shrink by at least ``1 / (n - 1)`` each (``eps I`` bounds them):
+:func:`dense_terms` triangular solves reach ``DENSE_TOLERANCE``. It needs each training
+embedding again (a second pass over the images).
+
+Both are checked against a float64 brute-force refit without the image (tests/test_threshold.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from anomaly_hooks.errors import FitError
+
+DENSE_TOLERANCE = 1e-9  # relative truncation error of the dense series
+CHUNK_POSITIONS = 128  # positions per chunk (bounds the [c, n, n] float64 temporaries)
+
+
+def _check_n(n: int) -> None:
+    if n < 3:
+        raise FitError("leave-one-out distances need at least 3 training images; got "
+                       f"{n}: add images or use threshold.mode=holdout")
+
+
+def inverse_cholesky64(mat: torch.Tensor) -> torch.Tensor:
+    """``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat``, ``mat`` float64 positive definite."""
+    chol, info = torch.linalg.cholesky_ex(mat)
+    if bool((info > 0).any()):
+        raise FitError("a leave-one-out Gram matrix is not positive definite; raise "
+                       "padim.epsilon")
+    eye = torch.eye(mat.shape[-1], dtype=mat.dtype, device=mat.device).expand_as(chol)
+    return torch.linalg.solve_triangular(chol, eye, upper=False)
+
+
+def gram_loo_squared(gram: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """LOO squared distances ``[c, n]`` of the ``n`` training samples at ``c`` positions, from
+    ``gram`` ``[c, n, n]`` = ``Y Y^T + eps I`` (not modified), by (2). The ``n x n`` part runs in
+    float64 (``M`` has the condition number of the data over ``eps``, ~1e5 on real features:
+    float32 loses digits on near-duplicate images)."""
+    c, n, _ = gram.shape
+    _check_n(n)
+    m = gram.double()  # a new tensor: modified below
+    diag = m.diagonal(dim1=1, dim2=2)
+    scale = (diag.mean(dim=1) - epsilon).clamp_min(epsilon)  # mean diag of Y Y^T [c]
+    # M = Y Y^T + eps'' I + scale 1 1^T / n = gram - (eps - eps'') I + scale / n
+    diag -= epsilon / (n - 1)
+    m += (scale / n).view(c, 1, 1)
+    cinv = inverse_cholesky64(m)  # [c, n, n]
+    z = cinv - cinv.sum(dim=2, keepdim=True) / n  # C^-1 P
+    g = z.square().sum(dim=1)  # [c, n]
+    return ((n - 1) / (epsilon * g) - n * (n - 2) / (n - 1)).float()
+
+
+@torch.inference_mode()
+def loo_distances_from_samples(x: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Exact LOO distances ``[P, n]`` of the samples ``x`` ``[P, n, D]`` (not modified), by (2),
+    ``CHUNK_POSITIONS`` positions at a time. Centred on a float32 mean, as the low-rank ``Y``."""
+    p, n, _ = x.shape
+    _check_n(n)
+    out = torch.empty(p, n, dtype=torch.float32, device=x.device)
+    eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
+    for lo in range(0, p, CHUNK_POSITIONS):
+        chunk = x[lo:lo + CHUNK_POSITIONS]
+        y = (chunk - chunk.mean(dim=1, keepdim=True)).mul_(1.0 / math.sqrt(n - 1))
+        gram = torch.baddbmm(eps_eye, y, y.transpose(1, 2))
+        out[lo:lo + chunk.shape[0]] = gram_loo_squared(gram, epsilon)
+    return out.clamp_min_(0).sqrt_()
+
+
+def dense_terms(n: int, tol: float = DENSE_TOLERANCE) -> int:
+    """Terms of the dense series that bring its relative truncation error below ``tol``: the
+    ``k``-th term is at most ``(n - 1)^-k`` times the first."""
+    _check_n(n)
+    return max(1, math.ceil(math.log(tol) / math.log(1.0 / (n - 1))))
+
+
+def dense_loo_squared(u: torch.Tensor, chol: torch.Tensor, n: int, epsilon: float,
+                      terms: int) -> torch.Tensor:
+    """LOO squared distances ``[c, B]`` of training samples from the full dense model.
+
+    ``h = u^T B^-1 u`` with ``B = (n - 1) A - eps I``, ``A = L L^T``, summed as the series above:
+    each power costs one triangular solve, ``u^T A^-2m u = |A^-m u|^2`` and
+    ``u^T A^-(2m+1) u = |L^-1 A^-m u|^2``. Float64 (the factor widened): ``1 - n h / (n - 1)``
+    cancels for far samples.
+
+    Args:
+        u: ``[c, B, D]`` the samples centred on the full model's mean.
+        chol: ``[c, D, D]`` lower factors of ``Sigma + eps I`` (float32 or float16).
+        n: the number of training images the model was fitted on.
+        terms: from :func:`dense_terms`.
+    """
+    chol = chol.double()
+    v = u.transpose(1, 2).double()  # [c, D, B]
+    h = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float64, device=v.device)
+    coef = 1.0 / (n - 1)
+    for k in range(terms):
+        if k % 2 == 0:  # v = L^-1 A^-m u: the term is |v|^2
+            v = torch.linalg.solve_triangular(chol, v, upper=False)
+        else:  # v = A^-(m+1) u = L^-T (L^-1 A^-m u)
+            v = torch.linalg.solve_triangular(chol.transpose(1, 2), v, upper=True)
+        h += coef * v.square().sum(dim=1)
+        coef *= epsilon / (n - 1)
+    return ((n / (n - 1)) ** 2 * (n - 2) * h / (1.0 - n * h / (n - 1))).float()
