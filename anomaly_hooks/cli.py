@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers ...`` (also
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|export ...`` (also
 ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
@@ -41,7 +41,8 @@ def _fit_parser(sub) -> None:
 
 def _score_parser(sub) -> None:
     p = sub.add_parser("score", help="score images with a fitted model")
-    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--model", required=True, help="model file written by fit, or an .onnx file "
+                   "written by export (then scored without PyTorch)")
     p.add_argument("inputs", nargs="+", help="image files and/or folders")
     p.add_argument("--out", default="results", help="output folder (default: results)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
@@ -249,14 +250,25 @@ def _writable_folder(folder: Path, what: str) -> None:
                         f"({exc.strerror or exc})") from None
 
 
-def cmd_score(args: argparse.Namespace) -> int:
-    """Score images; write results.csv, results.json and PNGs; non-zero exit if any failed."""
+def _load_for_scoring(model: str, device: Optional[str]):
+    """(detector, max_pixels): an ``.onnx`` file runs in the torch-free runtime."""
+    if Path(model).suffix.lower() == ".onnx":
+        from anomaly_hooks.runtime import OnnxDetector
+
+        det = OnnxDetector.load(model)
+        return det, det.max_pixels
     from anomaly_hooks.detector import Detector
 
+    det = Detector.load(model, device=device)
+    return det, det.cfg.data.max_pixels
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score images; write results.csv, results.json and PNGs; non-zero exit if any failed."""
     out = Path(args.out)
     for sub in ("", "heatmaps", "overlays", "masks"):
         _writable_folder(out / sub, "--out")
-    det = Detector.load(args.model, device=args.device)
+    det, max_pixels = _load_for_scoring(args.model, args.device)
     paths, roots, failures = _expand_inputs(args.inputs)
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
@@ -273,7 +285,7 @@ def cmd_score(args: argparse.Namespace) -> int:
                "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
         if not args.no_images:
             row.update(_write_images(pred, path, out, out_name(path, roots[i], used),
-                                     det.cfg.data.max_pixels))
+                                     max_pixels))
         rows.append(row)
         del pred
     _write_results(out, rows, failures, args.model)
@@ -380,7 +392,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers}
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a fitted model to ONNX (:mod:`anomaly_hooks.export.cli`)."""
+    from anomaly_hooks.export.cli import cmd_export as run
+
+    return run(args)
+
+
+COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
+            "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -391,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     _score_parser(sub)
     _evaluate_parser(sub)
     _layers_parser(sub)
+    from anomaly_hooks.export.cli import add_parser  # torch-free: argparse only
+
+    add_parser(sub)
     return parser
 
 
