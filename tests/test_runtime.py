@@ -192,3 +192,22 @@ def test_openvino_runs_the_same_file(model):
     files = sorted(folder.iterdir())
     got = OnnxDetector.load(path, engine="openvino").decision_function(files)
     np.testing.assert_allclose(got, det.decision_function(files), rtol=1e-4)
+
+
+def test_jet_colours_without_matplotlib(monkeypatch):
+    """The edge box has no matplotlib: the heatmap PNGs use the same "jet" within 1 level."""
+    import builtins
+
+    from anomaly_hooks.visualize import colorize
+
+    heat = np.random.default_rng(0).random((50, 60)).astype(np.float32)
+    ref = colorize(heat, 0.0, 1.0)
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert np.abs(colorize(heat, 0.0, 1.0).astype(int) - ref).max() <= 1
