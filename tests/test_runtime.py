@@ -211,3 +211,23 @@ def test_jet_colours_without_matplotlib(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert np.abs(colorize(heat, 0.0, 1.0).astype(int) - ref).max() <= 1
+
+
+def test_cli_scores_an_onnx_model_where_torch_cannot_be_imported(model, tmp_path):
+    """``anomaly-hooks score`` of an .onnx file (with PNGs) on a box without torch; ``export``
+    there says what it needs in one line."""
+    _, saved, path, folder = model
+    code = ("import sys\n"
+            "sys.modules['torch'] = None\n"
+            "from anomaly_hooks.cli import main\n"
+            f"assert main(['score', '--model', {str(path)!r}, {str(folder)!r}, '--out', "
+            f"{str(tmp_path / 'r')!r}]) == 0\n"
+            f"sys.exit(main(['export', '--model', {str(saved)!r}]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: export needs PyTorch and onnx (import of torch halted; None in sys.modules): "
+        "run it where the model was fitted, with pip install 'anomaly_hooks[export]'")
+    assert len(list((tmp_path / "r" / "heatmaps").iterdir())) == len(list(folder.iterdir()))

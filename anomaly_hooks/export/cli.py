@@ -48,8 +48,14 @@ def _calibration_images(args: argparse.Namespace, det: Any) -> List[Any]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export (and optionally quantise); prints the output path (and the int8 report)."""
-    from anomaly_hooks.detector import Detector
-    from anomaly_hooks.export.onnx import DEFAULT_OPSET, export_onnx, source_checksum
+    try:
+        from anomaly_hooks.detector import Detector
+        from anomaly_hooks.export.onnx import DEFAULT_OPSET, export_onnx, source_checksum
+    except ImportError as exc:  # an edge box with the runtime only
+        from anomaly_hooks.errors import ExportError
+
+        raise ExportError(f"export needs PyTorch and onnx ({exc}): run it where the model was "
+                          "fitted, with pip install 'anomaly_hooks[export]'") from None
 
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".onnx")
     det = Detector.load(args.model, device="cpu")
