@@ -94,12 +94,12 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
     arrays = ref.prepare(list(calib_images))[0]
     calib = [arrays[i:i + batch] for i in range(0, len(arrays), batch)]
     checks = list(check_images) if check_images is not None else list(calib_images)
-    nodes = backbone_nodes(onnx.load(str(fp32_path), load_external_data=False))
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".int8-") as tmpdir:
         q = Path(tmpdir) / out_path.name
         pre = _pre_process(fp32_path, Path(tmpdir) / "pre.onnx")
+        nodes = backbone_nodes(onnx.load(str(pre), load_external_data=False))
         quantize_static(
             str(pre), str(q), _Reader(calib, ref.input_name),
             quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
@@ -117,8 +117,8 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
                 f"int8 scores of {len(checks)} good images drift up to "
                 f"{report['max_drift']:.3g} threshold scales from float32 (tolerance "
                 f"{tolerance:g}), {report['verdict_flips']} verdict change(s): not written. "
-                "Calibrate on more / more typical good images, try --calibration entropy or "
-                "percentile, or keep the float32 model.")
+                "Calibrate on more / more typical good images, try --calibration percentile, "
+                "accept a larger drift (--tolerance), or keep the float32 model.")
         _add_metadata(q, {"int8": json.dumps(report)})
         side = q.with_name(q.name + ".data")
         if side.exists():
