@@ -199,9 +199,25 @@ def test_unexportable_custom_layer_is_named(tmp_path):
     with pytest.raises(ExportError, match=r"^cannot export the Tiny backbone to ONNX: operator "
                        r"aten::fft_rfft2 in layer 'stage2\.2' \(FFTFilter\) has no ONNX "
                        r"translation \(opset 17\)\. Replace that layer with exportable ops, tap "
-                       r"an earlier layer, or use the eager model\."):
+                       r"an earlier layer, try the dynamo exporter \(--exporter dynamo\), or use "
+                       r"the eager model\."):
         export_onnx(fit_tiny("stage2"), tmp_path / "bad.onnx")
     assert not list(tmp_path.iterdir())  # nothing written, no temporary left
+
+
+@pytest.mark.slow
+def test_dynamo_exporter_translates_the_fft_layer(tmp_path):
+    """torch.export + onnxscript translate the FFT; the cut still ends at the last tap."""
+    pytest.importorskip("onnxscript")
+    import onnx
+
+    det = fit_tiny("stage2")
+    path = export_onnx(det, tmp_path / "m.onnx", exporter="dynamo")
+    assert_parity(det.predict(test_images()), OnnxDetector.load(path).predict(test_images()))
+    scopes = [p.value for n in onnx.load(str(path)).graph.node for p in n.metadata_props
+              if p.key == "pkg.torch.onnx.name_scopes"]
+    assert any("backbone.model.stage2" in v for v in scopes)
+    assert not [v for v in scopes if "model.tail" in v or "model.head" in v]
 
 
 def test_unknown_export_option_is_refused(exported, tmp_path):

@@ -171,8 +171,8 @@ def explain(exc: Exception, graph: PredictGraph, probe: torch.Tensor, opset: int
     where = locate_op(graph, probe, op)
     return ExportError(
         f"{what}: operator {op}{' in ' + where if where else ''} has no ONNX translation "
-        f"(opset {opset}). Replace that layer with exportable ops, tap an earlier layer, or use "
-        f"the eager model. ({first})")
+        f"(opset {opset}). Replace that layer with exportable ops, tap an earlier layer, try "
+        f"the dynamo exporter (--exporter dynamo), or use the eager model. ({first})")
 
 
 def gemm_transposed_initializers(model: Any) -> int:
