@@ -144,7 +144,7 @@ def test_patchcore_bank_is_stored_once(exported):
 def test_projected_search_in_graph(tmp_path):
     det = Detector.from_config(config(method="patchcore", patchcore={"k": 2}))
     det.fit(textured_images(16), progress=False)
-    path = export_onnx(det, tmp_path / "m.onnx", search="projected")
+    path = det.export_onnx(tmp_path / "m.onnx", search="projected")  # the Detector method
     odet = OnnxDetector.load(path)
     assert odet.meta["scorer_form"] == "projected"
     assert_parity(det.predict(test_images()), odet.predict(test_images()))
