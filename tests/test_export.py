@@ -44,13 +44,10 @@ def config(**extra) -> dict:
             "data": {"batch_size": 4, "num_workers": 0}, **extra}
 
 
-def test_images() -> list:
+def probe_images() -> list:
     """Eight images of another seed (different sizes), two with a defect."""
     good = textured_images(6, seed=5) + textured_images(2, size=(120, 90), seed=6)
     return good[:6] + [with_defect(good[6]), with_defect(good[1])]
-
-
-test_images.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -77,7 +74,7 @@ def assert_parity(ref: list, got: list) -> None:
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
 def test_parity_with_eager_predict(exported, batch):
     _, det, path = exported
-    images = test_images()
+    images = probe_images()
     ref = det.predict(images)
     assert any(p.is_anomalous for p in ref) and not all(p.is_anomalous for p in ref)
     assert_parity(ref, OnnxDetector.load(path, batch_size=batch).predict(images))
@@ -92,7 +89,7 @@ def test_graph_outputs_at_each_batch_size(exported, batch):
 
     _, det, path = exported
     x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
-                     for i in test_images()[:batch]])
+                     for i in probe_images()[:batch]])
     scores, maps = det._infer(x)
     patch, heat, image = ort.InferenceSession(str(path)).run(None, {INPUT: x.numpy()})
     grid = det.scorer_.grid
@@ -147,7 +144,7 @@ def test_projected_search_in_graph(tmp_path):
     path = det.export_onnx(tmp_path / "m.onnx", search="projected")  # the Detector method
     odet = OnnxDetector.load(path)
     assert odet.meta["scorer_form"] == "projected"
-    assert_parity(det.predict(test_images()), odet.predict(test_images()))
+    assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
 
 
 # -- failure paths ---------------------------------------------------------------------------
@@ -184,15 +181,15 @@ class Tiny(nn.Module):
 
 def fit_tiny(fft: str) -> Detector:
     torch.manual_seed(0)
-    det = Detector.from_config(config(method="patchcore", backbone={"layers": ["stage1", "stage2"]}),
-                               backbone=Tiny(fft))
+    cfg = config(method="patchcore", backbone={"layers": ["stage1", "stage2"]})
+    det = Detector.from_config(cfg, backbone=Tiny(fft))
     return det.fit(textured_images(12), progress=False)
 
 
 def test_layers_after_the_cut_are_not_exported(tmp_path):
     det = fit_tiny("tail")  # the FFT comes after the last tapped layer: cut away
-    assert_parity(det.predict(test_images()),
-                  OnnxDetector.load(export_onnx(det, tmp_path / "ok.onnx")).predict(test_images()))
+    odet = OnnxDetector.load(export_onnx(det, tmp_path / "ok.onnx"))
+    assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
 
 
 def test_unexportable_custom_layer_is_named(tmp_path):
@@ -213,7 +210,7 @@ def test_dynamo_exporter_translates_the_fft_layer(tmp_path):
 
     det = fit_tiny("stage2")
     path = export_onnx(det, tmp_path / "m.onnx", exporter="dynamo")
-    assert_parity(det.predict(test_images()), OnnxDetector.load(path).predict(test_images()))
+    assert_parity(det.predict(probe_images()), OnnxDetector.load(path).predict(probe_images()))
     scopes = [p.value for n in onnx.load(str(path)).graph.node for p in n.metadata_props
               if p.key == "pkg.torch.onnx.name_scopes"]
     assert any("backbone.model.stage2" in v for v in scopes)
