@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|serve ...`` (also
+"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|serve|export ...`` (also
 ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
@@ -40,7 +40,8 @@ def _fit_parser(sub) -> None:
 
 def _score_parser(sub) -> None:
     p = sub.add_parser("score", help="score images with a fitted model")
-    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--model", required=True, help="model file written by fit, or an .onnx file "
+                   "written by export (then scored without PyTorch)")
     p.add_argument("inputs", nargs="+", help="image files and/or folders")
     p.add_argument("--out", default="results", help="output folder (default: results)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
@@ -174,16 +175,27 @@ def _writable_folder(folder: Path, what: str) -> None:
                         f"({exc.strerror or exc})") from None
 
 
-def cmd_score(args: argparse.Namespace) -> int:
-    """Score images; write results.csv, results.json and PNGs; non-zero exit if any failed."""
+def _load_for_scoring(model: str, device: Optional[str]):
+    """(detector, max_pixels): an ``.onnx`` file runs in the torch-free runtime."""
+    if Path(model).suffix.lower() == ".onnx":
+        from anomaly_hooks.runtime import OnnxDetector
+
+        det = OnnxDetector.load(model)
+        return det, det.max_pixels
     from anomaly_hooks.detector import Detector
 
+    det = Detector.load(model, device=device)
+    return det, det.cfg.data.max_pixels
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score images; write results.csv, results.json and PNGs; non-zero exit if any failed."""
     out = Path(args.out)
     for sub in ("", "heatmaps", "overlays", "masks"):
         _writable_folder(out / sub, "--out")
     if args.ray is not None:
         return _score_on_ray(args, out)
-    det = Detector.load(args.model, device=args.device)
+    det, max_pixels = _load_for_scoring(args.model, args.device)
     paths, roots, failures = expand_inputs(args.inputs)
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
@@ -201,7 +213,7 @@ def cmd_score(args: argparse.Namespace) -> int:
                "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
         if not args.no_images:
             row.update(write_images(pred, path, out, out_name(path, roots[i], used),
-                                     det.cfg.data.max_pixels))
+                                     max_pixels))
         rows.append(row)
         del pred
     write_results(out, rows, failures, args.model,
@@ -240,6 +252,9 @@ def _score_monitor(det: Any, disabled: bool) -> Any:
     """The drift monitor ``score`` attaches (None with ``--no-drift``, or, with a note, for
     a model file that has no drift reference)."""
     if disabled:
+        return None
+    if not hasattr(det, "drift_monitor"):
+        print("drift: not monitored (an exported ONNX model carries no drift reference)")
         return None
     if det.drift_reference_ is None:
         print("drift: not monitored (the model file has no drift reference; refit it to "
@@ -308,8 +323,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a fitted model to ONNX (:mod:`anomaly_hooks.export.cli`)."""
+    from anomaly_hooks.export.cli import cmd_export as run
+
+    return run(args)
+
+
 COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     from anomaly_hooks.serve.cli import add_parser as _serve_parser  # argparse only: light
 
     _serve_parser(sub)
+    from anomaly_hooks.export.cli import add_parser as _export_parser  # torch-free: argparse only
+
+    _export_parser(sub)
     return parser
 
 

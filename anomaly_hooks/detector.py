@@ -568,6 +568,13 @@ class Detector:
         det.drift_reference_ = drift.reference_from_saved(tensors, meta)
         return det
 
+    def export_onnx(self, path: Union[str, Path], **kwargs: Any) -> Path:
+        """Write the predict path as one ONNX graph for the torch-free runtime (needs the
+        ``[export]`` extra); see :func:`anomaly_hooks.export.onnx.export_onnx` for ``kwargs``."""
+        from anomaly_hooks.export.onnx import export_onnx
+
+        return export_onnx(self, path, **kwargs)
+
     def close(self) -> None:
         """Remove the backbone hooks (the detector cannot predict afterwards)."""
         self.extractor.close()

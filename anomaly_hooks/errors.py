@@ -46,10 +46,15 @@ class ResourceError(AnomalyHooksError, ValueError):
     """The fit would need more memory than allowed (the message gives the estimate)."""
 
 
+class ExportError(AnomalyHooksError, ValueError):
+    """A model cannot be exported (an operator or layer without an ONNX translation), or the
+    exported graph does not reproduce the eager model; nothing was written."""
+
+
 class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
     """A model was used before ``fit`` (like scikit-learn's: a ValueError and an AttributeError)."""
 
 
-__all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "FitError",
-           "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
+__all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "ExportError",
+           "FitError", "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
            "ResourceError"]

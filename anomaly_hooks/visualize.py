@@ -13,12 +13,26 @@ _BAND_PIXELS = 1 << 21  # pixels per band when a picture is built a band of rows
 _FAST_PNG_PIXELS = 4096 * 4096  # larger pictures are written with fast PNG compression
 
 
-def colorize(heatmap: np.ndarray, vmin: float, vmax: float, cmap: str = "jet") -> np.ndarray:
-    """``[H, W]`` float map -> ``[H, W, 3]`` uint8 RGB with a matplotlib colour map."""
-    from matplotlib import colormaps
+# matplotlib's "jet" segments (x, value) per channel: the colour map without matplotlib, for the
+# torch-free runtime on an edge box (which installs numpy, Pillow and onnxruntime only)
+_JET = (((0, 0), (0.35, 0), (0.66, 1), (0.89, 1), (1, 0.5)),
+        ((0, 0), (0.125, 0), (0.375, 1), (0.64, 1), (0.91, 0), (1, 0)),
+        ((0, 0.5), (0.11, 1), (0.34, 1), (0.65, 0), (1, 0)))
 
+
+def colorize(heatmap: np.ndarray, vmin: float, vmax: float, cmap: str = "jet") -> np.ndarray:
+    """``[H, W]`` float map -> ``[H, W, 3]`` uint8 RGB with a matplotlib colour map (``jet``
+    also without matplotlib)."""
     span = max(vmax - vmin, 1e-12)
     norm = np.clip((heatmap.astype(np.float32) - vmin) / span, 0.0, 1.0)
+    try:
+        from matplotlib import colormaps
+    except ImportError:
+        if cmap != "jet":
+            raise
+        x = np.linspace(0.0, 1.0, 256)  # matplotlib's 256-entry table, same indexing
+        table = np.stack([np.interp(x, *zip(*seg)) for seg in _JET], axis=1)
+        return (table * 255 + 0.5).astype(np.uint8)[np.minimum((norm * 256).astype(int), 255)]
     rgba = colormaps[cmap](norm, bytes=True)
     return rgba[..., :3]
 

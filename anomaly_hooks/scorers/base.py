@@ -9,9 +9,10 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
+from torch import nn
 
 from anomaly_hooks.embedding import PatchEmbedder
-from anomaly_hooks.errors import ConfigError, FitError, NotFittedError
+from anomaly_hooks.errors import ConfigError, ExportError, FitError, NotFittedError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import grid_positions
 
@@ -163,6 +164,12 @@ class Scorer(ABC):
         """Image scores ``[B]``: by default the max of each heatmap ``[B, H, W]``."""
         return heatmaps.flatten(1).amax(dim=1)
 
+    # -- export -------------------------------------------------------------------------
+    def export_module(self, **options: Any) -> "ScorerGraph":
+        """The fitted state as a traceable :class:`ScorerGraph` for the ONNX export
+        (:mod:`anomaly_hooks.export`); ``options`` are the method's own export choices."""
+        raise ExportError(f"the {self.method} method has no ONNX export")
+
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """(tensors, JSON-able metadata) that :meth:`from_state` rebuilds the scorer from: the
@@ -194,6 +201,23 @@ class Scorer(ABC):
 
 def _unmergeable(method: str) -> FitError:
     return FitError(f"{method} has no mergeable fit state: it cannot be fitted in shards")
+
+
+class ScorerGraph(nn.Module):
+    """A scorer's part of the exported predict graph (built by :meth:`Scorer.export_module`).
+
+    ``forward(rows [B, P, D]) -> (patch scores [B, P], aux)``: ``aux`` is whatever
+    :meth:`image_scores` needs besides (None by default). ``form`` names the variant exported
+    (stored in the ONNX metadata, e.g. PaDiM's covariance form).
+    """
+
+    form: str = ""
+
+    def image_scores(self, rows: torch.Tensor, scores: torch.Tensor, aux: Any,
+                     peak: torch.Tensor) -> torch.Tensor:
+        """Image scores ``[B]`` from the heatmaps' maxima ``peak`` ``[B]``: by default the
+        maxima themselves (as :meth:`Scorer.image_scores`)."""
+        return peak
 
 
 _REGISTRY: Dict[str, Type[Scorer]] = {}

@@ -15,12 +15,13 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
-from anomaly_hooks.errors import ConfigError, FitError
+from anomaly_hooks.errors import ConfigError, ExportError, FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import batch_bytes
-from anomaly_hooks.scorers.base import Scorer, register
+from anomaly_hooks.scorers.base import Scorer, ScorerGraph, register
 from anomaly_hooks.scorers.padim import partial
 from anomaly_hooks.scorers.padim.config import PadimConfig, validate
+from anomaly_hooks.scorers.padim.export import padim_graph
 from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussians,
                                                    GaussianAccumulator, LowRankGaussians,
                                                    SampleStore, choose_covariance,
@@ -228,6 +229,14 @@ class PadimScorer(Scorer):
                              f"{self.grid} and dimension {dim}")
         x = embeddings.flatten(2).permute(2, 0, 1)  # [P, B, D]
         return self.gaussians.distances(x).t().reshape(b, h, w)
+
+    # -- export -------------------------------------------------------------------------
+    def export_module(self, **options: Any) -> ScorerGraph:
+        """Distances in graph form (:mod:`anomaly_hooks.scorers.padim.export`); no options."""
+        self.check_fitted()
+        if options:
+            raise ExportError(f"PaDiM takes no export options, got {sorted(options)}")
+        return padim_graph(self.gaussians)
 
     # -- persistence ----------------------------------------------------------------------
     def format_version(self) -> int:

@@ -21,11 +21,12 @@ from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.errors import FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.resources import batch_bytes
-from anomaly_hooks.scorers.base import Scorer, register
+from anomaly_hooks.scorers.base import Scorer, ScorerGraph, register
 from anomaly_hooks.scorers.patchcore import partial
 from anomaly_hooks.scorers.patchcore.config import PatchCoreConfig, validate
 from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
                                                      greedy_coreset, projection_matrix)
+from anomaly_hooks.scorers.patchcore.export import patchcore_graph
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
 
@@ -310,6 +311,12 @@ class PatchCoreScorer(Scorer):
         _, support = self.index.search(self.bank[nearest[:, 0]].float(), n_b)  # [B, n_b]
         dists = torch.linalg.vector_norm(self.bank[support].float() - worst.unsqueeze(1), dim=2)
         return 1.0 - torch.softmax(dists, dim=1)[:, 0]
+
+    # -- export -------------------------------------------------------------------------
+    def export_module(self, search: str = "auto") -> ScorerGraph:
+        """Exact k-NN in graph form (:mod:`anomaly_hooks.scorers.patchcore.export`)."""
+        self.check_fitted()
+        return patchcore_graph(self, search)
 
     # -- persistence ----------------------------------------------------------------------
     def summary(self) -> Dict[str, Any]:

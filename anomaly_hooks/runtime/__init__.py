@@ -1,0 +1,18 @@
+"""Torch-free runtime for exported models (issue 14): numpy, Pillow and ONNX Runtime only
+(the ``[runtime]`` extra).
+
+    from anomaly_hooks.runtime import OnnxDetector
+    det = OnnxDetector.load("m.onnx")
+    pred = det.predict("part.png")   # the same Prediction as Detector.predict
+
+Images are decoded by the torch-free :func:`anomaly_hooks.images.decode_reduced` (the same
+decoder as the eager path) and preprocessed by :class:`NumpyPreprocessor`, the numpy twin of
+:class:`anomaly_hooks.preprocess.Preprocessor`.
+"""
+from anomaly_hooks.errors import ImageReadError, ModelFileError
+from anomaly_hooks.prediction import Prediction
+from anomaly_hooks.runtime.detector import OnnxDetector
+from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
+
+__all__ = ["ImageReadError", "ModelFileError", "NumpyPreprocessor", "OnnxDetector",
+           "Prediction"]

@@ -1,0 +1,204 @@
+"""``OnnxDetector``: predict with an exported model, with numpy, Pillow and ONNX Runtime only.
+
+The same prediction contract as :class:`anomaly_hooks.detector.Detector`: ``predict(one image)
+-> Prediction``, ``predict(sequence) -> list`` (batched), ``decision_function(images)`` (raw
+image scores, float64), ``iter_predict`` (unreadable items come back as
+:class:`~anomaly_hooks.errors.ImageReadError`, the rest are scored); any input type (path, PIL
+image, numpy array), decoded by the same torch-free :mod:`anomaly_hooks.images` as the eager
+path; the heatmap and mask in the caller's frame; thread-safe (an ONNX Runtime session may be
+run from many threads, everything else is read-only).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from PIL import Image
+
+from anomaly_hooks.errors import ImageReadError, ModelFileError
+from anomaly_hooks.images import _is_tensor, decode_reduced
+from anomaly_hooks.prediction import Prediction
+from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
+from anomaly_hooks.threshold import Threshold
+
+FORMAT = "anomaly_hooks-onnx"  # as anomaly_hooks.export.onnx writes (that module needs torch)
+SUPPORTED_VERSION = 1
+DEFAULT_BATCH = 8
+ENGINES = ("onnxruntime", "openvino")
+ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray)  # and a tensor; else a sequence
+
+
+def _session(path: Path, engine: str, providers: Optional[Sequence[Any]],
+             threads: Optional[int]) -> Any:
+    """An inference session on ``path`` (ONNX Runtime's, or the OpenVINO adapter)."""
+    if engine == "openvino":
+        from anomaly_hooks.runtime.openvino import OpenVinoSession
+
+        return OpenVinoSession(str(path), threads=threads)
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads is not None:
+        opts.intra_op_num_threads = int(threads)
+    return ort.InferenceSession(str(path), sess_options=opts,
+                                providers=list(providers or ["CPUExecutionProvider"]))
+
+
+def check_metadata(meta: Dict[str, str], path: Path) -> None:
+    """Refuse a file that is not an anomaly_hooks export, or of a newer format."""
+    if meta.get("format") != FORMAT:
+        raise ModelFileError(f"{path}: an ONNX file, but not one written by anomaly-hooks export "
+                             "(no anomaly_hooks metadata)")
+    try:
+        version = int(meta.get("format_version", ""))
+    except ValueError:
+        raise ModelFileError(f"{path}: damaged metadata (format_version "
+                             f"{meta.get('format_version')!r})") from None
+    if version > SUPPORTED_VERSION or version < 1:
+        raise ModelFileError(f"{path} is in exported-model format {version}; this version of "
+                             f"anomaly_hooks reads format {SUPPORTED_VERSION}: export it again "
+                             "with this version, or upgrade anomaly_hooks")
+
+
+class OnnxDetector:
+    """A predict-only detector on an ONNX file written by ``anomaly-hooks export``."""
+
+    def __init__(self, session: Any, meta: Dict[str, str], path: Path, batch_size: int,
+                 preprocess_method: str) -> None:
+        self.session = session
+        self.meta = meta
+        self.path = path
+        self.method = meta["method"]
+        self.threshold_ = Threshold.from_dict(json.loads(meta["threshold"]))
+        self.preprocessor = NumpyPreprocessor.from_dict(json.loads(meta["preprocess"]),
+                                                        preprocess_method)
+        self.layers = json.loads(meta["layers"])
+        self.max_pixels = int(meta["max_pixels"])
+        self.batch_size = batch_size
+        self.input_name = session.get_inputs()[0].name
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
+             threads: Optional[int] = None, batch_size: int = DEFAULT_BATCH,
+             preprocess_method: str = "numpy", engine: str = "onnxruntime") -> "OnnxDetector":
+        """Open ``path`` (``.onnx``; its ``.onnx.data`` side file, if any, next to it).
+
+        Args:
+            providers: ONNX Runtime execution providers (default: CPU).
+            threads: intra-op threads (default: the engine's choice).
+            batch_size: images per session run.
+            preprocess_method: ``numpy`` (torch's float32 arithmetic) or ``pillow`` (faster on
+                big images); both match :class:`~anomaly_hooks.preprocess.Preprocessor`.
+            engine: ``onnxruntime`` or ``openvino`` (the optional extra; the same file).
+
+        Raises:
+            ModelFileError: missing, damaged, not an anomaly_hooks export, newer format, or the
+                engine is not installed.
+        """
+        path = Path(path)
+        if engine not in ENGINES:
+            raise ModelFileError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
+        if not path.is_file():
+            raise ModelFileError(f"model file not found: {path}")
+        try:
+            sess = _session(path, engine, providers, threads)
+        except ImportError as exc:
+            extra = "runtime" if engine == "onnxruntime" else engine
+            raise ModelFileError(f"engine {engine} is not installed ({exc}): pip install "
+                                 f"'anomaly_hooks[{extra}]'") from None
+        except Exception as exc:  # the engines raise their own types for a damaged file
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelFileError(f"{path}: not a loadable ONNX model ({first})") from None
+        meta = dict(sess.get_modelmeta().custom_metadata_map)
+        check_metadata(meta, path)
+        try:
+            return cls(sess, meta, path, batch_size, preprocess_method)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFileError(f"{path}: inconsistent metadata ({type(exc).__name__}: {exc}); "
+                                 "export the model again") from None
+
+    # -- inference ------------------------------------------------------------------------
+    def run(self, batch: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` (network frame) of a normalised
+        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images."""
+        scores, maps = [], []
+        for lo in range(0, batch.shape[0], self.batch_size):
+            _, heat, score = self.session.run(None, {self.input_name:
+                                                     batch[lo:lo + self.batch_size]})
+            scores.append(score)
+            maps.append(heat)
+        return np.concatenate(scores), np.concatenate(maps)
+
+    def _load(self, item: Any) -> Tuple[np.ndarray, Tuple[int, int]]:
+        """One image decoded as the eager path does (a huge one at a reduced scale) and
+        preprocessed: ``[3, h, w]`` and the image's own (H, W)."""
+        image, size = decode_reduced(item, self.preprocessor.min_source_size, self.max_pixels)
+        return self.preprocessor(image), size
+
+    def prepare(self, items: Sequence[Any]) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
+        """Normalised ``[B, 3, h, w]`` and the (H, W) of each image."""
+        loaded = [self._load(item) for item in items]
+        return np.stack([x for x, _ in loaded]), [size for _, size in loaded]
+
+    def _prediction(self, score: float, heat: np.ndarray, size: Tuple[int, int]) -> Prediction:
+        thr = self.threshold_
+        heatmap = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
+        return Prediction(score=score, normalized_score=thr.normalize(score),
+                          is_anomalous=bool(score > thr.value), heatmap=heatmap,
+                          mask=heatmap > thr.value, threshold=thr.value)
+
+    @staticmethod
+    def _items(images: Any) -> Tuple[bool, List[Any]]:
+        single = isinstance(images, ONE_IMAGE) or _is_tensor(images)
+        return single, [images] if single else list(images)
+
+    def predict(self, images: Any, *, batch_size: Optional[int] = None
+                ) -> Union[Prediction, List[Prediction]]:
+        """Score one image (-> :class:`Prediction`) or a sequence (-> list). Thread-safe.
+        Raises :class:`ImageReadError` for an unreadable image (see :meth:`iter_predict`)."""
+        single, items = self._items(images)
+        size = batch_size or self.batch_size
+        out: List[Prediction] = []
+        for lo in range(0, len(items), size):
+            batch, sizes = self.prepare(items[lo:lo + size])
+            scores, maps = self.run(batch)
+            out.extend(self._prediction(float(s), m, sz) for s, m, sz in zip(scores, maps, sizes))
+        return out[0] if single else out
+
+    def decision_function(self, images: Any, *, batch_size: Optional[int] = None
+                          ) -> np.ndarray:
+        """Raw image scores ``[N]`` float64 (higher = more anomalous)."""
+        _, items = self._items(images)
+        size = batch_size or self.batch_size
+        scores = [self.run(self.prepare(items[lo:lo + size])[0])[0]
+                  for lo in range(0, len(items), size)]
+        return np.concatenate(scores).astype(np.float64) if scores else np.empty(0)
+
+    def iter_predict(self, items: Sequence[Any], *, batch_size: Optional[int] = None
+                     ) -> Iterator[Tuple[int, Union[Prediction, ImageReadError]]]:
+        """``(index, Prediction)`` in input order, or ``(index, ImageReadError)`` for an item
+        that could not be read (the rest are still scored)."""
+        size = batch_size or self.batch_size
+        items = list(items)
+        for lo in range(0, len(items), size):
+            results: Dict[int, Any] = {}
+            good: List[int] = []
+            loaded = []
+            for i in range(lo, min(lo + size, len(items))):
+                try:
+                    loaded.append(self._load(items[i]))
+                    good.append(i)
+                except ImageReadError as exc:
+                    results[i] = exc
+            if good:
+                scores, maps = self.run(np.stack([x for x, _ in loaded]))
+                for i, s, m, (_, sz) in zip(good, scores, maps, loaded):
+                    results[i] = self._prediction(float(s), m, sz)
+            yield from sorted(results.items())
+
+    def __repr__(self) -> str:
+        return (f"OnnxDetector(method={self.method}, form={self.meta.get('scorer_form')}, "
+                f"int8={bool(self.meta.get('int8'))}, path={self.path})")

@@ -1,0 +1,140 @@
+"""Torch-free preprocessing: the numpy twin of :class:`anomaly_hooks.preprocess.Preprocessor`.
+
+* Resize: bilinear with antialiasing, as ``F.interpolate(mode="bilinear", align_corners=False,
+  antialias=True)`` (the PIL-style separable filter: a triangle of support ``max(scale, 1)``
+  around ``scale * (i + 0.5)``, taps normalised to sum 1; width first, then height). Two
+  implementations: ``numpy`` (weights computed in float32 exactly as torch's CPU kernel, applied
+  as two float32 matrix products) and ``pillow`` (Pillow's resize of one mode-"F" image per
+  channel: the same filter in double precision, faster on big images).
+* Centre crop (torchvision's rounding), normalisation.
+* :meth:`NumpyPreprocessor.to_original`: the heatmap back into the caller's frame (bilinear,
+  ``align_corners=False``, no antialias, exactly torch's index and weight arithmetic in float32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+F32 = np.float32
+
+
+@lru_cache(maxsize=64)
+def aa_weights(in_size: int, out_size: int) -> np.ndarray:
+    """``[out, in]`` float32 antialiased-bilinear weights, torch's arithmetic (float32)."""
+    scale = F32(in_size) / F32(out_size)
+    support = scale if scale >= 1.0 else F32(1.0)
+    invscale = F32(1.0) / scale if scale >= 1.0 else F32(1.0)
+    w = np.zeros((out_size, in_size), dtype=F32)
+    for i in range(out_size):
+        center = scale * (F32(i) + F32(0.5))
+        xmin = max(int(center - support + F32(0.5)), 0)
+        xmax = min(int(center + support + F32(0.5)), in_size)
+        j = np.arange(xmin, xmax, dtype=F32)
+        taps = F32(1.0) - np.abs((j - center + F32(0.5)) * invscale)
+        taps = np.where(taps > 0, taps, F32(0)).astype(F32)
+        total = taps.sum(dtype=F32)
+        if total != 0:
+            taps = (taps / total).astype(F32)
+        w[i, xmin:xmax] = taps
+    return w
+
+
+def resize_aa(image: np.ndarray, size: Tuple[int, int], method: str = "numpy") -> np.ndarray:
+    """``[H, W, C]`` float32 -> ``[C, h, w]`` float32 (antialiased bilinear, torch's rule)."""
+    h, w = int(size[0]), int(size[1])
+    if method == "pillow":
+        from PIL import Image
+        chans = [np.asarray(Image.fromarray(np.ascontiguousarray(image[:, :, c]), mode="F")
+                            .resize((w, h), Image.BILINEAR, reducing_gap=None), dtype=F32)
+                 for c in range(image.shape[2])]
+        return np.stack(chans, axis=0)
+    if method != "numpy":
+        raise ValueError(f"method={method!r}: numpy or pillow")
+    ih, iw, c = image.shape
+    out = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=F32)  # [C, H, W]
+    if iw != w:  # horizontal first (torch's order): [C * H, W] @ [W, w]
+        out = (out.reshape(c * ih, iw) @ aa_weights(iw, w).T).reshape(c, ih, w)
+    if ih != h:  # vertical: [h, H] @ [C, H, w]
+        out = np.matmul(aa_weights(ih, h), out)
+    return np.ascontiguousarray(out, dtype=F32)
+
+
+def bilinear_indices(in_size: int, out_size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                           np.ndarray]:
+    """torch's ``upsample_bilinear2d`` (``align_corners=False``) source indices and weights."""
+    scale = F32(in_size) / F32(out_size)
+    dst = np.arange(out_size, dtype=F32)
+    src = np.maximum(scale * (dst + F32(0.5)) - F32(0.5), F32(0))
+    i0 = src.astype(np.int64)  # floor of a non-negative value
+    i1 = np.minimum(i0 + 1, in_size - 1)
+    lam1 = (src - i0.astype(F32)).astype(F32)
+    lam0 = (F32(1) - lam1).astype(F32)
+    return i0, i1, lam0, lam1
+
+
+def resize_bilinear(maps: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+    """``[H, W]`` float32 -> ``[h, w]`` bilinear (``align_corners=False``, no antialias)."""
+    h0, h1, a0, a1 = bilinear_indices(maps.shape[0], int(size[0]))
+    w0, w1, b0, b1 = bilinear_indices(maps.shape[1], int(size[1]))
+    m = maps.astype(F32, copy=False)
+    top = m[h0]  # [h, W]
+    bot = m[h1]
+    # torch: h0l * (w0l * x00 + w1l * x01) + h1l * (w0l * x10 + w1l * x11)
+    rows_t = b0 * top[:, w0] + b1 * top[:, w1]
+    rows_b = b0 * bot[:, w0] + b1 * bot[:, w1]
+    return (a0[:, None] * rows_t + a1[:, None] * rows_b).astype(F32, copy=False)
+
+
+@dataclass(frozen=True)
+class NumpyPreprocessor:
+    """Resize (antialiased bilinear), centre crop, normalise; and the heatmap's way back."""
+
+    resize: Tuple[int, int] = (256, 256)
+    crop: Optional[Tuple[int, int]] = (224, 224)
+    mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
+    method: str = "numpy"
+
+    @classmethod
+    def from_dict(cls, d: dict, method: str = "numpy") -> "NumpyPreprocessor":
+        """From ``Preprocessor.as_dict()`` (what the model metadata holds)."""
+        crop = tuple(d["crop"]) if d.get("crop") is not None else None
+        return cls(tuple(d["resize"]), crop, tuple(d["mean"]), tuple(d["std"]), method)
+
+    @property
+    def input_size(self) -> Tuple[int, int]:
+        """(H, W) of the network input."""
+        return tuple(self.crop) if self.crop is not None else tuple(self.resize)
+
+    @property
+    def min_source_size(self) -> Tuple[int, int]:
+        """As :attr:`anomaly_hooks.preprocess.Preprocessor.min_source_size` (twice the resize):
+        the size a huge image may be decoded at (``images.decode_reduced``)."""
+        return 2 * self.resize[0], 2 * self.resize[1]
+
+    def crop_box(self) -> Tuple[int, int, int, int]:
+        """(top, left, height, width) of the crop inside the resized image."""
+        rh, rw = self.resize
+        ch, cw = self.input_size
+        return int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0)), ch, cw
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        """``[H, W, 3]`` float32 in [0, 1] -> normalised ``[3, h, w]`` float32."""
+        out = resize_aa(image, self.resize, self.method)
+        top, left, ch, cw = self.crop_box()
+        out = out[:, top:top + ch, left:left + cw]
+        mean = np.asarray(self.mean, dtype=F32).reshape(3, 1, 1)
+        std = np.asarray(self.std, dtype=F32).reshape(3, 1, 1)
+        return np.ascontiguousarray((out - mean) / std, dtype=F32)
+
+    def to_original(self, heat: np.ndarray, size: Sequence[int], fill: float) -> np.ndarray:
+        """``[h, w]`` heatmap in the network frame -> ``[H, W]`` in the original frame; parts
+        the crop cut off get ``fill``."""
+        rh, rw = self.resize
+        top, left, ch, cw = self.crop_box()
+        canvas = np.full((rh, rw), fill, dtype=F32)
+        canvas[top:top + ch, left:left + cw] = heat
+        return resize_bilinear(canvas, (int(size[0]), int(size[1])))

