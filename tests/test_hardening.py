@@ -264,14 +264,26 @@ def test_huge_images_are_reduced_but_score_as_at_full_resolution(tmp_path, fitte
             assert fitted.predict(img).heatmap.shape == (1200, 1400) and img.size == (1400, 1200)
 
 
+# The child reports its own high-water mark (VmHWM, reset by exec) at exit: wait4's ru_maxrss
+# is not, so a child forked from a big pytest process would report the parent's size.
+_HWM_MAIN = """import atexit, sys
+def _hwm():
+    with open("/proc/self/status") as fh:
+        kb = next(line.split()[1] for line in fh if line.startswith("VmHWM"))
+    print("VMHWM_KB", kb, file=sys.stderr)
+atexit.register(_hwm)
+from anomaly_hooks.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _peak_rss_mb(argv: list) -> float:
-    """Peak resident memory (MB) of ``anomaly-hooks ARGV`` run as a child process."""
-    proc = subprocess.Popen([sys.executable, "-m", "anomaly_hooks.cli", *argv], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    out, err = proc.communicate()
-    assert os.waitstatus_to_exitcode(status) == 0, err.decode()
-    return usage.ru_maxrss / 1024
+    """Peak resident memory (MB) of ``anomaly-hooks ARGV`` run as a child process (Linux)."""
+    proc = subprocess.run([sys.executable, "-c", _HWM_MAIN, *argv], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    kb = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("VMHWM_KB")]
+    return int(kb[-1]) / 1024
 
 
 PER_IMAGE_BOUND_MB = 1200  # README: scoring one 100 MP image (the default limit), over the model
