@@ -18,20 +18,18 @@ import re
 from dataclasses import dataclass, field, fields, make_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Type, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from anomaly_hooks.calibration import TAILS
-from anomaly_hooks.choices import Choice, check, choices
+from anomaly_hooks.choices import check, choices
 from anomaly_hooks.errors import ConfigError
+from anomaly_hooks.framing import IMAGENET_MEAN, IMAGENET_STD
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
 from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])

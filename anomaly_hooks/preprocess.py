@@ -3,49 +3,26 @@ for heatmaps, so that a heatmap comes back in the frame of the image the caller 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from anomaly_hooks.config import IMAGENET_MEAN, IMAGENET_STD
+from anomaly_hooks.framing import Framing
 
 
 @dataclass(frozen=True)
-class Preprocessor:
+class Preprocessor(Framing):
     """Resize to ``resize`` (H, W), centre crop to ``crop`` (H, W) or not at all, normalise.
 
     Resizing is bilinear with antialiasing (as torchvision's ``Resize`` on tensors).
     """
-
-    resize: Tuple[int, int] = (256, 256)
-    crop: Optional[Tuple[int, int]] = (224, 224)
-    mean: Tuple[float, float, float] = IMAGENET_MEAN
-    std: Tuple[float, float, float] = IMAGENET_STD
 
     @classmethod
     def from_config(cls, pre) -> "Preprocessor":
         """From the ``preprocess`` section of a config."""
         crop = tuple(pre.crop) if pre.crop is not None else None
         return cls(tuple(pre.resize), crop, tuple(pre.mean), tuple(pre.std))  # type: ignore[arg-type]
-
-    @property
-    def input_size(self) -> Tuple[int, int]:
-        """(H, W) of the network input."""
-        return self.crop if self.crop is not None else self.resize
-
-    @property
-    def min_source_size(self) -> Tuple[int, int]:
-        """(H, W) that a huge image may be reduced to before preprocessing without changing
-        what the network sees much: twice the resize, so the antialiased resize still averages
-        at least 2 x 2 source pixels per output pixel (``images.decode_reduced``)."""
-        return 2 * self.resize[0], 2 * self.resize[1]
-
-    def crop_box(self) -> Tuple[int, int, int, int]:
-        """(top, left, height, width) of the crop inside the resized image (torchvision rule)."""
-        rh, rw = self.resize
-        ch, cw = self.input_size
-        return int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0)), ch, cw
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         """``[3, H, W]`` float in [0, 1] -> normalised ``[3, h, w]`` with (h, w) = input_size."""

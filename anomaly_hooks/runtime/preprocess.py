@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
+
+from anomaly_hooks.framing import Framing
 
 F32 = np.float32
 
@@ -89,13 +91,9 @@ def resize_bilinear(maps: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class NumpyPreprocessor:
+class NumpyPreprocessor(Framing):
     """Resize (antialiased bilinear), centre crop, normalise; and the heatmap's way back."""
 
-    resize: Tuple[int, int] = (256, 256)
-    crop: Optional[Tuple[int, int]] = (224, 224)
-    mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
     method: str = "numpy"
 
     @classmethod
@@ -103,23 +101,6 @@ class NumpyPreprocessor:
         """From ``Preprocessor.as_dict()`` (what the model metadata holds)."""
         crop = tuple(d["crop"]) if d.get("crop") is not None else None
         return cls(tuple(d["resize"]), crop, tuple(d["mean"]), tuple(d["std"]), method)
-
-    @property
-    def input_size(self) -> Tuple[int, int]:
-        """(H, W) of the network input."""
-        return tuple(self.crop) if self.crop is not None else tuple(self.resize)
-
-    @property
-    def min_source_size(self) -> Tuple[int, int]:
-        """As :attr:`anomaly_hooks.preprocess.Preprocessor.min_source_size` (twice the resize):
-        the size a huge image may be decoded at (``images.decode_reduced``)."""
-        return 2 * self.resize[0], 2 * self.resize[1]
-
-    def crop_box(self) -> Tuple[int, int, int, int]:
-        """(top, left, height, width) of the crop inside the resized image."""
-        rh, rw = self.resize
-        ch, cw = self.input_size
-        return int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0)), ch, cw
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """``[H, W, 3]`` float32 in [0, 1] -> normalised ``[3, h, w]`` float32."""
