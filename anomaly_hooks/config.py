@@ -128,6 +128,13 @@ def schema() -> type:
     return cls
 
 
+@lru_cache(maxsize=1)
+def _defaults() -> DictConfig:
+    """The schema's defaults as a structured DictConfig, built once (9 of a config's 13 ms)
+    and never changed: ``OmegaConf.merge`` merges into a copy of its first argument."""
+    return OmegaConf.structured(schema())
+
+
 def __getattr__(name: str) -> Any:
     """``Method`` and ``Config`` exist once the scorers are registered (also lets pickle find
     them)."""
@@ -354,8 +361,7 @@ def load_config(
     Raises:
         ConfigError: unknown key, wrong type, or a value outside what is allowed.
     """
-    cfg = OmegaConf.structured(schema())
-    cfg = _merge(cfg, _normalise_raw(_read_source(source)), "config")
+    cfg = _merge(_defaults(), _normalise_raw(_read_source(source)), "config")
     if overrides:
         cfg = _merge(cfg, _normalise_raw(_parse_overrides(overrides)), "override")
     if kw_overrides:

@@ -14,6 +14,13 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 warnings.filterwarnings("ignore", message="backbone.weights is null")
 
+# The suite builds the same seeded random backbones hundreds of times: hand out bit-identical
+# copies instead of re-running the init (~25 s of the quick suite; tests/test_detector.py checks
+# that a copy equals a fresh build).
+from anomaly_hooks.backbones import keep_random_backbones  # noqa: E402
+
+keep_random_backbones(4)
+
 # Compute-path tests take the ``device`` fixture: always the CPU, plus CUDA where a GPU is
 # present, so the same suite checks the GPU paths when run on one (../shared/gpu/README.md).
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -12,6 +12,7 @@ from anomaly_hooks.evaluation import benchmark as bench
 from conftest import SAMPLE
 
 
+@pytest.mark.slow
 def test_bench_runs_and_reports_every_stage(tmp_path, capsys):
     data = tmp_path / "d"
     for folder, n in (("train/good", 8), ("test/good", 2), ("test/spot", 2)):

@@ -252,6 +252,7 @@ def test_fit_save_load_round_trip_on_each_device(small_cfg, tmp_path, device):
     assert after[2].score > max(after[0].score, after[1].score)  # the defect stands out
 
 
+@pytest.mark.slow
 def test_importing_the_package_is_light_and_changes_nothing():
     """``import anomaly_hooks`` loads no torch and leaves the environment as it was; names come
     on first use."""

@@ -77,6 +77,7 @@ def test_generic_folders_split_and_masks(tmp_path):
     assert again.train == ds.train and not again.has_masks
 
 
+@pytest.mark.slow
 def test_evaluate_metrics_agree_with_sklearn_and_report(tmp_path):
     ds = mvtec(_sample_subset(tmp_path))
     res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "report", progress=False)
@@ -95,6 +96,7 @@ def test_evaluate_metrics_agree_with_sklearn_and_report(tmp_path):
     assert "mean" in format_table([res, res])
 
 
+@pytest.mark.slow
 def test_report_without_masks(tmp_path):
     root = _sample_subset(tmp_path)
     ds = folders(root / "train" / "good", [root / "test" / "scratch"], seed=0)
@@ -103,6 +105,7 @@ def test_report_without_masks(tmp_path):
     assert "no mask" in (tmp_path / "r" / "index.html").read_text()
 
 
+@pytest.mark.slow
 def test_evaluate_cli(tmp_path, capsys):
     root = _sample_subset(tmp_path)
     code = main(["evaluate", "--data", str(root), "--out", str(tmp_path / "ev"), "--quiet",

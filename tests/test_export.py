@@ -52,7 +52,12 @@ def probe_images() -> list:
     return good[:6] + [with_defect(good[6]), with_defect(good[1])]
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# the quick suite exports one model per method; the full run (README) all four
+QUICK = {"padim-lowrank", "patchcore-k1"}
+
+
+@pytest.fixture(scope="module", params=[m if m in QUICK else pytest.param(m, marks=pytest.mark.slow)
+                                        for m in sorted(MODELS)])
 def exported(request, tmp_path_factory):
     """(name, fitted detector, path of its ONNX export)."""
     det = Detector.from_config(config(**MODELS[request.param]))
@@ -73,7 +78,10 @@ def assert_parity(ref: list, got: list) -> None:
         assert np.array_equal(g.mask, r.mask) or np.mean(g.mask != r.mask) < 1e-3
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+BATCHES = [1, 3] + [pytest.param(b, marks=pytest.mark.slow) for b in (2, 8)]
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 def test_parity_with_eager_predict(exported, batch):
     _, det, path = exported
     images = probe_images()
@@ -82,7 +90,7 @@ def test_parity_with_eager_predict(exported, batch):
     assert_parity(ref, OnnxDetector.load(path, batch_size=batch).predict(images))
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+@pytest.mark.parametrize("batch", BATCHES)
 def test_graph_outputs_at_each_batch_size(exported, batch):
     """The graph itself takes any batch size: its three outputs equal the eager ones."""
     import onnxruntime as ort

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
@@ -16,6 +17,7 @@ def _hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in model.modules())
 
 
+@pytest.mark.slow
 def test_wrn50_shapes_at_224(wrn50):
     with HookFeatureExtractor(wrn50, ["layer1", "layer2", "layer3"]) as ext:
         feats = ext(torch.rand(2, 3, 224, 224))
@@ -24,7 +26,7 @@ def test_wrn50_shapes_at_224(wrn50):
         assert [(i.channels, i.stride) for i in ext.info] == [(256, 4), (512, 8), (1024, 16)]
 
 
-@pytest.mark.parametrize("model_name", ["resnet18", "wrn50"])
+@pytest.mark.parametrize("model_name", ["resnet18", pytest.param("wrn50", marks=pytest.mark.slow)])
 def test_equals_create_feature_extractor(model_name, request):
     model = request.getfixturevalue(model_name)
     layers = ["layer1", "layer2", "layer3", "layer3.1"]
@@ -215,3 +217,43 @@ def test_channels_last_and_autocast_close_to_float32(precision, device):
         HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")
     with pytest.raises(ValueError, match="precision"):
         HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")
+
+
+def test_kept_random_backbones_are_bit_identical_copies():
+    """keep_random_backbones (the suite turns it on in conftest): a kept backbone's copy equals
+    a fresh seeded build, a change to one copy does not reach the next, other seeds are other
+    weights, torch's global generator is left as it was, and turning it off builds afresh."""
+    from anomaly_hooks import backbones
+
+    def fresh(seed):
+        with backbones._seeded(seed):
+            return torchvision.models.resnet18(weights=None)
+
+    backbones.keep_random_backbones(4)
+    first = backbones.build_backbone("resnet18", None, seed=3)  # built (and kept)
+    rng = torch.random.get_rng_state()
+    copy1 = backbones.build_backbone("resnet18", None, seed=3)  # a copy of the kept one
+    assert torch.equal(rng, torch.random.get_rng_state())
+    reference = fresh(3)
+    for model in (first, copy1):
+        ref_state = reference.state_dict()
+        state = model.state_dict()
+        assert state.keys() == ref_state.keys()
+        assert all(torch.equal(state[k], ref_state[k]) for k in state)
+    assert backbones.fingerprint(copy1) == backbones.fingerprint(reference)
+    with torch.no_grad():  # neither the built model nor a copy is the kept one
+        first.conv1.weight.zero_()
+        copy1.conv1.weight.zero_()
+    copy2 = backbones.build_backbone("resnet18", None, seed=3)
+    assert torch.equal(copy2.conv1.weight, reference.conv1.weight) and copy2 is not copy1
+    other = backbones.build_backbone("resnet18", None, seed=4)
+    assert not torch.equal(other.conv1.weight, reference.conv1.weight)
+    with pytest.raises(ValueError, match="max_kept=-1"):
+        backbones.keep_random_backbones(-1)
+    try:
+        backbones.keep_random_backbones(0)
+        assert not backbones._KEPT
+        assert backbones.fingerprint(backbones.build_backbone("resnet18", None, seed=3)) == \
+            backbones.fingerprint(reference)
+    finally:
+        backbones.keep_random_backbones(4)

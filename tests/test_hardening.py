@@ -238,6 +238,7 @@ def test_images_up_to_the_full_decode_limit_are_unchanged(tmp_path, fitted):
 
 
 @pytest.mark.parametrize("kind", ["jpg", "png", "array"])
+@pytest.mark.slow
 def test_huge_images_are_reduced_but_score_as_at_full_resolution(tmp_path, fitted, monkeypatch,
                                                                  kind):
     """Above the limit (lowered here to keep the test small) an image is decoded reduced, at
@@ -379,6 +380,7 @@ def test_array_subclasses_read_as_plain_arrays(tmp_path, fitted):
         decode(rec)
 
 
+@pytest.mark.slow
 def test_matrix_in_a_fresh_process_does_not_crash():
     code = ("import numpy as np\nfrom anomaly_hooks.images import decode\n"
             "m = np.asmatrix(np.arange(64, dtype=np.uint8).reshape(8, 8))\n"
@@ -391,6 +393,7 @@ def test_matrix_in_a_fresh_process_does_not_crash():
 # =========================================================================================
 # Failed 7: deeply nested configs are refused before the YAML parser
 # =========================================================================================
+@pytest.mark.slow
 def test_deep_config_file_and_override_refused_in_a_fresh_process(tmp_path):
     """200 KB of '[' killed the interpreter (SIGSEGV in the C YAML parser): now a ConfigError,
     checked in a child process so a crash would show as a signal, not end this run."""
@@ -507,6 +510,7 @@ yaml_chars = st.sampled_from(list("[]{}:-,?&*!|>#%@`'\" \n\t.=$") + ["method", "
 
 @FUZZ
 @given(text=st.lists(yaml_chars, max_size=60).map("".join))
+@pytest.mark.slow
 def test_fuzz_config_yaml_text(tmp_path, text):
     path = tmp_path / "fuzz.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
@@ -521,6 +525,7 @@ def test_fuzz_config_yaml_text(tmp_path, text):
                             "preprocess.resize", "backbone.layers", "data.batch_size", "bogus",
                             "padim", "a.b.c", ""]),
        value=st.lists(yaml_chars, max_size=40).map("".join))
+@pytest.mark.slow
 def test_fuzz_config_overrides(key, value):
     try:
         load_config(None, [f"{key}={value}"])
@@ -660,6 +665,7 @@ header_values = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=Tr
 @FUZZ
 @given(field=st.sampled_from(["dtype", "shape", "data_offsets", "entry", "metadata", "new"]),
        value=header_values, which=st.integers(0, 100))
+@pytest.mark.slow
 def test_fuzz_model_file_headers(model_file, tmp_path, field, value, which):
     """JSON header mutations: a ModelFileError naming the file, or a model that loads and
     verifies; never another exception."""
@@ -687,6 +693,7 @@ def test_fuzz_model_file_headers(model_file, tmp_path, field, value, which):
 # =========================================================================================
 # Weak: backbone weights of another architecture
 # =========================================================================================
+@pytest.mark.slow
 def test_weights_of_another_architecture_are_refused(tmp_path):
     import torchvision
 
@@ -786,6 +793,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_full_disk_leaves_no_half_written_results(model_file, tmp_path):
     """Writes beyond a file-size limit fail as on a full disk: one error line, exit 2, and the
     previous results.csv / results.json stay whole (they are written atomically)."""
@@ -806,6 +814,7 @@ def test_full_disk_leaves_no_half_written_results(model_file, tmp_path):
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_full_disk_during_fit_save_is_one_error_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -856,6 +865,7 @@ def test_devices_and_fifos_are_refused_without_reading(tmp_path):
         read_image(fifo)  # would block forever if it were opened for reading
 
 
+@pytest.mark.slow
 def test_score_reports_fifos_and_odd_names_in_a_folder(model_file, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -875,6 +885,7 @@ def test_score_reports_fifos_and_odd_names_in_a_folder(model_file, tmp_path):
                                                                           "ok.png"]
 
 
+@pytest.mark.slow
 def test_file_names_with_undecodable_bytes(model_file, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()

@@ -15,7 +15,7 @@ import pytest
 from anomaly_hooks.errors import ConfigError, DataError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.monitor import (DriftMonitor, DriftReference, StatisticsCollector,
                                    input_statistics, layer_statistics)
-from anomaly_hooks.monitor.reference import _joint_thresholds
+from anomaly_hooks.monitor.reference import _joint_thresholds, sample_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +35,7 @@ def synthetic_reference(n=160, alpha=0.02, seed=0, with_scores=True, min_shift=0
                               min_shift=min_shift)
 
 
+@pytest.mark.slow
 def test_monitor_imports_without_torch():
     """numpy only: usable by the torch-free runtime and without the detector."""
     code = (
@@ -70,6 +71,37 @@ def test_false_alarm_rate_on_fresh_good_windows_is_about_alpha():
                 hit |= v > ref.thresholds[s]
         rates.append(hit.mean())
     assert 0.25 * alpha < np.mean(rates) < 2.0 * alpha, rates
+
+
+@pytest.mark.parametrize("n, m", [(20, 3000), (5000, 2000)])  # permutation / redraw paths
+def test_sampled_windows_are_uniform_subsets_of_distinct_images(n, m):
+    w = 6
+    win = sample_windows(np.random.default_rng(0), n, w, m)
+    assert win.shape == (m, w) and win.min() >= 0 and win.max() < n
+    assert all(len(set(row)) == w for row in win.tolist())
+    if n == 20:  # every image about equally often: m w / n = 900 each
+        counts = np.bincount(win.ravel(), minlength=n)
+        assert np.abs(counts - m * w / n).max() < 5 * math.sqrt(m * w / n), counts
+    assert np.array_equal(win, sample_windows(np.random.default_rng(0), n, w, m))
+
+
+def test_leave_window_out_equals_a_reference_rebuilt_without_the_window():
+    """The calibration statistics (sums minus the window's) against a float64 brute force:
+    the mean, spread and principal-direction variances re-estimated from the other images."""
+    ref = synthetic_reference(n=40)
+    block = ref.blocks["layer"]
+    x = correlated(40, 40, np.random.default_rng(5))
+    windows = sample_windows(np.random.default_rng(1), 40, ref.window, 7)
+    got = block.leave_window_out(x, windows)
+    for i, win in enumerate(windows):
+        rest = np.delete(x, win, axis=0)
+        mu, sd = rest.mean(0), rest.std(0, ddof=1)
+        z = (x[win].mean(0) - mu) / sd
+        assert got["layer:shift"][i] == pytest.approx(ref.window * (z ** 2).mean(), rel=1e-9)
+        p = ((x - block.mean) / block.scale) @ block.basis
+        p_rest = np.delete(p, win, axis=0)
+        diff = (p[win].mean(0) - p_rest.mean(0)) / p_rest.std(0, ddof=1)
+        assert got["layer:pca"][i] == pytest.approx(ref.window * (diff ** 2).mean(), rel=1e-9)
 
 
 def test_shifted_windows_alarm():

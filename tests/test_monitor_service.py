@@ -75,6 +75,7 @@ def test_factories_without_a_reference(small_cfg):
         build(det)
 
 
+@pytest.mark.slow
 def test_injected_drift_shows_in_v1_drift_of_a_real_server(monitored, tmp_path):
     """``anomaly-hooks serve`` with its default ``--monitor auto``: good images keep the
     status ``ok``, a batch of darkened images (lighting drift) turns it to ``drift``."""
@@ -111,3 +112,45 @@ def test_injected_drift_shows_in_v1_drift_of_a_real_server(monitored, tmp_path):
         metrics = httpx.get(server.url + "/metrics").text
         assert 'anomaly_hooks_drift{key="alarm"} 1.0' in metrics
         assert 'anomaly_hooks_drift_state{state="drift"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
+    """After ``/v1/admin/reload`` of another file, the drift window is the new model's
+    (built from its reference, counting its images); the old monitor would ignore every batch
+    of the new model. Reloading the same file keeps the window."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from fastapi.testclient import TestClient
+    from serve_helpers import save_model_variant
+
+    from anomaly_hooks.serve import ServeSettings, create_app
+
+    det, path = monitored
+    other = save_model_variant(det, tmp_path / "other.safetensors", threshold_factor=2.0)
+    good = [_png(img) for img in textured_images(3, seed=9)]
+    app = create_app(ServeSettings(model=str(path), results_dir=None, monitor="auto"))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/readyz").json()
+            time.sleep(0.05)
+
+        def seen_after(n):
+            deadline = time.monotonic() + 60
+            while (st := client.get("/v1/drift").json()).get("images_seen", 0) < n:
+                assert time.monotonic() < deadline, st
+                time.sleep(0.05)
+            return st
+
+        for i, png in enumerate(good):  # one at a time: a busy monitor drops a batch
+            assert client.post("/v1/predict", content=png).status_code == 200
+            first = seen_after(i + 1)
+        again = client.post("/v1/admin/reload").json()
+        assert again["unchanged"] and client.get("/v1/drift").json()["images_seen"] == 3
+        new_id = client.post("/v1/admin/reload", json={"path": str(other)}).json()["model_id"]
+        assert new_id != first["model_id"]
+        assert client.get("/v1/drift").json()["images_seen"] == 0
+        for i, png in enumerate(good[:2]):
+            assert client.post("/v1/predict", content=png).status_code == 200
+            st = seen_after(i + 1)
+        assert st["model_id"] == new_id and st["ignored_batches"] == 0 and st["images_seen"] == 2

@@ -159,6 +159,7 @@ def test_coreset_size_and_errors():
         greedy_coreset(torch.rand(5, 3), 0)
 
 
+@pytest.mark.slow
 def test_streaming_coreset_bounded_and_close_to_one_shot():
     x = clustered(n=6000, d=64)
     stream = StreamingCoreset(ratio=0.05, count=None, max_points=600, projection_dim=None, seed=0)

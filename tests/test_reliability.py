@@ -730,6 +730,7 @@ for line in sys.stdin:
 KILL_POINTS = ["mid-write", "written", "unsynced", "before-rename", "after-rename"]
 
 
+@pytest.mark.slow
 def test_sigkill_at_each_step_of_a_save_never_leaves_a_broken_model(padim_file,
                                                                     dense_padim_file, tmp_path):
     """SIGKILL of a saving process at each step of the atomic save, deterministically (the
@@ -883,7 +884,8 @@ def test_predict_from_8_threads_equals_serial(fitted, tmp_path):
 DET_CFG = {"preprocess__resize": [64, 64], "preprocess__crop": None}
 
 
-@pytest.mark.parametrize("method", ["padim", "padim-dense", "patchcore"])
+@pytest.mark.parametrize("method", ["padim", pytest.param("padim-dense", marks=pytest.mark.slow),
+                                    "patchcore"])
 def test_same_seed_same_bytes_other_seed_other_bytes(method, small_cfg, tmp_path):
     """...and a loaded model scores bit-identically to the fitted one."""
     imgs = textured_images(8, size=(64, 64), seed=11)

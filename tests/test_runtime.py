@@ -101,6 +101,7 @@ def test_thread_safe(model):
         np.testing.assert_array_equal(scores, ref)
 
 
+@pytest.mark.slow
 def test_runs_where_torch_cannot_be_imported(model):
     """A subprocess in which ``import torch`` fails: the runtime still predicts."""
     det, _, path, folder = model
@@ -213,6 +214,7 @@ def test_jet_colours_without_matplotlib(monkeypatch):
     assert np.abs(colorize(heat, 0.0, 1.0).astype(int) - ref).max() <= 1
 
 
+@pytest.mark.slow
 def test_cli_scores_an_onnx_model_where_torch_cannot_be_imported(model, tmp_path):
     """``anomaly-hooks score`` of an .onnx file (with PNGs) on a box without torch; ``export``
     there says what it needs in one line."""

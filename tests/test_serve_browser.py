@@ -45,6 +45,7 @@ def chromium() -> str:
     return chromium_or_skip()
 
 
+@pytest.mark.slow
 def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_path):
     exe = chromium
     from playwright.sync_api import sync_playwright

@@ -23,7 +23,9 @@ from conftest import ROOT  # noqa: E402
 from serve_helpers import (ServerProcess, defect_png, good_png,  # noqa: E402
                            hostile_payloads, model_variants)
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+# every test here starts a server process: slow (the README's test command runs them)
+pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+              pytest.mark.slow]
 TESTS = str(Path(__file__).resolve().parent)
 
 

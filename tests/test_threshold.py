@@ -350,6 +350,7 @@ def test_memory_estimate_counts_the_samples_kept_for_leave_one_out(small_cfg):
     assert sizes["holdout"] == 0 and sizes["all-images"] == positions * 50 * 40 * 4 > 0
 
 
+@pytest.mark.slow
 def test_evaluation_reports_the_stored_thresholds_false_alarms(tmp_path, monkeypatch):
     """FAR on test/good, precision and recall at the stored threshold (recomputed here from the
     per-image records), the ROC operating point drawn on the report's ROC."""

@@ -29,7 +29,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Optional
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -103,6 +103,9 @@ class Service:
         self.started = time.time()
         self._monitor_object = monitor
         self.monitor: Optional[MonitorRunner] = None
+        # (monitor, the engine whose file built it or None for a given monitor), swapped as one
+        # so that the batch thread never pairs a new monitor with an old model's batch
+        self._monitoring: Tuple[Optional[MonitorRunner], Optional[Engine]] = (None, None)
         self._store_given = store
         self.store: Optional[ResultStore] = None
         self.files: Optional[ImageFiles] = None
@@ -181,20 +184,19 @@ class Service:
             return
         try:
             if self._monitor_object is not None:
-                self.monitor = MonitorRunner(self._monitor_object)
-            elif s.monitor and s.monitor != "none":
-                self.monitor = await self.loop.run_in_executor(
-                    self.aux, optional_monitor, s.monitor, engine.detector)
+                monitor: Optional[MonitorRunner] = MonitorRunner(self._monitor_object)
+            else:
+                monitor = await self._build_monitor(engine)
         except Exception as exc:
             self.load_error = f"drift monitor: {_message(exc)}"
             log.error("%s", self.load_error)
             if self.on_fatal is not None:
                 self.on_fatal(self.load_error)
             return
-        if self.batcher is not None:  # the layers' channel means go to the monitor
-            self.batcher.collect_features = self.monitor is not None
         if self.engine is None:  # a reload that finished first wins
-            self.engine = engine
+            self._swap(engine, monitor)
+        elif monitor is not None and monitor is not self.monitor:
+            monitor.close()
             log.info("serving %s (%s, loaded and warm in %.1f s)", engine.model_id, engine.path,
                      engine.load_seconds)
 
@@ -252,7 +254,18 @@ class Service:
                 log.error("reload of %s refused: %s", target, msg)
                 keep = (f"; still serving {serving}" if serving else "; no model is loaded")
                 raise ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
-            self.engine = new
+            try:
+                monitor = await self._monitor_for(old, new)
+            except Exception as exc:
+                msg = f"its drift monitor cannot be built: {_message(exc)}"
+                self.metrics.reloads.labels("failed").inc()
+                serving = old.model_id if old else None
+                self.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
+                                    "error": msg, "serving": serving}
+                log.error("reload of %s refused: %s", target, msg)
+                raise ServeError(422, "reload_failed", f"the new model was refused: {msg}"
+                                 + (f"; still serving {serving}" if serving else "")) from None
+            self._swap(new, monitor)
             self.settings.model = target
             self.load_error = None
             self.metrics.reloads.labels("ok").inc()
@@ -265,6 +278,33 @@ class Service:
             return result
         finally:
             self._reloading = False
+
+    async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
+        """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
+        spec = self.settings.monitor
+        if not spec or spec == "none":
+            return None
+        return await self.loop.run_in_executor(self.aux, optional_monitor, spec,
+                                               engine.detector)
+
+    async def _monitor_for(self, old: Optional[Engine], new: Engine) -> Optional[MonitorRunner]:
+        """The monitor to run with ``new``: the same one for a given monitor object or an
+        unchanged file (its window carries on), else one built from the new file's reference
+        -- a reloaded model has its own reference, and the old one's would see only drift."""
+        if self._monitor_object is not None or (old is not None and old.sha256 == new.sha256):
+            return self.monitor
+        return await self._build_monitor(new)
+
+    def _swap(self, engine: Engine, monitor: Optional[MonitorRunner]) -> None:
+        """Serve ``engine`` with ``monitor`` from the next batch on (one step on the loop)."""
+        previous = self.monitor
+        self.engine = engine
+        self.monitor = monitor
+        self._monitoring = (monitor, engine if self._monitor_object is None else None)
+        if self.batcher is not None:  # the layers' channel means go to the monitor
+            self.batcher.collect_features = monitor is not None
+        if previous is not None and previous is not monitor:
+            previous.close()
 
     def _on_sighup(self) -> None:
         async def run() -> None:
@@ -283,10 +323,12 @@ class Service:
         if now - self._last_trim >= TRIM_INTERVAL_S:
             self._last_trim = now
             self.aux.submit(_release_free_memory)
-        if self.monitor is not None:
+        monitor, built_for = self._monitoring
+        # a batch still scored by the model before a reload stays out of the new one's window
+        if monitor is not None and (built_for is None or built_for is engine):
             tensors = [j.tensor for j in jobs]
             now = time.time()
-            if not self.monitor.offer(
+            if not monitor.offer(
                     lambda: observed_batch(engine, tensors, scores, now, features)):
                 self.metrics.drift_dropped.inc()
 
