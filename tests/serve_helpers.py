@@ -268,3 +268,13 @@ class StandInMonitor:
 def standin_factory(detector) -> StandInMonitor:
     """``--monitor serve_helpers:standin_factory`` in the subprocess tests."""
     return StandInMonitor()
+
+
+def monitor_refusing_huge_thresholds(detector):
+    """A ``--monitor`` factory for the reload tests: the default (auto) monitor, but refused for
+    a model whose threshold is above 1e6 (a variant saved with ``threshold_factor=1e9``)."""
+    from anomaly_hooks.monitor.service import build_auto
+
+    if detector.threshold_.value > 1e6:
+        raise ValueError("this test factory refuses thresholds above 1e6")
+    return build_auto(detector)

@@ -118,7 +118,8 @@ def test_injected_drift_shows_in_v1_drift_of_a_real_server(monitored, tmp_path):
 def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
     """After ``/v1/admin/reload`` of another file, the drift window is the new model's
     (built from its reference, counting its images); the old monitor would ignore every batch
-    of the new model. Reloading the same file keeps the window."""
+    of the new model. Reloading the same file keeps the window; a file whose monitor cannot be
+    built is refused, and the model before it serves on with its monitor."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
     from fastapi.testclient import TestClient
     from serve_helpers import save_model_variant
@@ -127,8 +128,10 @@ def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
 
     det, path = monitored
     other = save_model_variant(det, tmp_path / "other.safetensors", threshold_factor=2.0)
+    refused = save_model_variant(det, tmp_path / "refused.safetensors", threshold_factor=1e9)
     good = [_png(img) for img in textured_images(3, seed=9)]
-    app = create_app(ServeSettings(model=str(path), results_dir=None, monitor="auto"))
+    app = create_app(ServeSettings(model=str(path), results_dir=None,
+                                   monitor="serve_helpers:monitor_refusing_huge_thresholds"))
     with TestClient(app) as client:
         deadline = time.monotonic() + 120
         while client.get("/readyz").status_code != 200:
@@ -154,3 +157,11 @@ def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
             assert client.post("/v1/predict", content=png).status_code == 200
             st = seen_after(i + 1)
         assert st["model_id"] == new_id and st["ignored_batches"] == 0 and st["images_seen"] == 2
+        r = client.post("/v1/admin/reload", json={"path": str(refused)})
+        assert r.status_code == 422 and r.json()["code"] == "reload_failed", r.text
+        assert "drift monitor cannot be built" in r.json()["message"]
+        assert "refuses thresholds above 1e6" in r.json()["message"]
+        assert client.get("/v1/model").json()["model_id"] == new_id
+        assert client.post("/v1/predict", content=good[2]).status_code == 200
+        st = seen_after(3)
+        assert st["model_id"] == new_id and st["images_seen"] == 3

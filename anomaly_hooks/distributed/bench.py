@@ -4,7 +4,8 @@
     python scripts/bench_distributed.py [--model M.safetensors] [--images 400]
         [--modes plain plain1 ray1 ray2] [--no-images] [--merge-positions 392] [--json out.json]
     python scripts/bench_distributed.py --coreset-data ../shared/data/mvtec_bottle
-        [--coreset-shards 2 4]          # sharded PatchCore: coverage radius and image AUROC
+        [--coreset-shards 2 4] [--coreset-config configs/patchcore.yaml]
+        [--oversample 2 4] [--coreset-seeds 3]   # sharded PatchCore: coverage radius, AUROC
 
 Without ``--model`` a ResNet18 PaDiM (random init, 224 px, d=100) is fitted on data/sample
 first. The inputs are the sample test images repeated under new names (symbolic links). Each
@@ -27,9 +28,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CORESET_CONFIG = ROOT / "configs" / "patchcore.yaml"
 SAMPLE = ROOT / "data" / "sample"
 
 
@@ -164,11 +166,14 @@ def merge_cost(positions: int, dim: int = 550, per_shard: int = 64) -> Dict[str,
     return result
 
 
-def coreset_shards(data: Path, shard_counts: List[int]) -> Dict[str, Any]:
-    """Sharded PatchCore (``configs/patchcore.yaml``, the shard rule of
-    :mod:`anomaly_hooks.scorers.patchcore.partial`) against the one-shot coreset on an MVTec
+def coreset_shards(data: Path, shard_counts: List[int], config: Path = DEFAULT_CORESET_CONFIG,
+                   oversample: Sequence[float] = (2.0,), seeds: int = 1) -> Dict[str, Any]:
+    """Sharded PatchCore (the shard rule of :mod:`anomaly_hooks.scorers.patchcore.partial`,
+    each shard keeping ``oversample`` x its share) against the one-shot coreset on an MVTec
     category: coverage radius over every training patch and image AUROC on ``test/``. The
-    embeddings are computed once; shards are the distributed fit's (no Ray needed)."""
+    embeddings are computed once; shards are the distributed fit's (no Ray needed). With
+    ``seeds`` > 1 the one-shot coreset is also drawn with other seeds (its first point is
+    random): the spread of its AUROC is the yardstick for the sharded fits' differences."""
     import torch
 
     from anomaly_hooks.config import load_config
@@ -181,8 +186,7 @@ def coreset_shards(data: Path, shard_counts: List[int]) -> Dict[str, Any]:
     from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
     from anomaly_hooks.scorers.patchcore.scorer import SEED_CORESET
 
-    cfg = load_config(ROOT / "configs" / "patchcore.yaml", device="cpu",
-                      data={"train": str(data), "num_workers": 0})
+    cfg = load_config(config, device="cpu", data={"train": str(data), "num_workers": 0})
     det = Detector(cfg)
     train, _ = det._split(resolve_items(str(data), training=True))
     test = sorted((data / "test").rglob("*.png"))
@@ -214,21 +218,31 @@ def coreset_shards(data: Path, shard_counts: List[int]) -> Dict[str, Any]:
         return {"bank": int(bank.shape[0]), "radius": coverage_radius(patches, bank),
                 "auroc": 100 * image_auroc(labels, scores)}
 
-    one = measure(partial.select({"features": patches.numpy(), "n_patches": len(patches)},
-                                 cfg.patchcore, seed, cpu))
-    res: Dict[str, Any] = {"one-shot": one}
+    union = {"features": patches.numpy(), "n_patches": len(patches)}
+    one = measure(partial.select(union, cfg.patchcore, seed, cpu))
+    res: Dict[str, Any] = {"config": str(config), "train_images": n, "test_images": len(test),
+                           "one-shot": one}
+    print("one-shot", json.dumps(one), flush=True)
+    for extra in range(1, seeds):
+        r = measure(partial.select(union, cfg.patchcore, seed + extra, cpu))
+        res[f"one-shot seed +{extra}"] = r
+        print(f"one-shot seed +{extra}", json.dumps(r), flush=True)
     for k in shard_counts:
-        t0 = time.perf_counter()
-        states = [partial.shard_state(per_image[lo:hi].reshape(-1, d), cfg.patchcore, seed,
-                                      hi - lo, n, grid)
-                  for lo, hi in shard_bounds(n, k, cfg.data.batch_size)]
-        t1 = time.perf_counter()
-        bank = partial.select(partial.merge(states), cfg.patchcore, seed, cpu)
-        r = measure(bank)
-        r.update(radius_ratio=r["radius"] / one["radius"], auroc_delta=r["auroc"] - one["auroc"],
-                 shard_selection_s=t1 - t0, final_selection_s=time.perf_counter() - t1)
-        res[f"{k} shards"] = r
-        print(k, "shards", json.dumps(r), flush=True)
+        for factor in oversample:
+            t0 = time.perf_counter()
+            states = [partial.shard_state(per_image[lo:hi].reshape(-1, d), cfg.patchcore, seed,
+                                          hi - lo, n, grid, oversample=factor)
+                      for lo, hi in shard_bounds(n, k, cfg.data.batch_size)]
+            t1 = time.perf_counter()
+            merged = partial.merge(states)
+            bank = partial.select(merged, cfg.patchcore, seed, cpu)
+            r = measure(bank)
+            r.update(union=int(merged["features"].shape[0]), oversample=factor,
+                     radius_ratio=r["radius"] / one["radius"],
+                     auroc_delta=r["auroc"] - one["auroc"], shard_selection_s=t1 - t0,
+                     final_selection_s=time.perf_counter() - t1)
+            res[f"{k} shards x{factor:g}"] = r
+            print(k, "shards", json.dumps(r), flush=True)
     return res
 
 
@@ -252,6 +266,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--coreset-data", type=Path,
                     help="an MVTec category: sharded PatchCore coverage radius and AUROC")
     ap.add_argument("--coreset-shards", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--coreset-config", type=Path, default=DEFAULT_CORESET_CONFIG,
+                    help="the PatchCore config (default: configs/patchcore.yaml)")
+    ap.add_argument("--oversample", type=float, nargs="+", default=[2.0],
+                    help="each shard keeps this many times its share of the final bank")
+    ap.add_argument("--coreset-seeds", type=int, default=1,
+                    help="also draw the one-shot coreset with this many seeds in all")
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
@@ -262,7 +282,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                not args.no_images, args.cpus)))
         return 0
     if args.coreset_data:
-        res = coreset_shards(args.coreset_data, args.coreset_shards)
+        res = coreset_shards(args.coreset_data, args.coreset_shards, args.coreset_config,
+                             args.oversample, args.coreset_seeds)
         print(json.dumps(res, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))

@@ -195,10 +195,10 @@ class Service:
             return
         if self.engine is None:  # a reload that finished first wins
             self._swap(engine, monitor)
-        elif monitor is not None and monitor is not self.monitor:
-            monitor.close()
             log.info("serving %s (%s, loaded and warm in %.1f s)", engine.model_id, engine.path,
                      engine.load_seconds)
+        elif monitor is not None and monitor is not self.monitor:
+            monitor.close()
 
     async def _retention_loop(self) -> None:
         s = self.settings
@@ -246,25 +246,12 @@ class Service:
                 new = await self.loop.run_in_executor(
                     self.aux, functools.partial(Engine.load, target, self.settings.device))
             except Exception as exc:
-                msg = _message(exc)
-                self.metrics.reloads.labels("failed").inc()
-                serving = old.model_id if old else None
-                self.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
-                                    "error": msg, "serving": serving}
-                log.error("reload of %s refused: %s", target, msg)
-                keep = (f"; still serving {serving}" if serving else "; no model is loaded")
-                raise ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
+                raise self._refused(target, _message(exc), old) from None
             try:
                 monitor = await self._monitor_for(old, new)
             except Exception as exc:
-                msg = f"its drift monitor cannot be built: {_message(exc)}"
-                self.metrics.reloads.labels("failed").inc()
-                serving = old.model_id if old else None
-                self.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
-                                    "error": msg, "serving": serving}
-                log.error("reload of %s refused: %s", target, msg)
-                raise ServeError(422, "reload_failed", f"the new model was refused: {msg}"
-                                 + (f"; still serving {serving}" if serving else "")) from None
+                raise self._refused(target, f"its drift monitor cannot be built: "
+                                    f"{_message(exc)}", old) from None
             self._swap(new, monitor)
             self.settings.model = target
             self.load_error = None
@@ -278,6 +265,16 @@ class Service:
             return result
         finally:
             self._reloading = False
+
+    def _refused(self, target: str, msg: str, old: Optional[Engine]) -> ServeError:
+        """Record and log a refused reload; the error to answer (the old model serves on)."""
+        self.metrics.reloads.labels("failed").inc()
+        serving = old.model_id if old else None
+        self.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
+                            "error": msg, "serving": serving}
+        log.error("reload of %s refused: %s", target, msg)
+        keep = f"; still serving {serving}" if serving else "; no model is loaded"
+        return ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
 
     async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
         """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
