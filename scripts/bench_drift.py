@@ -20,6 +20,11 @@ Drifts are applied where the network sees them: to the image resized to the mode
 
     python scripts/bench_drift.py --config configs/padim_effnet_lite0.yaml \\
         data/sample ../shared/data/mvtec_bottle ../shared/data/battery_weld
+
+``--alignment`` instead prints how far apart the good images of each dataset already are: the
+offset of the phase-correlation peak between every pair of (at most 37) ``train/good`` images
+(grey, 256 px, Hann window), quartiles in % of the width. A camera shift smaller than that is a
+good image to the monitor.
 """
 from __future__ import annotations
 
@@ -259,6 +264,31 @@ def table(runs: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def alignment(root: Path, side: int = 256, limit: int = 37) -> Dict[str, float]:
+    """Quartiles of the pairwise phase-correlation offsets of ``root/train/good`` (% of width),
+    and the offset read for the first image against itself shifted by 5 % (the method's check)."""
+    from PIL import Image
+
+    window = np.outer(np.hanning(side), np.hanning(side))
+
+    def grey(path: Path) -> np.ndarray:
+        a = np.asarray(Image.open(path).convert("L").resize((side, side), Image.BILINEAR), float)
+        return (a - a.mean()) * window
+
+    def offset(a: np.ndarray, b: np.ndarray) -> float:
+        cross = np.fft.fft2(a) * np.conj(np.fft.fft2(b))
+        peak = np.fft.ifft2(cross / (np.abs(cross) + 1e-9)).real
+        iy, ix = np.unravel_index(peak.argmax(), peak.shape)
+        dy, dx = (v if v < side // 2 else v - side for v in (int(iy), int(ix)))
+        return 100 * math.hypot(dy, dx) / side
+
+    ims = [grey(p) for p in list_images(root / "train" / "good")[:limit]]
+    pairs = [offset(ims[i], ims[j]) for i in range(len(ims)) for j in range(i + 1, len(ims))]
+    q1, q2, q3 = np.percentile(pairs, [25, 50, 75])
+    return {"images": len(ims), "q25": q1, "median": q2, "q75": q3,
+            "known_5pct_shift": offset(np.roll(ims[0], round(0.05 * side), axis=1), ims[0])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("datasets", nargs="+", type=Path, help="folders with train/good, test/good")
@@ -270,7 +300,16 @@ def main() -> None:
     ap.add_argument("--max-held", type=int, default=40, help="held-out good images per source")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--alignment", action="store_true",
+                    help="only print the good images' pairwise offsets per dataset")
     args = ap.parse_args()
+    if args.alignment:
+        for root in args.datasets:
+            a = alignment(root)
+            print(f"{root.name}: {a['images']} train/good images, pairwise offsets "
+                  f"{a['q25']:.1f} / {a['median']:.1f} / {a['q75']:.1f} % of the width "
+                  f"(quartiles); a 5 % shift reads {a['known_5pct_shift']:.1f} %")
+        return
     torch.manual_seed(args.seed)
     print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")
     runs = [bench(args.config, root, [o for o in args.datasets if o != root], args)
