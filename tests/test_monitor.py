@@ -560,3 +560,29 @@ def test_injected_drift_on_the_sample_data_raises_the_alarm_within_a_window(devi
         st = mon.status()
         assert st["alarm"] and len(good) < st["first_alarm_image"] <= len(good) + 8, \
             (name, mon.summary())
+
+
+def test_alignment_reads_known_camera_shifts(tmp_path):
+    """``bench_drift.py --alignment`` (the evidence for the geometric drifts the monitor cannot
+    see): good images that are known shifts of one scene give those shifts as their pairwise
+    phase-correlation offsets."""
+    import importlib.util
+
+    from PIL import Image
+    from scipy import ndimage
+
+    script = ROOT / "scripts" / "bench_drift.py"
+    spec = importlib.util.spec_from_file_location("bench_drift", script)
+    bench_drift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_drift)
+    scene = ndimage.gaussian_filter(np.random.default_rng(0).uniform(0, 255, (256, 256)), 3)
+    scene = (scene - scene.min()) / np.ptp(scene) * 255
+    folder = tmp_path / "shifted" / "train" / "good"
+    folder.mkdir(parents=True)
+    for i, dx in enumerate([0, 13, 26]):  # 0, 5 and 10 % of the width
+        Image.fromarray(np.roll(scene, dx, axis=1).astype(np.uint8)).save(folder / f"{i}.png")
+    got = bench_drift.alignment(tmp_path / "shifted")
+    # pairs (0, 13), (13, 26) and (0, 26) px: 5.1, 5.1 and 10.2 % of the width
+    assert got["images"] == 3 and got["median"] == pytest.approx(5.08, abs=0.1)
+    assert got["q75"] == pytest.approx(7.6, abs=0.2)  # halfway between 5.1 and 10.2
+    assert got["known_5pct_shift"] == pytest.approx(5.08, abs=0.1)
