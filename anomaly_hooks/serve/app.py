@@ -102,7 +102,6 @@ class Service:
         self.last_reload: Optional[Dict[str, Any]] = None
         self.started = time.time()
         self._monitor_object = monitor
-        self.monitor: Optional[MonitorRunner] = None
         # (monitor, the engine whose file built it or None for a given monitor), swapped as one
         # so that the batch thread never pairs a new monitor with an old model's batch
         self._monitoring: Tuple[Optional[MonitorRunner], Optional[Engine]] = (None, None)
@@ -276,6 +275,11 @@ class Service:
         keep = f"; still serving {serving}" if serving else "; no model is loaded"
         return ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
 
+    @property
+    def monitor(self) -> Optional[MonitorRunner]:
+        """The drift monitor fed by the serving model's batches (None: no monitor)."""
+        return self._monitoring[0]
+
     async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
         """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
         spec = self.settings.monitor
@@ -296,7 +300,6 @@ class Service:
         """Serve ``engine`` with ``monitor`` from the next batch on (one step on the loop)."""
         previous = self.monitor
         self.engine = engine
-        self.monitor = monitor
         self._monitoring = (monitor, engine if self._monitor_object is None else None)
         if self.batcher is not None:  # the layers' channel means go to the monitor
             self.batcher.collect_features = monitor is not None
