@@ -203,9 +203,10 @@ class DriftMonitor:
                     "statistics": stats,
                     "blocks_observed": sorted(n for n, f in self._filled.items() if f)}
 
-    def summary(self) -> str:
-        """One line for a command-line summary (``score`` over a folder)."""
-        st = self.status()
+    def summary(self, status: Optional[Dict[str, Any]] = None) -> str:
+        """One line for a command-line summary (``score`` over a folder); ``status``: a
+        :meth:`status` just taken (else it is taken here)."""
+        st = self.status() if status is None else status
         if st["images_seen"] < st["window"]:
             return (f"drift: not checked ({st['images_seen']} image(s); a window is "
                     f"{st['window']})")

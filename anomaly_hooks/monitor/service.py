@@ -13,7 +13,7 @@ import threading
 from typing import Any, Dict, Optional
 
 from anomaly_hooks.monitor.monitor import DriftMonitor
-from anomaly_hooks.monitor.stats import INPUT_BLOCK, input_statistics
+from anomaly_hooks.monitor.stats import block_statistics
 
 
 class ServiceMonitor:
@@ -39,15 +39,16 @@ class ServiceMonitor:
             if batch.model_id != self.model_id:
                 self.ignored_batches += 1
                 return
-        vectors: Dict[str, Any] = dict(batch.features or {})
-        vectors[INPUT_BLOCK] = input_statistics(batch.inputs, batch.mean, batch.std)
+        vectors: Dict[str, Any] = dict(batch.features or {})  # the layers' channel means
+        vectors.update(block_statistics(None, batch.inputs, batch.mean, batch.std,
+                                        blocks=self.monitor.reference.blocks))
         self.monitor.update(vectors, batch.scores)
 
     def status(self) -> Dict[str, Any]:
         st = self.monitor.status()
         state = ("warming up" if st["images_seen"] < st["window"]
                  else "drift" if st["alarm"] else "ok")
-        return {**st, "state": state, "message": self.monitor.summary(),
+        return {**st, "state": state, "message": self.monitor.summary(st),
                 "model_id": self.model_id, "ignored_batches": self.ignored_batches}
 
 

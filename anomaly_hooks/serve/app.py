@@ -282,11 +282,8 @@ class Service:
 
     async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
         """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
-        spec = self.settings.monitor
-        if not spec or spec == "none":
-            return None
-        return await self.loop.run_in_executor(self.aux, optional_monitor, spec,
-                                               engine.detector)
+        return await self.loop.run_in_executor(self.aux, optional_monitor,
+                                               self.settings.monitor, engine.detector)
 
     async def _monitor_for(self, old: Optional[Engine], new: Engine) -> Optional[MonitorRunner]:
         """The monitor to run with ``new``: the same one for a given monitor object or an

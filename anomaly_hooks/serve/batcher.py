@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 from anomaly_hooks.serve.errors import ServeError, overloaded
@@ -51,7 +51,6 @@ class Job:
     tensor: Any
     engine: Any
     future: "asyncio.Future[Any]"
-    enqueued: float = field(default_factory=time.perf_counter)
 
 
 class Admission:
@@ -97,7 +96,6 @@ class Batcher:
         self._task: Optional[asyncio.Task] = None
         self.running = 0            # jobs in the batch being computed
         self.batches = 0
-        self.last_batch_seconds = 0.0
         self.seconds_per_image = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -230,7 +228,6 @@ class Batcher:
             seconds = time.perf_counter() - started
             self.running = 0
             self.batches += 1
-            self.last_batch_seconds = seconds
             per_image = seconds / len(batch)
             self.seconds_per_image = (per_image if not self.seconds_per_image
                                       else 0.8 * self.seconds_per_image + 0.2 * per_image)

@@ -116,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not Path(settings.model).is_file():
         raise FileNotFoundError(f"{settings.model}: model file not found")
-    if settings.monitor and settings.monitor != "none":
-        from anomaly_hooks.serve.monitoring import load_factory
+    from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
+
+    if monitor_enabled(settings.monitor):
         load_factory(settings.monitor)  # fail now, not after the model has loaded
     log = logging.getLogger("anomaly_hooks.serve")
     log.setLevel(getattr(logging, args.log_level.upper()))

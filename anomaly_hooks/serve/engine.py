@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from anomaly_hooks.serve import pictures
+from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
 
 log = logging.getLogger("anomaly_hooks.serve")
@@ -54,7 +55,6 @@ class PreparedImage:
     height: int
     format: str
     preview: Optional[np.ndarray]    # [h', w', 3] uint8, long side <= overlay_max_side
-    decode_ms: float
 
 
 @dataclass
@@ -69,7 +69,6 @@ class Outcome:
     overlay_png: Optional[bytes] = None
     mask_png: Optional[bytes] = None
     thumb_jpg: Optional[bytes] = None
-    postprocess_ms: float = 0.0
 
 
 @dataclass
@@ -143,7 +142,7 @@ class Engine:
             "path": self.path,
             "file_sha256": self.sha256,
             "file_bytes": self.file_bytes,
-            "loaded_at": _iso(self.loaded_at),
+            "loaded_at": iso_time(self.loaded_at),
             "load_seconds": round(self.load_seconds, 3),
             "method": cfg["method"],
             "backbone": {"name": det.backbone_name,
@@ -164,14 +163,12 @@ class Engine:
     def prepare(self, data: bytes, max_pixels: int, overlay_max_side: int) -> PreparedImage:
         """Decode uploaded bytes (the library's reader, as ``Detector.predict`` reads them) and
         preprocess them (runs in the decode pool)."""
-        start = time.perf_counter()
         pre = self.detector.preprocessor
         canonical, (height, width), fmt = decode_upload(data, pre.min_source_size, max_pixels)
         tensor = pre(canonical)
         prev = pictures.preview(canonical, overlay_max_side)
         del canonical
-        return PreparedImage(tensor, width, height, fmt, prev,
-                             (time.perf_counter() - start) * 1000)
+        return PreparedImage(tensor, width, height, fmt, prev)
 
     def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
               ) -> Tuple[np.ndarray, Any]:
@@ -198,7 +195,6 @@ class Engine:
             keep_anomalous: render them when the image is anomalous.
             thumb_side: long side of the thumbnail (0 = none).
         """
-        start = time.perf_counter()
         det = self.detector
         thr = det.threshold_
         pre = det.preprocessor
@@ -229,7 +225,6 @@ class Engine:
                     _chw(prev), thumb_side)
                 out.thumb_jpg = pictures.jpeg_bytes(
                     blend(base, colorize(small, 0.0, vmax), mask=small > thr.value), thumb_side)
-        out.postprocess_ms = (time.perf_counter() - start) * 1000
         return out
 
 
@@ -239,5 +234,4 @@ def _chw(arr: np.ndarray):
     return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
 
 
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from anomaly_hooks.serve.errors import ServeError
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-PAGE_PATHS = ("/", "/index.html", "/static/")
+PAGE_PATHS = ("/", "/index.html")  # and everything under /static/: a browser's Basic prompt
 
 
 def endpoint_label(path: str) -> str:
@@ -104,7 +104,7 @@ class AuthMiddleware:
         if self._ok(_header(scope, b"authorization")):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        page = path == "/" or path == "/index.html" or path.startswith("/static/")
+        page = path in PAGE_PATHS or path.startswith("/static/")
         challenge = ('Basic realm="anomaly-hooks", charset="UTF-8"' if page
                      else 'Bearer realm="anomaly-hooks"')
         given = _header(scope, b"authorization")

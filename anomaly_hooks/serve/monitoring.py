@@ -27,7 +27,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -66,13 +66,6 @@ class ObservedBatch:
     features: Optional[Dict[str, np.ndarray]] = None
 
 
-@runtime_checkable
-class DriftMonitor(Protocol):
-    def observe(self, batch: ObservedBatch) -> None: ...
-
-    def status(self) -> Dict[str, Any]: ...
-
-
 AUTO_FACTORY = "anomaly_hooks.monitor.service:build_auto"  # None for a model without reference
 
 
@@ -105,15 +98,12 @@ class MonitorRunner:
         self.monitor = monitor
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drift-monitor")
         self._busy = threading.Lock()
-        self.dropped = 0
-        self.failures = 0
         self.observed = 0
 
     def offer(self, make_batch: Callable[[], ObservedBatch]) -> bool:
         """Observe the batch ``make_batch()`` builds (on the monitor's thread), or drop it
         when the monitor is still busy with an earlier one. Returns False when dropped."""
         if not self._busy.acquire(blocking=False):
-            self.dropped += 1
             return False
         self._pool.submit(self._observe, make_batch)
         return True
@@ -123,7 +113,6 @@ class MonitorRunner:
             self.monitor.observe(make_batch())
             self.observed += 1
         except Exception:
-            self.failures += 1
             log.exception("drift monitor observe() failed")
         finally:
             self._busy.release()
@@ -171,8 +160,13 @@ def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: flo
                          features=features)
 
 
+def monitor_enabled(spec: Optional[str]) -> bool:
+    """Whether ``--monitor`` names a factory (not empty and not ``none``)."""
+    return bool(spec) and spec != "none"
+
+
 def optional_monitor(spec: Optional[str], detector: Any) -> Optional[MonitorRunner]:
-    if not spec or spec == "none":
+    if not monitor_enabled(spec):
         return None
     monitor = load_factory(spec)(detector)
     return MonitorRunner(monitor) if monitor is not None else None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from anomaly_hooks.errors import ConfigError
+from anomaly_hooks.outputs import csv_cell
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -303,13 +304,6 @@ def open_store(spec: str) -> ResultStore:
     return SQLiteResultStore(spec)
 
 
-def _csv_safe(value: Any) -> Any:
-    """Neutralise spreadsheet formulas in client-given text (CSV injection)."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + value
-    return value
-
-
 def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     """The CSV export, a chunk of lines at a time (header first)."""
     buf = io.StringIO()
@@ -320,7 +314,7 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
         row = asdict(rec)
         row["time_iso"] = iso_time(rec.time)
         row["is_anomalous"] = int(rec.is_anomalous)
-        writer.writerow([_csv_safe(row[c]) for c in CSV_COLUMNS])
+        writer.writerow([csv_cell(row[c]) for c in CSV_COLUMNS])  # no formulas
         n += 1
         if n % 500 == 0:
             yield buf.getvalue()
