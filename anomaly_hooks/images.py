@@ -464,6 +464,13 @@ def _is_tensor(image: Any) -> bool:
     return type(image).__module__.split(".")[0] == "torch" and hasattr(image, "permute")
 
 
+def is_one_image(x: Any) -> bool:
+    """Whether ``predict``-style input is one image (a path, encoded bytes, a PIL image, an
+    array or a tensor) rather than a sequence of them (no torch import)."""
+    return isinstance(x, (str, os.PathLike, *BYTES_TYPES, Image.Image, np.ndarray)) \
+        or _is_tensor(x)
+
+
 def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, int]]
             ) -> Tuple[np.ndarray, Tuple[int, int]]:
     if isinstance(image, (str, os.PathLike)):

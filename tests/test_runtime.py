@@ -74,12 +74,14 @@ def test_every_input_form_and_iter_predict(model, tmp_path):
     files = sorted(folder.iterdir())
     ref = det.decision_function(files)
     forms = [[str(p) for p in files], files, [Image.open(p) for p in files],
-             [np.asarray(Image.open(p)) for p in files]]
+             [np.asarray(Image.open(p)) for p in files], [p.read_bytes() for p in files]]
     for items in forms:
         np.testing.assert_allclose(odet.decision_function(items), ref, rtol=SCORE_RTOL)
     one = odet.predict(files[0])
     assert one.heatmap.shape == np.asarray(Image.open(files[0])).shape[:2]
     assert abs(one.score - ref[0]) <= SCORE_RTOL * ref[0]
+    one_bytes = odet.predict(files[0].read_bytes())  # encoded bytes are one image, as in eager
+    assert one_bytes.score == pytest.approx(one.score, rel=1e-6)
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")
     out = list(odet.iter_predict([files[0], bad, files[1]], batch_size=2))

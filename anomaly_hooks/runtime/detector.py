@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from PIL import Image
 
 from anomaly_hooks.errors import ImageReadError, ModelFileError
-from anomaly_hooks.images import _is_tensor, decode_reduced
+from anomaly_hooks.images import decode_reduced, is_one_image
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
 from anomaly_hooks.threshold import Threshold
@@ -28,7 +27,6 @@ FORMAT = "anomaly_hooks-onnx"  # as anomaly_hooks.export.onnx writes (that modul
 SUPPORTED_VERSION = 1
 DEFAULT_BATCH = 8
 ENGINES = ("onnxruntime", "openvino")
-ONE_IMAGE = (str, os.PathLike, Image.Image, np.ndarray)  # and a tensor; else a sequence
 
 
 def _session(path: Path, engine: str, providers: Optional[Sequence[Any]],
@@ -152,7 +150,7 @@ class OnnxDetector:
 
     @staticmethod
     def _items(images: Any) -> Tuple[bool, List[Any]]:
-        single = isinstance(images, ONE_IMAGE) or _is_tensor(images)
+        single = is_one_image(images)
         return single, [images] if single else list(images)
 
     def predict(self, images: Any, *, batch_size: Optional[int] = None
