@@ -170,8 +170,10 @@ def far_interval(scores: Sequence[float], threshold: float, tail: str = "gumbel_
         mu, beta = gumbel_mle(samples, UPPER_CENSOR if tail == "gumbel_upper" else 0.0)
         with np.errstate(over="ignore"):  # exp(+large) = inf: an exceedance of 1, as it should
             far = -np.expm1(-np.exp(-(threshold - mu) / beta))
+    elif tail in ("empirical", "conformal"):  # their exceedance is the share of scores above
+        far = (samples > threshold).mean(axis=1)
     else:
-        far = np.array([fit_tail(s, 0.5, tail).sf(threshold) for s in samples])
+        raise ValueError(f"threshold.tail={tail!r}: one of {', '.join(TAILS)}")
     lo, hi = np.quantile(far, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
 from anomaly_hooks.images import display
 from anomaly_hooks.outputs import (csv_cell, expand_inputs, out_name,  # noqa: F401 (csv_cell: API)
-                                     write_images, write_results)
+                                     result_row, write_images, write_results)
 
 log = logging.getLogger("anomaly_hooks")
 
@@ -208,9 +208,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             failures.append(str(pred))
             print(f"FAILED {pred}", file=sys.stderr)
             continue
-        row = {"path": display(path), "score": pred.score,
-               "normalized_score": pred.normalized_score, "is_anomalous": pred.is_anomalous,
-               "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
+        row = result_row(pred, path)
         if not args.no_images:
             row.update(write_images(pred, path, out, out_name(path, roots[i], used),
                                      max_pixels))

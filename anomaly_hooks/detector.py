@@ -10,7 +10,6 @@ Example (in a service: load once, predict from many threads)::
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -18,7 +17,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from PIL import Image
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -30,25 +28,25 @@ from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_p
 from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
                                    synchronize)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
-from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo, channel_means
+from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps
-from anomaly_hooks.images import ImageInput, ImageReadError
+from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image
 from anomaly_hooks.modelfile import load_model, save_model
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.monitor.monitor import DriftMonitor
+from anomaly_hooks.monitor.stats import layer_statistics
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import Threshold, calibrate_threshold
+from anomaly_hooks.threshold import out_of_sample as threshold_out_of_sample  # (a local name)
 
 log = logging.getLogger(__name__)
 
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
 SEED_DRIFT = 3
-ONE_IMAGE = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray,
-             torch.Tensor)  # else: a sequence
 # sees a batch's layer outputs {layer: [B, C, h, w]} and its network input [B, 3, h, w]
 Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor], None]
 
@@ -57,7 +55,8 @@ def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Obs
     """An observer that puts each layer's per-image channel means into ``taps`` (and calls
     ``then``, if any)."""
     def observe(features: Dict[str, torch.Tensor], images: torch.Tensor) -> None:
-        taps.update(channel_means(features))
+        # the drift monitor's layer statistic, on maps the scorer reads anyway
+        taps.update({name: layer_statistics(f) for name, f in features.items()})
         if then is not None:
             then(features, images)
     return observe
@@ -180,7 +179,7 @@ class Detector:
             raise FitError("fit() takes good images only: y must be None (no labels)")
         cfg = self.cfg
         items = resolve_items(X, training=True)
-        out_of_sample = cfg.threshold.mode == "all-images" and not cfg.threshold.folder
+        out_of_sample = threshold_out_of_sample(cfg.threshold)
         train, held = (items, []) if out_of_sample else self._split(items)
         scorer_cls = get_scorer(cfg.method)
         if out_of_sample and len(train) < scorer_cls.min_out_of_sample_images:
@@ -191,8 +190,7 @@ class Detector:
             raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
                            f"images after the threshold hold-out; got {len(train)} of "
                            f"{len(items)}: add images or lower threshold.holdout_fraction")
-        scorer = scorer_cls.create(cfg[cfg.method], self.layer_info, self.backbone_name,
-                                   cfg.seed + SEED_SCORER)
+        scorer = self._new_scorer()
         if out_of_sample:
             scorer.request_out_of_sample()
         memory = check_fit_memory(scorer_cls, cfg, self.layer_info, self.preprocessor.input_size,
@@ -271,6 +269,13 @@ class Detector:
                 maps = anomaly_maps(patch[lo:lo + step], self.preprocessor.input_size)
                 out.extend(maps.flatten(1).amax(dim=1).float().cpu().tolist())
         return out
+
+    def _new_scorer(self) -> Scorer:
+        """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
+        sharded fit's shards too)."""
+        cfg = self.cfg
+        return get_scorer(cfg.method).create(cfg[cfg.method], self.layer_info,
+                                             self.backbone_name, cfg.seed + SEED_SCORER)
 
     def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
         thr = self.cfg.threshold
@@ -408,7 +413,7 @@ class Detector:
         (use :meth:`iter_predict` to go on past bad files).
         """
         self._check_fitted()
-        single = isinstance(X, ONE_IMAGE)
+        single = is_one_image(X)
         items = [X] if single else list(X)
         size = batch_size or self.cfg.data.batch_size
         out: List[Prediction] = []
@@ -421,7 +426,7 @@ class Detector:
         """Raw image scores ``[N]`` float64 of one image or a sequence (higher = more
         anomalous; compare with ``threshold_.value``), batched, without keeping heatmaps."""
         self._check_fitted()
-        items = [X] if isinstance(X, ONE_IMAGE) else list(X)
+        items = [X] if is_one_image(X) else list(X)
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
         for start in range(0, len(items), size):

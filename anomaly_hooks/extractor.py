@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -223,15 +222,6 @@ class HookFeatureExtractor:
             self.close()
         except Exception:
             pass
-
-
-def channel_means(features: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    """Per-image channel means of tapped features: ``{name: [B, C_l, h, w]}`` ->
-    ``{name: [B, C_l]}`` float32 numpy on the host (a drift monitor's view of each layer; the
-    mean costs one pass over maps the scorer reads anyway)."""
-    return {name: np.ascontiguousarray(feat.float().mean(dim=(2, 3)).cpu().numpy(),
-                                       dtype=np.float32)
-            for name, feat in features.items()}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ RESULT_FIELDS = ["path", "score", "normalized_score", "is_anomalous", "threshold
                  "anomalous_pixels", "heatmap", "overlay", "mask"]
 
 
+def result_row(pred, path) -> dict:
+    """One scored image's row of the result files (the pictures' paths are added apart)."""
+    return {"path": display(path), "score": pred.score,
+            "normalized_score": pred.normalized_score, "is_anomalous": pred.is_anomalous,
+            "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
+
+
 def walk_images(folder: Path) -> tuple[List[Path], List[str]]:
     """Image files under ``folder`` (sorted, symbolic links to folders not followed), and a
     failure for each entry with an image suffix that is not a regular file (a FIFO, device or

@@ -67,9 +67,7 @@ class Threshold:
                 f"threshold {value:.4g} is not a measure of normal variation; use good images "
                 "of other parts (threshold.folder) or more varied training images",
                 UserWarning, stacklevel=2)
-        scale = max(spread, 1e-3 * abs(value), 1e-12)
-        return cls(value, scale, quantile, margin, int(arr.size), float(arr.min()), med,
-                   float(arr.max()))
+        return cls(value=value, quantile=quantile, margin=margin, **_summary(arr, value))
 
     def recalibrate(self, false_alarm_rate: float, tail: Optional[str] = None) -> "Threshold":
         """The threshold for another false-alarm rate from the same stored good scores."""
@@ -107,6 +105,12 @@ class Threshold:
     def from_dict(cls, data: dict) -> "Threshold":
         """Inverse of :meth:`as_dict` (fields added later take their defaults: older files)."""
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def out_of_sample(thr_cfg: Any) -> bool:
+    """Whether a fit with this ``threshold`` config section scores every training image out of
+    sample (``mode=all-images`` and no separate ``folder`` of threshold images)."""
+    return str(thr_cfg.mode) == "all-images" and not thr_cfg.folder
 
 
 def _summary(arr: np.ndarray, value: float) -> Dict[str, Any]:

@@ -27,12 +27,12 @@ import torch
 
 from anomaly_hooks.config import load_config, to_container
 from anomaly_hooks.data import iter_batches, resolve_items
-from anomaly_hooks.detector import SEED_SCORER, Detector
+from anomaly_hooks.detector import Detector
 from anomaly_hooks.devices import ieee_float32
 from anomaly_hooks.distributed.cluster import connect, maybe_die, require_ray
 from anomaly_hooks.errors import ConfigError, FitError
-from anomaly_hooks.scorers import Scorer, get_scorer
-from anomaly_hooks.threshold import calibrate_threshold
+from anomaly_hooks.scorers import Scorer
+from anomaly_hooks.threshold import calibrate_threshold, out_of_sample
 
 MAX_TASK_RETRIES = 3
 log = logging.getLogger("anomaly_hooks")
@@ -40,9 +40,7 @@ log = logging.getLogger("anomaly_hooks")
 
 def new_scorer(det: Detector) -> Scorer:
     """A fresh, unfitted scorer of the detector's method (the single-process fit's seed)."""
-    cfg = det.cfg
-    return get_scorer(cfg.method).create(cfg[cfg.method], det.layer_info, det.backbone_name,
-                                         cfg.seed + SEED_SCORER)
+    return det._new_scorer()
 
 
 def fit_shard(det: Detector, items: List[str], n_total: int, shard: int = 0) -> Dict[str, Any]:
@@ -95,7 +93,7 @@ def _with_holdout(cfg: Any) -> Any:
     """The config a sharded fit runs: ``threshold.mode=all-images`` needs every training
     image's out-of-sample score, which the merged states do not give, so the threshold comes
     from the hold-out (or ``threshold.folder``); the model file records the mode used."""
-    if str(cfg.threshold.mode) == "all-images" and not cfg.threshold.folder:
+    if out_of_sample(cfg.threshold):
         log.warning("a sharded fit sets its threshold from a hold-out of %.0f %% of the good "
                     "images (threshold.mode=holdout): the merged shards give no out-of-sample "
                     "scores", 100 * cfg.threshold.holdout_fraction)

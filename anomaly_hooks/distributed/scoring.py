@@ -42,7 +42,7 @@ from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import ImageReadError, display
 from anomaly_hooks.modelfile import read_meta
 from anomaly_hooks.outputs import (RESULT_FIELDS, csv_cell, expand_inputs, out_name,
-                                   write_images)
+                                   result_row, write_images)
 
 ROW_FIELDS = ["idx", *RESULT_FIELDS, "error", "pid", "attempt"]
 FORMATS = ("csv", "parquet")
@@ -112,9 +112,7 @@ class ScoreActor:
             return {"path": display(path), "error": str(pred), "score": np.nan,
                     "normalized_score": np.nan, "is_anomalous": False, "threshold": np.nan,
                     "anomalous_pixels": -1}
-        row = {"path": display(path), "error": "", "score": pred.score,
-               "normalized_score": pred.normalized_score, "is_anomalous": pred.is_anomalous,
-               "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
+        row = {"path": display(path), "error": "", **result_row(pred, path)}
         if self.write_pngs:
             row.update(write_images(pred, path, self.out, name, self.det.cfg.data.max_pixels))
         return row

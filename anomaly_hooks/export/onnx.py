@@ -32,9 +32,9 @@ from torch import nn
 from anomaly_hooks import __version__
 from anomaly_hooks.errors import ExportError, NotFittedError
 from anomaly_hooks.export.graph import PredictGraph
+from anomaly_hooks.runtime.detector import FORMAT  # the torch-free reader's constants
+from anomaly_hooks.runtime.detector import SUPPORTED_VERSION as FORMAT_VERSION
 
-FORMAT = "anomaly_hooks-onnx"
-FORMAT_VERSION = 1
 INPUT = "images"
 OUTPUTS = ["patch_scores", "heatmap", "image_score"]
 DEFAULT_OPSET = 17

@@ -120,10 +120,10 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
                 "Calibrate on more / more typical good images, try --calibration percentile, "
                 "accept a larger drift (--tolerance), or keep the float32 model.")
         _add_metadata(q, {"int8": json.dumps(report)})
+        from anomaly_hooks.export.onnx import publish  # (torch: imported when needed)
+
         side = q.with_name(q.name + ".data")
-        if side.exists():
-            os.replace(side, out_path.with_name(out_path.name + ".data"))
-        os.replace(q, out_path)
+        publish(q, side if side.exists() else None, out_path)
     return report
 
 

@@ -135,15 +135,17 @@ class Block:
         n = x.shape[0]
         m, w = windows.shape
         rest = n - w
-        s1, s2 = x.sum(0), (x ** 2).sum(0)
+        x2 = x ** 2
+        s1, s2 = x.sum(0), x2.sum(0)
         out: Dict[str, List[np.ndarray]] = {s: [] for s in self.stat_names}
         k = self.basis.shape[1]
         if k:
             p_all = ((x - self.mean) / self.scale) @ self.basis  # [n, k]
-            ps1, ps2 = p_all.sum(0), (p_all ** 2).sum(0)
+            p2 = p_all ** 2
+            ps1, ps2 = p_all.sum(0), p2.sum(0)
         for lo in range(0, m, 256):
             pick = _indicator(windows[lo:lo + 256], n)  # [b, n]: window sums as one product
-            ws1, ws2 = pick @ x, pick @ (x ** 2)
+            ws1, ws2 = pick @ x, pick @ x2
             mu = (s1 - ws1) / rest
             var = ((s2 - ws2) - rest * mu ** 2) / (rest - 1)
             sd = _safe_sd(np.sqrt(np.maximum(var, 0)))
@@ -153,7 +155,7 @@ class Block:
                 continue
             out[f"{self.name}:shift"].append(w * (z ** 2).mean(1))
             if k:
-                pw1, pw2 = pick @ p_all, pick @ (p_all ** 2)  # [b, k]
+                pw1, pw2 = pick @ p_all, pick @ p2  # [b, k]
                 pm = (ps1 - pw1) / rest
                 # variances along the (fixed) directions, re-estimated without the window
                 var_p = ((ps2 - pw2) - rest * pm ** 2) / (rest - 1)

@@ -23,7 +23,7 @@ from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
 from anomaly_hooks.threshold import Threshold
 
-FORMAT = "anomaly_hooks-onnx"  # as anomaly_hooks.export.onnx writes (that module needs torch)
+FORMAT = "anomaly_hooks-onnx"  # what anomaly_hooks.export.onnx writes (it imports these)
 SUPPORTED_VERSION = 1
 DEFAULT_BATCH = 8
 ENGINES = ("onnxruntime", "openvino")

@@ -27,6 +27,7 @@ from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussian
                                                    SampleStore, choose_covariance,
                                                    lowrank_capacity)
 from anomaly_hooks.scorers.padim.loo import loo_distances_from_samples
+from anomaly_hooks.threshold import out_of_sample
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
 Gaussians = Union[DenseGaussians, LowRankGaussians]
@@ -83,8 +84,7 @@ class PadimScorer(Scorer):
                      "inverse Gram factors": small, "batch": batch},
                     samples + small + positions * d * 4)
         factor_bytes = 2 if pad.factor_dtype == "float16" else 4
-        loo = (cfg.threshold.mode == "all-images" and not cfg.threshold.folder
-               and n_train <= DENSE_KEEP_SAMPLES * d)
+        loo = out_of_sample(cfg.threshold) and n_train <= DENSE_KEEP_SAMPLES * d
         # the float32 sums become the covariances, then the factors, in place
         return ({"statistics (float32 sums, factorised in place)": positions * d * d * 4,
                  "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
