@@ -254,17 +254,23 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     return tensors, meta
 
 
+def read_header(path: Path) -> Dict[str, Any]:
+    """A model file's safetensors header (its ``__metadata__`` and tensor entries), read and
+    bounds-checked, without the tensors; an unreadable file is a :class:`ModelFileError`."""
+    try:
+        with _open_model(path) as fh:
+            return _read_header(fh, path, os.fstat(fh.fileno()).st_size)[0]
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read the model file "
+                             f"({exc.strerror or exc})") from None
+
+
 def read_meta(path: str | os.PathLike) -> Dict[str, Any]:
     """The metadata of a model file from its header alone (no tensor read, no checksum: for a
     caller that only plans work, e.g. the distributed score's batch size, and whose workers
     then :func:`load_model` the file in full)."""
     path = Path(path)
-    try:
-        with _open_model(path) as fh:
-            header, _ = _read_header(fh, path, os.fstat(fh.fileno()).st_size)
-    except OSError as exc:
-        raise ModelFileError(f"{path}: cannot read the model file "
-                             f"({exc.strerror or exc})") from None
+    header = read_header(path)
     meta = _parse_json(_check_metadata(header["__metadata__"], path).get("meta", ""),
                        "metadata", path)
     if not isinstance(meta, dict):

@@ -47,12 +47,9 @@ HEAT_TOL = 1e-3  # heatmaps, of each map's range
 def source_checksum(model_path: Union[str, os.PathLike]) -> str:
     """The SHA-256 checksum recorded in a model file's header (the file is verified when it is
     loaded, so the header's value is the content's)."""
-    from anomaly_hooks.modelfile import _open_model, _read_header
+    from anomaly_hooks.modelfile import read_header
 
-    path = Path(model_path)
-    with _open_model(path) as fh:
-        header, _ = _read_header(fh, path, os.fstat(fh.fileno()).st_size)
-    return str(header["__metadata__"].get("checksum", ""))
+    return str(read_header(Path(model_path))["__metadata__"].get("checksum", ""))
 
 
 def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dict[str, str]:

@@ -29,9 +29,9 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
-from anomaly_hooks.scorers.padim.loo import dense_loo_squared, dense_terms, gram_loo_squared
+from anomaly_hooks.scorers.padim.loo import (CHUNK_POSITIONS, dense_loo_squared, dense_terms,
+                                             gram_loo_squared)
 
-CHUNK_POSITIONS = 128  # positions per chunk of fitting work (bounds the temporaries)
 SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)
 HALF_WIDEN_BYTES = 256 << 20  # on a GPU: float32 bytes widened at a time (few, large launches)

@@ -45,7 +45,7 @@ import torch
 from anomaly_hooks.errors import FitError
 
 DENSE_TOLERANCE = 1e-9  # relative truncation error of the dense series
-CHUNK_POSITIONS = 128  # positions per chunk (bounds the [c, n, n] float64 temporaries)
+CHUNK_POSITIONS = 128  # positions per chunk of fitting work, here and in gaussians.py
 
 
 def _check_n(n: int) -> None:
