@@ -485,13 +485,31 @@ def _message(exc: BaseException) -> str:
     return text if isinstance(exc, known) else f"{type(exc).__name__}: {text}"
 
 
+def _disconnected() -> ServeError:
+    return ServeError(400, "malformed_request", "the client disconnected before the request "
+                      "body was complete")
+
+
+def _check_size(data: bytes, max_bytes: int) -> None:
+    """413 for one image over the upload limit."""
+    if len(data) > max_bytes:
+        raise ServeError(413, "payload_too_large", f"image of {len(data):,} bytes exceeds the "
+                         f"limit of {max_bytes:,} bytes (the server's --max-upload-mb)")
+
+
+def _check_heatmap(service: Service, heatmap: str) -> None:
+    """422 for ``heatmap=url`` on a server without a results log (the URL would not exist)."""
+    if heatmap == "url" and service.files is None:
+        raise ServeError(422, "invalid_parameter", "heatmap=url needs the results log (the "
+                         "server runs with --no-results); use heatmap=png")
+
+
 async def _read_upload(request: Request, max_bytes: int) -> tuple[bytes, Optional[str], dict]:
     """(bytes, file name, other form fields) of a raw-body or multipart single-image upload."""
     try:
         return await _read_upload_inner(request, max_bytes)
     except ClientDisconnect:
-        raise ServeError(400, "malformed_request", "the client disconnected before the "
-                         "request body was complete") from None
+        raise _disconnected() from None
 
 
 async def _read_upload_inner(request: Request, max_bytes: int
@@ -513,9 +531,7 @@ async def _read_upload_inner(request: Request, max_bytes: int
         data = await request.body()
         name = None
         fields = {}
-    if len(data) > max_bytes:
-        raise ServeError(413, "payload_too_large", f"image of {len(data):,} bytes exceeds the "
-                         f"limit of {max_bytes:,} bytes (the server's --max-upload-mb)")
+    _check_size(data, max_bytes)
     return data, name, fields
 
 
@@ -615,10 +631,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
                       source: Optional[str] = Query(None, max_length=500)):
         t_start = time.perf_counter()
         service.require_engine()
-        if heatmap == "url" and service.files is None:
-            raise ServeError(422, "invalid_parameter",
-                             "heatmap=url needs the results log (the server runs with "
-                             "--no-results); use heatmap=png")
+        _check_heatmap(service, heatmap)
         with service.admit(1):
             async def run():
                 data, name, fields = await _read_upload(request, settings.max_upload_bytes)
@@ -634,9 +647,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     async def predict_batch(request: Request, heatmap: Heatmap = "none"):
         t_start = time.perf_counter()
         service.require_engine()
-        if heatmap == "url" and service.files is None:
-            raise ServeError(422, "invalid_parameter",
-                             "heatmap=url needs the results log; use heatmap=png")
+        _check_heatmap(service, heatmap)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ServeError(415, "unsupported_media_type",
                              "the batch endpoint takes multipart/form-data with one file part "
@@ -645,8 +656,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
             form = await request.form(max_files=settings.max_batch_files + 1,
                                       max_fields=2 * settings.max_batch_files + 16)
         except ClientDisconnect:
-            raise ServeError(400, "malformed_request", "the client disconnected before the "
-                             "request body was complete") from None
+            raise _disconnected() from None
         try:
             uploads = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not uploads:
@@ -661,10 +671,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
                 async def one(i: int, upload: UploadFile) -> Dict[str, Any]:
                     try:
                         data = await upload.read()
-                        if len(data) > settings.max_upload_bytes:
-                            raise ServeError(413, "payload_too_large",
-                                             f"image of {len(data):,} bytes exceeds the limit "
-                                             f"of {settings.max_upload_bytes:,} bytes")
+                        _check_size(data, settings.max_upload_bytes)
                         pid = part_ids[i][:200] if i < len(part_ids) else None
                         res = await service.predict_bytes(
                             data, part_id=pid, source=upload.filename, heatmap=heatmap,
