@@ -15,7 +15,6 @@ from torch import nn
 
 from anomaly_hooks.errors import BackboneError
 
-
 CUSTOM = "custom"
 
 OFFLINE_HELP = (

@@ -20,8 +20,14 @@ from typing import Any, Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
 from anomaly_hooks.images import display
-from anomaly_hooks.outputs import (csv_cell, expand_inputs, out_name,  # noqa: F401 (csv_cell: API)
-                                     result_row, write_images, write_results)
+from anomaly_hooks.outputs import (  # noqa: F401 (csv_cell: API)
+    csv_cell,
+    expand_inputs,
+    out_name,
+    result_row,
+    write_images,
+    write_results,
+)
 
 log = logging.getLogger("anomaly_hooks")
 

@@ -31,7 +31,6 @@ from anomaly_hooks.framing import IMAGENET_MEAN, IMAGENET_STD
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
 from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
 
-
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
 OnError = choices("OnError", ["raise", "skip"])
 ThresholdMode = choices("ThresholdMode", ["all-images", "holdout"])

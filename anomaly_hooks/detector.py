@@ -23,10 +23,14 @@ from tqdm.auto import tqdm
 from anomaly_hooks import __version__
 from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, literal, load_config, to_container
-from anomaly_hooks.data import (format_errors, iter_batches, list_images, load_preprocessed,
-                                resolve_items)
-from anomaly_hooks.devices import (ieee_float32, resolve_device, resolve_saved_device,
-                                   synchronize)
+from anomaly_hooks.data import (
+    format_errors,
+    iter_batches,
+    list_images,
+    load_preprocessed,
+    resolve_items,
+)
+from anomaly_hooks.devices import ieee_float32, resolve_device, resolve_saved_device, synchronize
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.heatmap import anomaly_maps

@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from anomaly_hooks.prediction import Verdict
 
 # Good images whose scores spread less than this fraction of the median score (of 1 for
 # scores below 1; PaDiM and PatchCore scores are distances of order 1 and more) are (near)
@@ -48,7 +51,8 @@ class Threshold:
     scores: Optional[List[float]] = None  # the good scores (recalibration, reports)
 
     @classmethod
-    def from_good_scores(cls, scores: Sequence[float], quantile: float, margin: float) -> "Threshold":
+    def from_good_scores(cls, scores: Sequence[float], quantile: float,
+                         margin: float) -> "Threshold":
         """Compute from image scores of good images (at least one)."""
         arr = np.asarray(scores, dtype=np.float64)
         if arr.size == 0:
@@ -88,6 +92,16 @@ class Threshold:
             lo, hi = self.far_interval
             text += f" (90 % interval {100 * lo:.2g}-{100 * hi:.2g} %)"
         return text
+
+    def verdict(self, score: float, anomalous_pixels: Optional[int] = None) -> "Verdict":
+        """The decision on one image score: ``is_anomalous = score > value``, the normalised
+        score, this threshold; ``anomalous_pixels`` as counted on the full-size heatmap."""
+        from anomaly_hooks.prediction import Verdict
+
+        score = float(score)
+        return Verdict(score=score, normalized_score=self.normalize(score),
+                       is_anomalous=bool(score > self.value), threshold=float(self.value),
+                       anomalous_pixels=anomalous_pixels)
 
     def normalize(self, score: float) -> float:
         """Map a raw score to (0, 1); the threshold maps to 0.5."""

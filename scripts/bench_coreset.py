@@ -22,9 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from anomaly_hooks.config import load_config  # noqa: E402
-from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size, coverage_radius,  # noqa: E402
-                                   greedy_coreset)
 from anomaly_hooks.data import iter_batches, list_images, train_folder  # noqa: E402
+from anomaly_hooks.scorers.patchcore.coreset import (  # noqa: E402
+    StreamingCoreset,
+    coreset_size,
+    coverage_radius,
+    greedy_coreset,
+)
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors  # noqa: E402
 
 

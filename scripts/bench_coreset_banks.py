@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from anomaly_hooks.scorers.patchcore.coreset import first_index, random_projection  # noqa: E402
 from anomaly_hooks.data import list_images  # noqa: E402
 from anomaly_hooks.images import read_image  # noqa: E402
+from anomaly_hooks.scorers.patchcore.coreset import first_index, random_projection  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"

@@ -21,8 +21,8 @@ from omegaconf import read_write  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from anomaly_hooks import Detector, load_config  # noqa: E402
-from anomaly_hooks.evaluation.benchmark import _test_items  # noqa: E402
 from anomaly_hooks.data import list_images, train_folder  # noqa: E402
+from anomaly_hooks.evaluation.benchmark import _test_items  # noqa: E402
 
 
 def to_float16(det: Detector) -> None:

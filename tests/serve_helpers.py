@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
-from PIL import Image
-
 from conftest import ROOT, textured_images, with_defect
+from PIL import Image
 
 
 # ---- payloads -------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
+from conftest import SAMPLE
 
 from anomaly_hooks.evaluation import benchmark as bench
-from conftest import SAMPLE
 
 
 @pytest.mark.slow

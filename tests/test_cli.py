@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, SAMPLE
 from PIL import Image
 from sklearn.metrics import roc_auc_score
 
 from anomaly_hooks.cli import main
-
-from conftest import ROOT, SAMPLE
 
 FAST = ["backbone.name=resnet18", "preprocess.resize=128", "preprocess.crop=112",
         "padim.n_features=60", "data.num_workers=0"]

@@ -9,11 +9,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, textured_images, with_defect
 
 from anomaly_hooks import Detector, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.config import ConfigError
-
-from conftest import ROOT, textured_images, with_defect
 
 
 def test_predict_before_fit_is_a_clear_error(small_cfg):

@@ -15,13 +15,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICES, textured_images, with_defect
 
-from anomaly_hooks import Detector
-from anomaly_hooks import devices
-from anomaly_hooks.config import load_config, to_container
+from anomaly_hooks import Detector, devices
+from anomaly_hooks.config import load_config
 from anomaly_hooks.errors import BackboneError, ConfigError, ResourceError
 from anomaly_hooks.extractor import HookFeatureExtractor
-from conftest import DEVICES, textured_images, with_defect
 
 GB = 1024 ** 3
 CUDA = torch.cuda.is_available()

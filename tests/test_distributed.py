@@ -15,13 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import SAMPLE
 
 from anomaly_hooks import distributed
 from anomaly_hooks.config import load_config
-from anomaly_hooks.distributed import cluster
 from anomaly_hooks.detector import Detector
+from anomaly_hooks.distributed import cluster
 from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
 

@@ -5,16 +5,14 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from conftest import SAMPLE
 from sklearn.metrics import roc_auc_score
 
 from anomaly_hooks.cli import main
 from anomaly_hooks.data import DataError
 from anomaly_hooks.evaluation.datasets import folders, mvtec, open_dataset
 from anomaly_hooks.evaluation.runner import evaluate, format_table, write_results
-from conftest import SAMPLE
 
 
 def _small_overrides() -> list[str]:

@@ -9,8 +9,12 @@ import torchvision
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from anomaly_hooks.extractor import (HookFeatureExtractor, describe_layers, layer_names,
-                                     resolve_layers)
+from anomaly_hooks.extractor import (
+    HookFeatureExtractor,
+    describe_layers,
+    layer_names,
+    resolve_layers,
+)
 
 
 def _hook_count(model: nn.Module) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, rewrite_safetensors_header, textured_images
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -31,10 +32,14 @@ from anomaly_hooks import Detector
 from anomaly_hooks.cli import csv_cell, main, out_name
 from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.errors import AnomalyHooksError, BackboneError, FitError, ModelFileError
-from anomaly_hooks.images import (DEFAULT_MAX_PIXELS, ImageReadError, decode, decode_reduced,
-                                  read_image)
+from anomaly_hooks.images import (
+    DEFAULT_MAX_PIXELS,
+    ImageReadError,
+    decode,
+    decode_reduced,
+    read_image,
+)
 from anomaly_hooks.modelfile import load_model, save_model
-from conftest import ROOT, rewrite_safetensors_header, safetensors_header, textured_images
 
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

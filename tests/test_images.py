@@ -4,12 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import textured_images, with_defect
 from PIL import Image
 
 from anomaly_hooks.images import ImageReadError, read_image
 from anomaly_hooks.preprocess import Preprocessor
-
-from conftest import textured_images, with_defect
 
 
 @pytest.fixture
@@ -129,9 +128,10 @@ def test_more_bad_and_odd_files(tmp_path):
 
 
 def test_fit_lists_every_bad_file_or_skips_them(tmp_path, small_cfg):
+    from conftest import textured_images
+
     from anomaly_hooks import Detector
     from anomaly_hooks.detector import FitError
-    from conftest import textured_images
 
     for i, img in enumerate(textured_images(8)):
         Image.fromarray(img).save(tmp_path / f"{i}.png")

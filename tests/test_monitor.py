@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 
 from anomaly_hooks.errors import ConfigError, DataError, FitError, ModelFileError, NotFittedError
-from anomaly_hooks.monitor import (DriftMonitor, DriftReference, StatisticsCollector,
-                                   input_statistics, layer_statistics)
+from anomaly_hooks.monitor import (
+    DriftMonitor,
+    DriftReference,
+    StatisticsCollector,
+    input_statistics,
+    layer_statistics,
+)
 from anomaly_hooks.monitor.reference import _joint_thresholds, sample_windows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -495,7 +500,6 @@ def test_a_tiny_fit_still_works_without_a_reference(small_cfg, caplog):
 
 def test_score_prints_a_drift_summary(monitored, tmp_path, capsys):
     from conftest import textured_images
-
     from PIL import Image
 
     from anomaly_hooks.cli import main

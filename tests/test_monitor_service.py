@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import textured_images
 from test_monitor import monitored  # noqa: F401  (the fitted detector with a reference)
 

@@ -7,11 +7,16 @@ import pytest
 import torch
 from scipy.spatial.distance import mahalanobis
 
+from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
 from anomaly_hooks.extractor import LayerInfo
-from anomaly_hooks.config import ConfigError, load_config
-from anomaly_hooks.scorers.padim.gaussians import (GaussianAccumulator, SampleStore, inverse_cholesky,
-                                             choose_covariance, lowrank_capacity)
+from anomaly_hooks.scorers.padim.gaussians import (
+    GaussianAccumulator,
+    SampleStore,
+    choose_covariance,
+    inverse_cholesky,
+    lowrank_capacity,
+)
 from anomaly_hooks.scorers.padim.scorer import PadimScorer
 
 

@@ -7,17 +7,23 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import textured_images, with_defect
 
 from anomaly_hooks import Detector
 from anomaly_hooks.config import load_config
-from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
-                                                     coverage_radius, first_index, greedy_batched,
-                                                     greedy_coreset, greedy_dense,
-                                                     random_projection)
 from anomaly_hooks.extractor import LayerInfo
+from anomaly_hooks.scorers.patchcore.coreset import (
+    StreamingCoreset,
+    coreset_size,
+    coverage_radius,
+    first_index,
+    greedy_batched,
+    greedy_coreset,
+    greedy_dense,
+    random_projection,
+)
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.scorer import PatchCoreScorer
-from conftest import textured_images, with_defect
 
 
 def clustered(n: int = 3000, d: int = 96, clusters: int = 40, seed: int = 0) -> torch.Tensor:

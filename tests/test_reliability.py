@@ -18,7 +18,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    rewrite_safetensors_header,
+    safetensors_header,
+    textured_images,
+    with_defect,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -39,8 +45,6 @@ from anomaly_hooks.modelfile import FORMAT_VERSION, ModelFileError, checksum, lo
 from anomaly_hooks.resources import GB, ResourceError, estimate_fit_memory
 from anomaly_hooks.scorers.padim import PadimScorer
 from anomaly_hooks.scorers.patchcore import PatchCoreScorer
-from conftest import (ROOT, rewrite_safetensors_header, safetensors_header, textured_images,
-                      with_defect)
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -1,10 +1,9 @@
 """The committed synthetic dataset data/sample and its generator scripts/make_sample_data.py."""
 from __future__ import annotations
 
-import warnings
-
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 

@@ -18,12 +18,18 @@ from PIL import Image
 
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 pytest.importorskip("httpx", reason="httpx (TestClient) is not installed")
+from conftest import textured_images, with_defect  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    StandInMonitor,
+    defect_png,
+    encode,
+    good_png,
+    hostile_payloads,
+    model_variants,
+)
 
 from anomaly_hooks.serve import ServeSettings, create_app  # noqa: E402
-from conftest import textured_images, with_defect  # noqa: E402
-from serve_helpers import (StandInMonitor, defect_png, encode, good_png,  # noqa: E402
-                           hostile_payloads, model_variants)
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -20,8 +20,7 @@ pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
 from conftest import ROOT  # noqa: E402
-from serve_helpers import (ServerProcess, defect_png, good_png,  # noqa: E402
-                           hostile_payloads, model_variants)
+from serve_helpers import ServerProcess, defect_png, good_png, hostile_payloads, model_variants  # noqa: E402
 
 # every test here starts a server process: slow (the README's test command runs them)
 pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),

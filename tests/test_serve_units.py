@@ -13,18 +13,24 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from conftest import textured_images, with_defect
+from serve_helpers import StandInMonitor, accepted_formats, encode, hostile_payloads
 
 from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.batcher import Admission, Batcher
 from anomaly_hooks.serve.engine import Engine
 from anomaly_hooks.serve.errors import ServeError
 from anomaly_hooks.serve.monitoring import MonitorRunner, numeric_leaves, observed_batch
-from anomaly_hooks.serve.results import (ImageFiles, Record, Recorder, SQLiteResultStore,
-                                         csv_lines, open_store)
+from anomaly_hooks.serve.results import (
+    ImageFiles,
+    Record,
+    Recorder,
+    SQLiteResultStore,
+    csv_lines,
+    open_store,
+)
 from anomaly_hooks.serve.settings import ServeSettings
 from anomaly_hooks.serve.uploads import decode_upload
-from conftest import textured_images, with_defect
-from serve_helpers import StandInMonitor, accepted_formats, encode, hostile_payloads
 
 HOSTILE = hostile_payloads()
 

@@ -8,19 +8,26 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, shared_dataset, textured_images, with_defect
 
 from anomaly_hooks import Detector
 from anomaly_hooks.calibration import TAILS, far_interval, fit_tail, gumbel_mle
 from anomaly_hooks.errors import ConfigError, FitError
-from anomaly_hooks.scorers.padim.gaussians import (DenseGaussians, GaussianAccumulator,
-                                                   LowRankGaussians, SampleStore)
-from anomaly_hooks.scorers.padim.loo import (dense_loo_squared, dense_terms, gram_loo_squared,
-                                             loo_distances_from_samples)
+from anomaly_hooks.scorers.padim.gaussians import (
+    DenseGaussians,
+    GaussianAccumulator,
+    LowRankGaussians,
+    SampleStore,
+)
+from anomaly_hooks.scorers.padim.loo import (
+    dense_loo_squared,
+    dense_terms,
+    gram_loo_squared,
+    loo_distances_from_samples,
+)
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
 from anomaly_hooks.threshold import Threshold
-
-from conftest import ROOT, shared_dataset, textured_images, with_defect
 
 EPS = 0.01
 ALL = {"mode": "all-images", "false_alarm_rate": 0.05}

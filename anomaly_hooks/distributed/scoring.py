@@ -41,8 +41,14 @@ from anomaly_hooks.distributed.cluster import connect, maybe_die, require_ray
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import ImageReadError, display
 from anomaly_hooks.modelfile import read_meta
-from anomaly_hooks.outputs import (RESULT_FIELDS, csv_cell, expand_inputs, out_name,
-                                   result_row, write_images)
+from anomaly_hooks.outputs import (
+    RESULT_FIELDS,
+    csv_cell,
+    expand_inputs,
+    out_name,
+    result_row,
+    write_images,
+)
 
 ROW_FIELDS = ["idx", *RESULT_FIELDS, "error", "pid", "attempt"]
 FORMATS = ("csv", "parquet")

@@ -80,8 +80,7 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
         QuantizationRefused: the drift exceeds ``tolerance`` or a good image changes verdict.
     """
     import onnx
-    from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from anomaly_hooks.runtime.detector import OnnxDetector
 

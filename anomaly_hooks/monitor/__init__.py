@@ -17,8 +17,14 @@ blocks when the layer outputs are not available.
 """
 from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.monitor.reference import SCORE_BLOCK, Block, DriftReference
-from anomaly_hooks.monitor.stats import (INPUT_BLOCK, INPUT_STAT_NAMES, StatisticsCollector,
-                                         block_statistics, input_statistics, layer_statistics)
+from anomaly_hooks.monitor.stats import (
+                                         INPUT_BLOCK,
+                                         INPUT_STAT_NAMES,
+                                         StatisticsCollector,
+                                         block_statistics,
+                                         input_statistics,
+                                         layer_statistics,
+)
 
 __all__ = ["Block", "DriftMonitor", "DriftReference", "INPUT_BLOCK", "INPUT_STAT_NAMES",
            "SCORE_BLOCK", "StatisticsCollector", "block_statistics", "input_statistics",

@@ -26,7 +26,6 @@ import numpy as np
 
 from anomaly_hooks.errors import DataError, NotFittedError
 from anomaly_hooks.monitor.fitting import NO_REFERENCE
-
 from anomaly_hooks.monitor.reference import SCORE_BLOCK, DriftReference
 from anomaly_hooks.monitor.stats import INPUT_BLOCK, block_statistics
 

@@ -1,7 +1,6 @@
 """Scorers by method name: one wing per method (``padim/``, ``patchcore/``), each registering
 its :class:`Scorer` subclass. Importing this package registers the built-in methods."""
-from anomaly_hooks.scorers.base import (Scorer, available_methods, get_scorer, register,
-                                        registered)
+from anomaly_hooks.scorers.base import Scorer, available_methods, get_scorer, register, registered
 
 DEFAULT_METHOD = "padim"
 

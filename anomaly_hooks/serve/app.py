@@ -45,11 +45,22 @@ from anomaly_hooks.serve.batcher import Admission, Batcher
 from anomaly_hooks.serve.engine import Engine, PreparedImage
 from anomaly_hooks.serve.errors import ServeError, code_for_status, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
-from anomaly_hooks.serve.middleware import (AuthMiddleware, BodyLimitMiddleware,
-                                            RequestMetricsMiddleware)
+from anomaly_hooks.serve.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    RequestMetricsMiddleware,
+)
 from anomaly_hooks.serve.monitoring import MonitorRunner, observed_batch, optional_monitor
-from anomaly_hooks.serve.results import (PICTURES, ImageFiles, Record, Recorder, ResultStore,
-                                         SQLiteResultStore, csv_lines, iso_time)
+from anomaly_hooks.serve.results import (
+    PICTURES,
+    ImageFiles,
+    Record,
+    Recorder,
+    ResultStore,
+    SQLiteResultStore,
+    csv_lines,
+    iso_time,
+)
 from anomaly_hooks.serve.settings import ServeSettings
 
 log = logging.getLogger("anomaly_hooks.serve")

@@ -23,8 +23,8 @@ with Retry-After before its body is read.
 from __future__ import annotations
 
 import asyncio
-import functools
 import collections
+import functools
 import logging
 import math
 import time

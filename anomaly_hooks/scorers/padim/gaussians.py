@@ -29,8 +29,12 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
-from anomaly_hooks.scorers.padim.loo import (CHUNK_POSITIONS, dense_loo_squared, dense_terms,
-                                             gram_loo_squared)
+from anomaly_hooks.scorers.padim.loo import (
+    CHUNK_POSITIONS,
+    dense_loo_squared,
+    dense_terms,
+    gram_loo_squared,
+)
 
 SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)

@@ -26,9 +26,13 @@ import numpy as np
 import torch
 
 from anomaly_hooks.errors import FitError
-from anomaly_hooks.scorers.padim.gaussians import (CHUNK_POSITIONS, DenseGaussians,
-                                                   GaussianAccumulator, LowRankGaussians,
-                                                   SampleStore)
+from anomaly_hooks.scorers.padim.gaussians import (
+    CHUNK_POSITIONS,
+    DenseGaussians,
+    GaussianAccumulator,
+    LowRankGaussians,
+    SampleStore,
+)
 
 State = Dict[str, Any]
 

@@ -22,10 +22,15 @@ from anomaly_hooks.scorers.base import Scorer, ScorerGraph, register
 from anomaly_hooks.scorers.padim import partial
 from anomaly_hooks.scorers.padim.config import PadimConfig, validate
 from anomaly_hooks.scorers.padim.export import padim_graph
-from anomaly_hooks.scorers.padim.gaussians import (BUFFER_SAMPLES, DenseGaussians,
-                                                   GaussianAccumulator, LowRankGaussians,
-                                                   SampleStore, choose_covariance,
-                                                   lowrank_capacity)
+from anomaly_hooks.scorers.padim.gaussians import (
+    BUFFER_SAMPLES,
+    DenseGaussians,
+    GaussianAccumulator,
+    LowRankGaussians,
+    SampleStore,
+    choose_covariance,
+    lowrank_capacity,
+)
 from anomaly_hooks.scorers.padim.loo import loo_distances_from_samples
 from anomaly_hooks.threshold import out_of_sample
 

@@ -24,8 +24,12 @@ from anomaly_hooks.resources import batch_bytes
 from anomaly_hooks.scorers.base import Scorer, ScorerGraph, register
 from anomaly_hooks.scorers.patchcore import partial
 from anomaly_hooks.scorers.patchcore.config import PatchCoreConfig, validate
-from anomaly_hooks.scorers.patchcore.coreset import (StreamingCoreset, coreset_size,
-                                                     greedy_coreset, projection_matrix)
+from anomaly_hooks.scorers.patchcore.coreset import (
+    StreamingCoreset,
+    coreset_size,
+    greedy_coreset,
+    projection_matrix,
+)
 from anomaly_hooks.scorers.patchcore.export import patchcore_graph
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
