@@ -75,7 +75,8 @@ def load_state_file(path: Path) -> dict[str, torch.Tensor]:
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    # torch.load and safetensors raise many types for a bad file
+    except Exception as exc:  # noqa: BLE001
         raise BackboneError(f"cannot read backbone weights {path}: {exc}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):

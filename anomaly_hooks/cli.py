@@ -291,7 +291,8 @@ def _eval_datasets(args: argparse.Namespace) -> list:
     elif args.defect or args.masks:
         raise DataError("--defect/--masks need --good (the generic folder layout)")
     if not found:
-        raise DataError("no dataset: give --data MVTEC_ROOT (repeatable) or --good DIR --defect DIR")
+        raise DataError("no dataset: give --data MVTEC_ROOT (repeatable) or "
+                        "--good DIR --defect DIR")
     names = [d.name for d in found]
     if len(set(names)) != len(names):
         raise DataError(f"two datasets share a name {names}: rename a folder")

@@ -260,7 +260,7 @@ def _read_source(source: ConfigSource) -> Any:
             loaded = OmegaConf.create(text) if top is not None else OmegaConf.create({})
         except ConfigError:
             raise
-        except Exception as exc:  # yaml errors carry the line number
+        except Exception as exc:  # noqa: BLE001 (yaml errors carry the line number)
             raise ConfigError(f"cannot parse config file {path}: "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                               ) from None
@@ -292,7 +292,7 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
         _check_text(item, f"override {item[:40]!r}...", MAX_OVERRIDE_CHARS)
     try:
         return OmegaConf.from_dotlist(items)
-    except Exception as exc:  # omegaconf's and the YAML parser's errors
+    except Exception as exc:  # noqa: BLE001 (omegaconf's and the YAML parser's errors)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"cannot parse overrides {items}: {first}") from None
 

@@ -10,29 +10,22 @@ Example (in a service: load once, predict from many threads)::
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from tqdm.auto import tqdm
 
 from anomaly_hooks import __version__
 from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, literal, load_config, to_container
-from anomaly_hooks.data import (
-    format_errors,
-    iter_batches,
-    list_images,
-    load_preprocessed,
-    resolve_items,
-)
-from anomaly_hooks.devices import ieee_float32, resolve_device, resolve_saved_device, synchronize
+from anomaly_hooks.data import Batch, iter_batches, load_preprocessed
+from anomaly_hooks.devices import ieee_float32, resolve_device, resolve_saved_device
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
+from anomaly_hooks.fitting import SEED_SCORER, FitRun
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image
 from anomaly_hooks.modelfile import load_model, save_model
@@ -41,18 +34,21 @@ from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.monitor.stats import layer_statistics
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
-from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
-from anomaly_hooks.threshold import Threshold, calibrate_threshold
-from anomaly_hooks.threshold import out_of_sample as threshold_out_of_sample  # (a local name)
+from anomaly_hooks.threshold import Threshold
+from anomaly_hooks.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
-SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
-SEED_SCORER = 2
-SEED_DRIFT = 3
 # sees a batch's layer outputs {layer: [B, C, h, w]} and its network input [B, 3, h, w]
 Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor], None]
+
+
+class Inference(NamedTuple):
+    """What :meth:`Detector.infer` gives for a batch of ``B`` network inputs."""
+
+    scores: torch.Tensor  # [B] float32 image scores, on the CPU
+    maps: torch.Tensor    # [B, h, w] heatmaps at the network input size, on the device
 
 
 def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Observer:
@@ -69,16 +65,6 @@ def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Obs
 def resolve_layer_names(cfg: DictConfig) -> List[str]:
     """The layers to tap: the config's, else the method's default for the backbone."""
     return list(cfg.backbone.layers or get_scorer(cfg.method).layers_for(cfg.backbone.name))
-
-
-def _add_lap(acc: Dict[str, float], key: str, since: float,
-             device: Optional[torch.device] = None) -> float:
-    """Add the seconds since ``since`` to ``acc[key]`` (after a CUDA sync); returns now."""
-    if device is not None:
-        synchronize(device)
-    now = time.perf_counter()
-    acc[key] += now - since
-    return now
 
 
 class Detector:
@@ -178,94 +164,24 @@ class Detector:
         ``threshold.mode=all-images`` fits on every image and scores each out of sample (as if
         unseen), ``holdout`` keeps a fraction out of the model; ``threshold.folder`` scores a
         separate folder. Returns ``self``; a failed fit leaves a fitted detector as it was.
+        The steps are :class:`anomaly_hooks.fitting.FitRun`'s (``fit_timings_`` times each).
         """
         if y is not None:
             raise FitError("fit() takes good images only: y must be None (no labels)")
-        cfg = self.cfg
-        items = resolve_items(X, training=True)
-        out_of_sample = threshold_out_of_sample(cfg.threshold)
-        train, held = (items, []) if out_of_sample else self._split(items)
-        scorer_cls = get_scorer(cfg.method)
-        if out_of_sample and len(train) < scorer_cls.min_out_of_sample_images:
-            raise FitError(f"{cfg.method} needs at least {scorer_cls.min_out_of_sample_images} "
-                           "training images for threshold.mode=all-images (each scored by a "
-                           f"model without it); got {len(train)}: add images")
-        if len(train) < scorer_cls.min_train_images:
-            raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
-                           f"images after the threshold hold-out; got {len(train)} of "
-                           f"{len(items)}: add images or lower threshold.holdout_fraction")
-        scorer = self._new_scorer()
-        if out_of_sample:
-            scorer.request_out_of_sample()
-        memory = check_fit_memory(scorer_cls, cfg, self.layer_info, self.preprocessor.input_size,
-                                  len(train), self.device, n_threshold=len(held))
-        scorer.begin(len(train))
-        clock = [time.perf_counter()]
-
-        def lap() -> float:
-            synchronize(self.device)  # queued GPU work belongs to the step that queued it
-            clock.append(time.perf_counter())
-            return clock[-1] - clock[-2]
-
-        # the drift reference's statistics come from the same forward passes (the hooks)
-        collector = drift.fit_collector(cfg.monitor, self.preprocessor.mean,
-                                        self.preprocessor.std, cfg.seed + SEED_DRIFT)
-        with ieee_float32():
-            n_used, errors, held_images, split = self._accumulate(scorer, train, held, progress,
-                                                                  collector)
-            timings = {"accumulate": lap(),
-                       **{f"accumulate: {k}": v for k, v in split.items()}}
-            scorer.finalize(progress=progress)
-            timings["finalize"] = lap()
-            timings.update({f"finalize: {k}": v
-                            for k, v in getattr(scorer, "finalize_timings_", {}).items()})
-            if out_of_sample:
-                good_scores, source = self._out_of_sample_scores(scorer, train), "all-images"
-            else:
-                good_scores = self._score_images(scorer, held_images, collector)
-                source = "folder" if cfg.threshold.folder else "holdout"
-            timings["threshold"] = lap()
-        reference = drift.fit_reference(collector, good_scores, cfg.monitor, cfg.seed + SEED_DRIFT)
-        timings["drift reference"] = lap()
-        if self.device.type == "cuda":
-            # the fit's temporaries (patch buffers, coreset distances) go back to the driver
-            # rather than staying reserved by this process for predict, which needs far less
-            torch.cuda.empty_cache()
-        threshold = calibrate_threshold(good_scores, cfg.threshold, source)
-        self.scorer_, self.threshold_, self.memory_estimate_ = scorer, threshold, memory
-        self.drift_reference_ = reference
-        self.monitor = None  # a monitor of the previous fit compares with its reference
-        self.fit_info_ = {"n_train": n_used, "n_threshold": len(good_scores),
-                          "skipped": errors,
-                          "threshold_source": cfg.threshold.folder or source}
-        # Timings are not saved: model files are byte-identical across fits.
-        self.fit_timings_ = {**timings, "total": clock[-1] - clock[0]}
+        FitRun(self, X, progress=progress).run()
         return self
 
-    def _out_of_sample_scores(self, scorer: Scorer, train: List[Any]) -> List[float]:
-        """Image scores of every training image from a model that did not see it: from the
-        out-of-sample patch scores the fit made, else by a second pass over the training images
-        (read again, in fit order; unreadable ones were skipped in the fit and are again)."""
-        patch = scorer.take_out_of_sample_scores()
-        if patch is not None:
-            return self._scores_from_patches(patch)
-        data = self.cfg.data
-        scores: List[float] = []
-        first = 0
-        for batch in iter_batches(list(train), self.preprocessor, batch_size=data.batch_size,
-                                  num_workers=data.num_workers, max_pixels=data.max_pixels,
-                                  pin_memory=self.device.type == "cuda"):
-            if not batch.indices:
-                continue
-            with torch.inference_mode():
-                patch = scorer.out_of_sample_scores(self._embed(scorer, batch.images), first)
-            scores.extend(self._scores_from_patches(patch))
-            first += len(batch.indices)
-        return scores
+    def new_scorer(self) -> Scorer:
+        """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
+        shards of a sharded fit too)."""
+        cfg = self.cfg
+        return get_scorer(cfg.method).create(cfg[cfg.method], self.layer_info,
+                                             self.backbone_name, cfg.seed + SEED_SCORER)
 
-    def _scores_from_patches(self, patch: torch.Tensor) -> List[float]:
-        """Image scores of patch-score maps ``[n, h, w]``: the heatmap pipeline, then its max
-        (the scorers that support out-of-sample scores use the plain max as image score)."""
+    def image_scores_from_patches(self, patch: torch.Tensor) -> List[float]:
+        """Image scores of patch-score maps ``[n, gh, gw]``: the heatmap pipeline
+        (:func:`~anomaly_hooks.heatmap.anomaly_maps`), then each map's max (the plain image
+        score, which every scorer with out-of-sample scores uses), in batches."""
         out: List[float] = []
         step = self.cfg.data.batch_size
         with torch.inference_mode():
@@ -274,130 +190,115 @@ class Detector:
                 out.extend(maps.flatten(1).amax(dim=1).float().cpu().tolist())
         return out
 
-    def _new_scorer(self) -> Scorer:
-        """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
-        sharded fit's shards too)."""
-        cfg = self.cfg
-        return get_scorer(cfg.method).create(cfg[cfg.method], self.layer_info,
-                                             self.backbone_name, cfg.seed + SEED_SCORER)
-
-    def _split(self, items: List[Any]) -> tuple[List[Any], List[Any]]:
-        thr = self.cfg.threshold
-        if thr.folder:
-            return items, list_images(Path(thr.folder))
-        if thr.holdout_fraction <= 0:
-            raise FitError("no threshold images: set threshold.holdout_fraction > 0 or "
-                           "threshold.folder to a folder of good images")
-        n_held = max(1, int(round(thr.holdout_fraction * len(items))))
-        if n_held >= len(items):
-            raise FitError(f"{len(items)} image(s) cannot be split into training and threshold "
-                           "images: add good images")
-        gen = torch.Generator().manual_seed(self.cfg.seed + SEED_HOLDOUT)
-        perm = torch.randperm(len(items), generator=gen).tolist()
-        held = sorted(perm[:n_held])
-        held_set = set(held)
-        return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
-
-    def _accumulate(self, scorer: Scorer, train: List[Any], held: List[Any], progress: bool,
-                    observe: Optional[Observer] = None
-                    ) -> tuple[int, List[str], List[torch.Tensor], Dict[str, float]]:
-        """Feed the ``train`` items to the scorer, in one pass that also decodes the threshold
-        images ``held`` (kept preprocessed, ``[b, 3, h, w]`` per batch, to be scored once the
-        model is fitted: their decoding overlaps the training compute). Unreadable images of
-        either kind are all listed in one error (``data.on_error=raise``) or skipped with a
-        warning. Returns the training images used, the error messages, the threshold images
-        and the seconds spent waiting for images / on features / on the scorer's statistics.
-        ``observe`` sees every training batch (the drift reference's collector)."""
+    # -- the predict path's stages --------------------------------------------------------
+    # prepare -> embed -> infer (scores, maps) -> heatmaps / predictions. Each stage is public:
+    # the service, the export, the sharded fit and the benchmarks run the same code.
+    def batches(self, items: Sequence[Any], *, batch_size: Optional[int] = None,
+                num_workers: Optional[int] = None) -> Iterator[Batch]:
+        """Decoded, preprocessed batches of ``items`` (:func:`anomaly_hooks.data.iter_batches`
+        with this detector's ``data`` settings): ``Batch.images`` ``[b, 3, h, w]``, the item
+        indices, each image's own (H, W) and the unreadable items' messages."""
         data = self.cfg.data
-        n_train = len(train)
-        errors: Dict[str, List[str]] = {"training": [], "threshold": []}
-        held_images: List[torch.Tensor] = []
-        n_used = 0
-        bar = tqdm(total=n_train + len(held), desc=f"fit {self.cfg.method}", unit="img",
-                   disable=not progress, dynamic_ncols=True)
-        split = {"waiting for images": 0.0, "features": 0.0, "statistics": 0.0}
-        mark = time.perf_counter()
-        for batch in iter_batches(list(train) + list(held), self.preprocessor,
-                                  batch_size=data.batch_size, num_workers=data.num_workers,
-                                  max_pixels=data.max_pixels,
-                                  pin_memory=self.device.type == "cuda"):
-            mark = _add_lap(split, "waiting for images", mark)
-            for i, msg in batch.errors:
-                errors["training" if i < n_train else "threshold"].append(msg)
-            # batches come in item order and the training items come first: a prefix of each
-            k = sum(i < n_train for i in batch.indices)
-            if k < len(batch.indices):  # a copy, so that a mixed batch is not kept whole
-                held_images.append(batch.images[k:].clone() if k else batch.images)
-            if k:
-                emb = self._embed(scorer, batch.images[:k], observe)
-                mark = _add_lap(split, "features", mark, self.device)
-                scorer.partial_fit(emb)
-                del emb
-                mark = _add_lap(split, "statistics", mark, self.device)
-                n_used += k
-            bar.update(len(batch.indices) + len(batch.errors))
-        bar.close()
-        self._handle_errors(errors)
-        return n_used, errors["training"] + errors["threshold"], held_images, split
+        return iter_batches(list(items), self.preprocessor,
+                            batch_size=batch_size or data.batch_size,
+                            num_workers=data.num_workers if num_workers is None else num_workers,
+                            max_pixels=data.max_pixels, pin_memory=self.device.type == "cuda")
 
-    def _handle_errors(self, errors: Dict[str, List[str]]) -> None:
-        """Raise listing every unreadable image, or (``data.on_error=skip``) warn and go on."""
-        bad = {what: errs for what, errs in errors.items() if errs}
-        if bad and self.cfg.data.on_error == "raise":
-            every = [e for errs in bad.values() for e in errs]
-            raise FitError(f"{len(every)} {' and '.join(bad)} image(s) could not be read:\n"
-                           f"{format_errors(every)}\nFix or remove them, or set "
-                           "data.on_error=skip to fit without them")
-        for what, errs in bad.items():
-            log.warning("skipped %d unreadable %s image(s):\n%s", len(errs), what,
-                        format_errors(errs))
+    def prepare(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
+        """Decode and preprocess images: the network inputs ``[B, 3, h, w]`` (page-locked when
+        the model runs on a GPU, so that the copy to it does not block the host) and each
+        image's own (H, W). Each image is decoded, preprocessed and dropped before the next (a
+        batch never holds full images). Raises :class:`ImageReadError` for an unreadable one."""
+        loaded = [load_preprocessed(item, self.preprocessor, self.cfg.data.max_pixels)
+                  for item in items]
+        pre = [t for t, _ in loaded]
+        out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
+                          pin_memory=self.device.type == "cuda")
+        return torch.stack(pre, out=out), [size for _, size in loaded]
 
-    def _score_images(self, scorer: Scorer, batches: List[torch.Tensor],
-                      observe: Optional[Observer] = None) -> List[float]:
-        """Image scores of preprocessed images (``[b, 3, h, w]`` tensors), in batches;
-        ``observe`` sees their layer outputs."""
-        scores: List[float] = []
-        if not batches:
-            return scores
-        images = torch.cat(batches)
-        step = self.cfg.data.batch_size
-        for start in range(0, images.shape[0], step):
-            scores.extend(self._infer(images[start:start + step], scorer, observe)[0].tolist())
-        return scores
+    def embed(self, images: torch.Tensor, *, scorer: Optional[Scorer] = None,
+              observe: Optional[Observer] = None, timings: Optional[Stopwatch] = None
+              ) -> torch.Tensor:
+        """Network inputs ``[B, 3, h, w]`` -> patch embeddings ``[B, D, gh, gw]``: the hooked
+        backbone's layer outputs ``{layer: [B, C_l, h_l, w_l]}``, then the scorer's embedder.
 
-    # -- inference ------------------------------------------------------------------------
-    def _embed(self, scorer: Scorer, images: torch.Tensor, observe: Optional[Observer] = None
-               ) -> torch.Tensor:
-        """``[B, 3, h, w]`` preprocessed images -> ``[B, D, gh, gw]`` embeddings;
-        ``observe(features, images)`` sees the hooked layer outputs first (drift statistics:
-        no second backbone pass)."""
+        Args:
+            scorer: whose embedder (default: the fitted ``scorer_``).
+            observe: ``observe(features, images)`` sees the layer outputs first (the drift
+                statistics: no second backbone pass).
+            timings: charged ``backbone`` and ``embedding`` seconds.
+        """
+        scorer = scorer if scorer is not None else self.scorer_
         with torch.inference_mode():
+            if timings is not None:
+                timings.mark()
             features = self.extractor(images)
             if observe is not None:
                 observe(features, images)
-            return scorer.embedder(features)
+            if timings is not None:
+                timings.lap("backbone")
+            emb = scorer.embedder(features)
+            if timings is not None:
+                timings.lap("embedding")
+            return emb
 
-    def _infer(self, images: torch.Tensor, scorer: Optional[Scorer] = None,
-               observe: Optional[Observer] = None, *,
-               taps: Optional[Dict[str, np.ndarray]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image scores ``[B]`` (CPU) and heatmaps ``[B, h, w]`` (on the device) at the network
-        input size. Without ``observe`` (fit passes its own), an attached :attr:`monitor` gets
-        the batch's drift statistics and scores. ``taps`` (the service's view), if given,
-        receives each tapped layer's per-image channel means ``[B, C_l]``."""
+    def infer(self, images: torch.Tensor, *, scorer: Optional[Scorer] = None,
+              observe: Optional[Observer] = None, taps: Optional[Dict[str, np.ndarray]] = None,
+              timings: Optional[Stopwatch] = None) -> Inference:
+        """Network inputs ``[B, 3, h, w]`` (on :attr:`device`) -> :class:`Inference`: image
+        scores ``[B]`` (float32, on the CPU) and heatmaps ``[B, h, w]`` at the network input
+        size (on the device).
+
+        Args:
+            scorer: the scorer to use (default: the fitted ``scorer_``).
+            observe: sees the layer outputs (see :meth:`embed`); without it an attached
+                :attr:`monitor` gets the batch's drift statistics and scores.
+            taps: if given, receives each tapped layer's per-image channel means ``[B, C_l]``
+                (the service's drift view, from the same hooks).
+            timings: charged ``backbone``, ``embedding``, ``scorer`` and ``heatmap`` seconds
+                (synchronised with the device).
+        """
         scorer = scorer if scorer is not None else self.scorer_
         pending = self.monitor.batch() if observe is None and self.monitor is not None else None
         observe = observe or pending
         if taps is not None:
             observe = _taps_observer(taps, observe)
         with torch.inference_mode(), ieee_float32():
-            emb = self._embed(scorer, images, observe)
+            emb = self.embed(images, scorer=scorer, observe=observe, timings=timings)
             patch = scorer.score(emb)
+            if timings is not None:
+                timings.lap("scorer")
             maps = anomaly_maps(patch, self.preprocessor.input_size)
             scores = scorer.image_scores(emb, patch, maps).float().cpu()
+            if timings is not None:
+                timings.lap("heatmap")
         if pending is not None:
             pending.finish(scores)
-        return scores, maps
+        return Inference(scores, maps)
 
+    def heatmaps(self, maps: torch.Tensor, sizes: Sequence[tuple[int, int]]
+                 ) -> Iterator[np.ndarray]:
+        """Heatmaps ``[B, h, w]`` at the network input size (on the device) -> one float32
+        ``[H, W]`` array per image in its own frame (``sizes``), made lazily (one full-size map
+        at a time); the parts the crop cut off get the map's minimum. The small network-size
+        maps come to the host in one transfer per batch (one wait for the GPU, not one each)."""
+        maps = maps.float().cpu()
+        fills = maps.flatten(1).amin(dim=1).tolist()
+        for m, fill, size in zip(maps, fills, sizes):
+            yield self.preprocessor.to_original(m, size, fill=fill).numpy()
+
+    def predictions(self, scores: torch.Tensor, maps: torch.Tensor,
+                    sizes: Sequence[tuple[int, int]]) -> Iterator[Prediction]:
+        """One :class:`Prediction` per image of a batch (``scores`` ``[B]``, ``maps``
+        ``[B, h, w]``, each image's (H, W)), lazily: the verdict of
+        :meth:`Threshold.verdict`, the heatmap of :meth:`heatmaps` and its mask."""
+        thr = self.threshold_
+        for score, heatmap in zip(scores.tolist(), self.heatmaps(maps, sizes)):
+            mask = heatmap > thr.value
+            verdict = thr.verdict(score, anomalous_pixels=int(mask.sum()))
+            yield Prediction(**vars(verdict), heatmap=heatmap, mask=mask)
+
+    # -- predicting -----------------------------------------------------------------------
     def drift_monitor(self) -> DriftMonitor:
         """Attach a new drift monitor to this detector and return it: a sliding window over
         every image predicted from now on (:meth:`predict`, :meth:`iter_predict`,
@@ -422,7 +323,9 @@ class Detector:
         size = batch_size or self.cfg.data.batch_size
         out: List[Prediction] = []
         for start in range(0, len(items), size):
-            out.extend(self._predict_batch(items[start:start + size]))
+            images, sizes = self.prepare(items[start:start + size])
+            scores, maps = self.infer(images)
+            out.extend(self.predictions(scores, maps, sizes))
         return out[0] if single else out
 
     def decision_function(self, X: Union[ImageInput, Sequence[ImageInput]], *,
@@ -434,8 +337,8 @@ class Detector:
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
         for start in range(0, len(items), size):
-            batch, _ = self._load(items[start:start + size])
-            scores.extend(self._infer(batch)[0].tolist())
+            images, _ = self.prepare(items[start:start + size])
+            scores.extend(self.infer(images).scores.tolist())
         return np.asarray(scores, dtype=np.float64)
 
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
@@ -447,18 +350,13 @@ class Detector:
         item that could not be read — one bad file never stops the rest.
         """
         self._check_fitted()
-        data = self.cfg.data
-        for batch in iter_batches(list(items), self.preprocessor,
-                                  batch_size=batch_size or data.batch_size,
-                                  num_workers=data.num_workers if num_workers is None
-                                  else num_workers, max_pixels=data.max_pixels,
-                                  pin_memory=self.device.type == "cuda"):
+        for batch in self.batches(items, batch_size=batch_size, num_workers=num_workers):
             errors = {i: ImageReadError(msg) for i, msg in batch.errors}
             preds: Iterator[Prediction] = iter(())
             if batch.indices:
-                scores, maps = self._infer(batch.images)
+                scores, maps = self.infer(batch.images)
                 # lazy: each full-size heatmap is made as it is yielded, one at a time in memory
-                preds = self._predictions(scores, maps, batch.sizes)
+                preds = self.predictions(scores, maps, batch.sizes)
             good = iter(batch.indices)  # ascending, as are the predictions
             for i in sorted([*batch.indices, *errors]):
                 if i in errors:
@@ -466,42 +364,6 @@ class Detector:
                 else:
                     next(good)
                     yield i, next(preds)
-
-    def _load(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
-        """Preprocessed images ``[B, 3, h, w]`` (page-locked when the model runs on a GPU, so
-        that the copy to it does not block the host) and their own (H, W) sizes; each image is
-        decoded, preprocessed and dropped before the next (a batch never holds full images)."""
-        loaded = [load_preprocessed(item, self.preprocessor, self.cfg.data.max_pixels)
-                  for item in items]
-        pre = [t for t, _ in loaded]
-        out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
-                          pin_memory=self.device.type == "cuda")
-        return torch.stack(pre, out=out), [size for _, size in loaded]
-
-    def _predict_batch(self, items: Sequence[ImageInput]) -> List[Prediction]:
-        batch, sizes = self._load(items)
-        scores, maps = self._infer(batch)
-        return list(self._predictions(scores, maps, sizes))
-
-    def _heatmaps(self, maps: torch.Tensor, sizes: Sequence[tuple[int, int]]
-                  ) -> Iterator[np.ndarray]:
-        """Heatmaps ``[B, h, w]`` at the network input size (on the device) -> one float32
-        ``[H, W]`` array per image in its own frame, made lazily (one full-size map at a time);
-        the parts the crop cut off get the map's minimum. The small network-size maps come to
-        the host in one transfer per batch (one wait for the GPU, not one per image)."""
-        maps = maps.float().cpu()
-        fills = maps.flatten(1).amin(dim=1).tolist()
-        for m, fill, size in zip(maps, fills, sizes):
-            yield self.preprocessor.to_original(m, size, fill=fill).numpy()
-
-    def _predictions(self, scores: torch.Tensor, maps: torch.Tensor,
-                     sizes: Sequence[tuple[int, int]]) -> Iterator[Prediction]:
-        """One :class:`Prediction` per image of a batch, lazily (see :meth:`_heatmaps`)."""
-        thr = self.threshold_
-        for score, heatmap in zip(scores.tolist(), self._heatmaps(maps, sizes)):
-            yield Prediction(score=score, normalized_score=thr.normalize(score),
-                             is_anomalous=bool(score > thr.value), heatmap=heatmap,
-                             mask=heatmap > thr.value, threshold=thr.value)
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:

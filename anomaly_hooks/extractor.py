@@ -83,7 +83,7 @@ def _copy_module(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` (parameters, buffers, submodules), for the extractor to own."""
     try:
         return copy.deepcopy(model)
-    except Exception as exc:  # a module holding something that cannot be copied
+    except Exception as exc:  # noqa: BLE001 (a module holding something that cannot be copied)
         raise BackboneError(f"cannot copy the backbone module {type(model).__name__} "
                             f"({type(exc).__name__}: {exc}); the detector works on its own "
                             "copy so that yours is left as it is: make the module copyable "
@@ -220,7 +220,7 @@ class HookFeatureExtractor:
     def __del__(self) -> None:  # best effort; close() is the contract
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 (a destructor must not raise)
             pass
 
 

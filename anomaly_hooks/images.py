@@ -180,7 +180,7 @@ def _orientation(img: Image.Image) -> int:
     """The EXIF orientation (1-8; 1 for none or a broken EXIF block: the pixels are fine)."""
     try:
         value = int(img.getexif().get(0x0112, 1))
-    except Exception:
+    except Exception:  # noqa: BLE001 (Pillow's EXIF parser raises many types on damaged tags)
         return 1
     return value if 1 <= value <= 8 else 1
 
@@ -241,7 +241,8 @@ def _scale(arr: np.ndarray, label: str) -> np.ndarray:
 
 
 def _channels(arr: np.ndarray, label: str) -> np.ndarray:
-    """``[H, W]`` or ``[H, W, C]`` (C in 1, 3, 4) -> ``[H, W, 3]`` (alpha dropped, gray repeated)."""
+    """``[H, W]`` or ``[H, W, C]`` (C in 1, 3, 4) -> ``[H, W, 3]`` (alpha dropped, gray
+    repeated)."""
     if arr.ndim == 2:
         arr = arr[:, :, None]
     if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
@@ -330,7 +331,7 @@ def _pil_errors(label: str) -> Iterator[None]:
                                  "PIL.Image.MAX_IMAGE_PIXELS") from None
     except MemoryError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (Pillow's decoders raise many types on damaged data)
         # Pillow names its stream ("<_io.BytesIO object at 0x...>"): noise in a message
         reason = re.sub(r"\s*<_io\.\w+[^>]*>", "", str(exc)) or type(exc).__name__
         raise ImageReadError(f"{label}: not a readable image ({reason})") from None
@@ -483,7 +484,8 @@ def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, in
             return _decode_pil(image, label, max_pixels, min_size, own=False)
         except (ImageReadError, MemoryError):
             raise
-        except Exception as exc:  # an image PIL cannot convert, or lazy data that is broken
+        # an image PIL cannot convert, or lazy data that is broken
+        except Exception as exc:  # noqa: BLE001
             raise ImageReadError(f"{label}: not a readable image "
                                  f"({str(exc) or type(exc).__name__})") from None
     if isinstance(image, np.ndarray):

@@ -72,10 +72,11 @@ class Stopwatch:
         return time.perf_counter() - self.started
 
     def as_dict(self, *, total: bool = False) -> Dict[str, float]:
-        """The steps' seconds (plus ``total`` since construction when asked)."""
+        """The steps' seconds; with ``total``, also the seconds from construction to the last
+        mark (the sum of the laps, when every lap followed the one before)."""
         out = dict(self.seconds)
         if total:
-            out["total"] = self.total
+            out["total"] = self._mark - self.started
         return out
 
 

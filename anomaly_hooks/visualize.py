@@ -133,7 +133,7 @@ def write_pictures(heatmap: np.ndarray, mask: np.ndarray, threshold: float,
 
     into = image if image.mode == "RGB" and image.size == (width, height) else None
     save_png(_banded((width, height), "RGB", overlay_rows, into=into), files["overlay"])
-    del image, into
+    image = into = None  # the decoded original goes before the mask is drawn
     save_png(_banded((width, height), "L",
                      lambda top, bottom: mask[top:bottom].astype(np.uint8) * 255),
              files["mask"])

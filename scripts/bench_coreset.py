@@ -45,7 +45,7 @@ def training_features(cfg, data: Path) -> tuple[torch.Tensor, int]:
     for batch in iter_batches(list_images(train_folder(data)), det.preprocessor,
                               batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                               max_pixels=cfg.data.max_pixels):
-        emb = det._embed(scorer, batch.images)
+        emb = det.embed(batch.images, scorer=scorer)
         feats.append(emb.permute(0, 2, 3, 1).reshape(-1, emb.shape[1]).clone())
     return torch.cat(feats), emb.shape[2] * emb.shape[3]
 

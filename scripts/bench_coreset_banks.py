@@ -116,7 +116,7 @@ def build(name: str, out: Path, batch_size: int) -> dict:
     for lo in range(0, len(imgs), batch_size):
         batch = torch.stack([det.preprocessor(im) for im in imgs[lo:lo + batch_size]])
         start = time.perf_counter()
-        emb = det._embed(scorer, batch)
+        emb = det.embed(batch, scorer=scorer)
         embed_s += time.perf_counter() - start
         feats.append(emb.permute(0, 2, 3, 1).reshape(-1, emb.shape[1]).clone())
     per_image = emb.shape[2] * emb.shape[3]

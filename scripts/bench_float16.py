@@ -33,7 +33,7 @@ def to_float16(det: Detector) -> None:
     else:  # what a bank_dtype=float16 fit stores, with its index rebuilt
         with read_write(sc.cfg):
             sc.cfg.bank_dtype = "float16"
-        sc._set_bank(sc.bank)
+        sc.set_bank(sc.bank)
 
 
 def main() -> int:

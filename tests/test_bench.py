@@ -93,8 +93,8 @@ def test_patchcore_timing_split_waits_for_the_device(monkeypatch):
 
     events = []
     monkeypatch.setattr(pc, "synchronize", lambda device: events.append(("sync", device.type)))
-    real = pc.PatchCoreScorer._set_bank
-    monkeypatch.setattr(pc.PatchCoreScorer, "_set_bank",
+    real = pc.PatchCoreScorer.set_bank
+    monkeypatch.setattr(pc.PatchCoreScorer, "set_bank",
                         lambda self, bank: events.append(("index",)) or real(self, bank))
     scorer = pc.PatchCoreScorer.create(load_config({"method": "patchcore"}).patchcore,
                                        [LayerInfo("a", 8, 8)], "custom", seed=0)

@@ -363,7 +363,7 @@ def test_heatmaps_come_back_in_one_transfer_per_batch(fitted, device, monkeypatc
             calls[_name] += 1
             return _real(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, attr, counting)
-    got = fitted._heatmaps(maps.to(device), sizes)
+    got = fitted.heatmaps(maps.to(device), sizes)
     assert calls == {"cpu": int(device.type == "cuda"), "float": 0, "item": 0}
     for g, e in zip(got, expected):
         assert g.dtype == np.float32 and g.shape == e.shape
@@ -387,9 +387,7 @@ def test_cuda_batches_come_in_pinned_memory(tmp_path, workers, fitted):
                                 max_pixels=10**8, pin_memory=True))
     assert len(batches) == 2 and all(b.images.is_pinned() for b in batches)
     det = Detector.load(fitted.save(tmp_path / "m.safetensors"), device="cuda")
-    from anomaly_hooks.images import read_image
-
-    assert det._stack([read_image(p) for p in paths[:3]]).is_pinned()
+    assert det.prepare(paths[:3])[0].is_pinned()
 
 
 # -- end to end on each device --------------------------------------------------------------

@@ -32,10 +32,7 @@ needs_ray = pytest.mark.skipif(ray is None, reason="ray is not installed (pip in
 
 SMALL = {"backbone": {"name": "resnet18", "weights": None, "layers": None},
          "preprocess": {"resize": 72, "crop": 64},
-         "data": {"batch_size": 4, "num_workers": 0}, "device": "cpu",
-         # what a sharded fit runs (it has no out-of-sample scores): the single fit compared
-         # with it must use the same training images
-         "threshold": {"mode": "holdout"}}
+         "data": {"batch_size": 4, "num_workers": 0}, "device": "cpu"}
 N_TRAIN = 20
 
 
@@ -52,14 +49,13 @@ def small_cfg(root: Path, method: str = "padim", **section):
 
 def shard_fit(det: Detector, n_shards: int):
     """The sharded fit's scorer without Ray: shards fitted in turn, merged, finalised."""
-    from anomaly_hooks.data import resolve_items
-    from anomaly_hooks.distributed.fitting import fit_shard, new_scorer, shard_bounds
+    from anomaly_hooks.distributed.fitting import shard_bounds
+    from anomaly_hooks.fitting import FitPlan, fit_shard
 
-    train, _ = det._split(resolve_items(det.cfg.data.train, training=True))
-    train = [str(p) for p in train]
+    train = [str(p) for p in FitPlan.of(det.cfg, det.cfg.data.train).train]
     bounds = shard_bounds(len(train), n_shards, det.cfg.data.batch_size)
     states = [fit_shard(det, train[lo:hi], len(train))["state"] for lo, hi in bounds]
-    scorer = new_scorer(det)
+    scorer = det.new_scorer()
     scorer.finalize_merged(scorer.merge_states(states), det.device)
     return scorer, train
 
@@ -68,7 +64,7 @@ def float64_gaussians(det: Detector, scorer, train) -> tuple[torch.Tensor, torch
     """Reference mean ``[P, D]`` and covariance ``[P, D, D]`` in float64 from the embeddings."""
     from anomaly_hooks.data import iter_batches
 
-    embs = [det._embed(scorer, b.images) for b in iter_batches(
+    embs = [det.embed(b.images, scorer=scorer) for b in iter_batches(
         train, det.preprocessor, batch_size=4, num_workers=0, max_pixels=det.cfg.data.max_pixels)]
     x = torch.cat(embs).flatten(2).permute(2, 0, 1).double()  # [P, n, D]
     mean = x.mean(dim=1)
@@ -136,7 +132,7 @@ def test_patchcore_one_shard_is_the_single_fit_and_shards_follow_the_rule(tmp_pa
     assert three.bank.shape == single.bank.shape and three.n_patches == single.n_patches
     from anomaly_hooks.data import iter_batches
 
-    feats = torch.cat([det._embed(single, b.images) for b in iter_batches(
+    feats = torch.cat([det.embed(b.images, scorer=single) for b in iter_batches(
         train, det.preprocessor, batch_size=4, num_workers=0, max_pixels=cfg.data.max_pixels)])
     feats = feats.permute(0, 2, 3, 1).reshape(-1, feats.shape[1])
     ratio = coverage_radius(feats, three.bank) / coverage_radius(feats, single.bank)
@@ -147,16 +143,17 @@ def test_partial_states_are_plain_data(tmp_path):
     """What Ray ships: numpy arrays and plain values, no class of ours."""
     cfg = small_cfg(tmp_path, n_features=40)
     det = Detector(cfg)
-    from anomaly_hooks.distributed.fitting import fit_shard
+    from anomaly_hooks.fitting import fit_shard
 
     state = fit_shard(det, sorted(map(str, (tmp_path / "train").rglob("*.png")))[:8], 16)["state"]
     assert all(isinstance(v, (np.ndarray, int, str, tuple)) for v in state.values()), state
+    assert state["samples"].shape[1] == 8  # the low-rank form: the shard's raw embeddings
 
 
 def test_unreadable_training_image_is_reported_by_its_shard(tmp_path):
     """A shard lists an unreadable image (never a retry); the driver raises or skips it as
     ``Detector.fit`` does (``data.on_error``)."""
-    from anomaly_hooks.distributed.fitting import fit_shard
+    from anomaly_hooks.fitting import fit_shard, report_unreadable
 
     cfg = small_cfg(tmp_path, n_features=40)
     items = sorted(map(str, (tmp_path / "train").rglob("*.png")))[:6]
@@ -164,9 +161,8 @@ def test_unreadable_training_image_is_reported_by_its_shard(tmp_path):
     broken.write_bytes(b"not an image")
     out = fit_shard(Detector(cfg), [*items, str(broken)], 7)
     assert out["n_used"] == 6 and len(out["errors"]) == 1 and "broken.png" in out["errors"][0]
-    det = Detector(cfg)
     with pytest.raises(FitError, match="broken.png"):
-        det._handle_errors({"training": out["errors"], "threshold": []})
+        report_unreadable(cfg, {"training": out["errors"], "threshold": []})
 
 
 def test_ray_missing_is_a_config_error_naming_the_extra(monkeypatch):
@@ -227,25 +223,44 @@ def test_ray_padim_fit_equals_single_even_if_a_worker_dies(local_ray, tmp_path, 
     assert not local_ray.exists()  # a worker did die, and its shard was re-run
     g1, g2 = single.scorer_.gaussians, dist.scorer_.gaussians
     assert g1.kind == g2.kind == form and dist.fit_info_["n_train"] == single.fit_info_["n_train"]
-    if form == "lowrank":
+    assert dist.threshold_.source == single.threshold_.source == "all-images"
+    assert dist.fit_info_["n_threshold"] == single.fit_info_["n_threshold"] == N_TRAIN
+    assert dist.drift_reference_ is not None  # the shards' statistics, merged
+    if form == "lowrank":  # the same samples in the same order: the same model and threshold
         assert torch.equal(g1.mean, g2.mean) and torch.equal(g1.y, g2.y)
         assert single.threshold_ == dist.threshold_
     else:
         torch.testing.assert_close(g2.mean, g1.mean, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(g2.chol, g1.chol, rtol=1e-4, atol=1e-5)
-        assert dist.threshold_.value == pytest.approx(single.threshold_.value, rel=1e-5)
+        # the single fit's leave-one-out scores come from its kept samples, the sharded fit's
+        # from the dense factor (a second pass on the actors): equal within float32 rounding
+        # of the series (loo.DENSE_TOLERANCE) and of the factor
+        np.testing.assert_allclose(dist.threshold_.scores, single.threshold_.scores,
+                                   rtol=1e-3)
     test = sorted((SAMPLE / "test").rglob("*.png"))[::3]
     assert [p.is_anomalous for p in single.predict(test)] == \
         [p.is_anomalous for p in dist.predict(test)]
 
 
 @pytest.mark.slow
-def test_ray_patchcore_fit(local_ray, tmp_path):
+def test_ray_patchcore_fit_scores_every_image_out_of_sample(local_ray, tmp_path):
+    """The actors' second pass gives each training image's distance to the nearest bank point
+    of another image, as the same pass on the driver does; the bank records each point's
+    fit-wide source image."""
+    from anomaly_hooks.fitting import FitPlan, out_of_sample_scores
+
     cfg = small_cfg(tmp_path, "patchcore", coreset_ratio=0.1)
     dist = distributed.fit(cfg, num_workers=2)
     single = Detector(cfg).fit(cfg.data.train, progress=False)
     assert dist.scorer_.bank.shape == single.scorer_.bank.shape
-    assert dist.fit_timings_["shards"] == 2
+    assert dist.fit_info_["shards"] == 2 and dist.threshold_.source == "all-images"
+    bank_image = dist.scorer_.bank_image
+    assert bank_image.shape == (dist.scorer_.bank.shape[0],)
+    assert int(bank_image.min()) >= 0 and int(bank_image.max()) < N_TRAIN
+    assert len(set(bank_image.tolist())) > N_TRAIN // 2  # points from both shards' images
+    train = FitPlan.of(cfg, cfg.data.train).train
+    here = out_of_sample_scores(dist, dist.scorer_, train)
+    np.testing.assert_array_equal(dist.threshold_.scores, here)
 
 
 @pytest.fixture(scope="module")

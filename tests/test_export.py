@@ -100,7 +100,7 @@ def test_graph_outputs_at_each_batch_size(exported, batch):
     _, det, path = exported
     x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
                      for i in probe_images()[:batch]])
-    scores, maps = det._infer(x)
+    scores, maps = det.infer(x)
     patch, heat, image = ort.InferenceSession(str(path)).run(None, {INPUT: x.numpy()})
     grid = det.scorer_.grid
     assert patch.shape == (batch, *grid) and heat.shape == (batch, 64, 80)

@@ -33,7 +33,7 @@ def _observed(det, images, model_id="m1"):
     inputs = torch.stack([load_preprocessed(i, det.preprocessor, det.cfg.data.max_pixels)[0]
                           for i in images])
     features: dict = {}
-    scores = det._infer(inputs, taps=features)[0].numpy()
+    scores = det.infer(inputs, taps=features).scores.numpy()
     pre = det.preprocessor
     return ObservedBatch(inputs=inputs, scores=scores, normalized_scores=scores * 0,
                          is_anomalous=scores > det.threshold_.value,

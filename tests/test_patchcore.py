@@ -585,7 +585,7 @@ def test_reweighting_with_a_float16_bank_equals_its_float32_values(device):
     half.finalize()
     full = _scorer(coreset_ratio=0.5, reweight=True, reweight_neighbors=5, knn_backend="torch")
     full.grid, full.fitted = half.grid, True
-    full._set_bank(half.bank.float())
+    full.set_bank(half.bank.float())
     test = (torch.rand(3, 16, 4, 4, generator=gen) * 2).to(device)
     patch = half.score(test)
     torch.testing.assert_close(half.reweight_factors(test, patch),

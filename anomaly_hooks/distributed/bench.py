@@ -177,10 +177,11 @@ def coreset_shards(data: Path, shard_counts: List[int], config: Path = DEFAULT_C
     import torch
 
     from anomaly_hooks.config import load_config
-    from anomaly_hooks.data import iter_batches, resolve_items
+    from anomaly_hooks.data import iter_batches
     from anomaly_hooks.detector import Detector
-    from anomaly_hooks.distributed.fitting import new_scorer, shard_bounds
+    from anomaly_hooks.distributed.fitting import shard_bounds
     from anomaly_hooks.evaluation.metrics import image_auroc
+    from anomaly_hooks.fitting import FitPlan
     from anomaly_hooks.heatmap import anomaly_maps
     from anomaly_hooks.scorers.patchcore import partial
     from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
@@ -188,13 +189,13 @@ def coreset_shards(data: Path, shard_counts: List[int], config: Path = DEFAULT_C
 
     cfg = load_config(config, device="cpu", data={"train": str(data), "num_workers": 0})
     det = Detector(cfg)
-    train, _ = det._split(resolve_items(str(data), training=True))
+    train = FitPlan.of(cfg, str(data)).train
     test = sorted((data / "test").rglob("*.png"))
-    scorer = new_scorer(det)
+    scorer = det.new_scorer()
     seed, cpu = scorer.seed + SEED_CORESET, torch.device("cpu")
 
     def embed(items: List[Any]) -> List[torch.Tensor]:
-        return [det._embed(scorer, b.images) for b in iter_batches(
+        return [det.embed(b.images, scorer=scorer) for b in iter_batches(
             items, det.preprocessor, batch_size=cfg.data.batch_size, num_workers=0,
             max_pixels=cfg.data.max_pixels)]
 
@@ -207,9 +208,9 @@ def coreset_shards(data: Path, shard_counts: List[int], config: Path = DEFAULT_C
     test_emb, labels = embed(test), [int(p.parent.name != "good") for p in test]
 
     def measure(bank: torch.Tensor) -> Dict[str, float]:
-        s = new_scorer(det)
+        s = det.new_scorer()
         s.grid, s.fitted = grid, True
-        s._set_bank(bank)
+        s.set_bank(bank)
         scores = []
         for e in test_emb:
             patch = s.score(e)

@@ -231,7 +231,8 @@ def _py(v: Any) -> Any:
 
 def score(model: str, inputs: Sequence[str], out: str, *, address: Optional[str] = None,
           num_workers: int = 2, gpus_per_worker: float = 0, cpus_per_worker: float = 1,
-          batch_size: Optional[int] = None, write_pngs: bool = True, fmt: str = "csv", full_attempts: int = 2,
+          batch_size: Optional[int] = None, write_pngs: bool = True, fmt: str = "csv",
+          full_attempts: int = 2,
           progress: bool = False) -> Dict[str, Any]:
     """Score ``inputs`` (files and folders) into ``out`` on Ray; returns a summary: counts,
     ``failures``, ``duplicates_dropped``, ``rows_from_retries``, ``missing``, ``seconds`` and

@@ -169,7 +169,7 @@ def _one_pass(det: Any, items: Sequence[Path], batch_size: int,
             with timed(acc, "heatmap", dev):
                 maps = anomaly_maps(patch, det.preprocessor.input_size)
                 det.scorer_.image_scores(emb, patch, maps).cpu()
-                list(det._heatmaps(maps, [(img.shape[1], img.shape[2]) for img in canon]))
+                list(det.heatmaps(maps, [(img.shape[1], img.shape[2]) for img in canon]))
         with timed(acc, "bare_backbone", dev):
             bare(images)  # already on the device, like the extractor's input above
     return acc
@@ -213,7 +213,8 @@ def bench_fit(cfg: Any, train: List[Path], bare: Callable, batch_size: int) -> t
            "peak_rss_mb": mem.peak_mb, "peak_gpu_mb": mem.gpu_peak_mb,
            "timings": det.fit_timings_, "bare_backbone_seconds": bare_s,
            "ratio_to_bare_backbone": fit_s / bare_s}
-    coreset = det.fit_timings_.get("finalize: coreset")  # the selection alone, if the method has one
+    # the selection alone, if the method has one
+    coreset = det.fit_timings_.get("finalize: coreset")
     if coreset is not None:
         out["coreset_seconds"] = coreset
         out["coreset_ratio_to_bare_backbone"] = coreset / bare_s

@@ -43,7 +43,7 @@ def _runner(engine: str, model: Path, threads: int) -> Callable[[np.ndarray], An
 
         torch.set_num_threads(threads)
         det = Detector.load(model, device="cpu")
-        return lambda x: det._infer(torch.from_numpy(x))
+        return lambda x: det.infer(torch.from_numpy(x))
     from anomaly_hooks.runtime import OnnxDetector
 
     odet = OnnxDetector.load(model, threads=threads, batch_size=10**6,

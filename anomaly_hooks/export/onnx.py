@@ -149,7 +149,8 @@ def locate_op(model: nn.Module, probe: torch.Tensor, op: str) -> Optional[str]:
     try:
         with torch.no_grad(), Functions(), Dispatch():
             model(probe)
-    except Exception:  # the search is best effort: the error message stands without it
+    # the search is best effort: the error message stands without it
+    except Exception:  # noqa: BLE001
         pass
     finally:
         for handle in handles:
@@ -187,7 +188,7 @@ def gemm_transposed_initializers(model: Any) -> int:
     try:
         ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in
                  shape_inference.infer_shapes(model).graph.value_info}
-    except Exception:  # no shapes, no rewrite: the model stays correct, only larger
+    except Exception:  # noqa: BLE001 (no shapes, no rewrite: the model stays correct, only larger)
         return 0
     ranks.update({i.name: len(i.type.tensor_type.shape.dim) for i in model.graph.input})
     users: Dict[str, int] = {}
@@ -296,7 +297,7 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
         raw = Path(tmpdir) / "graph.onnx"
         try:
             _export_graph(graph, probe, raw, exporter, opset)
-        except Exception as exc:  # the exporters raise many types
+        except Exception as exc:  # noqa: BLE001 (the exporters raise many types)
             raise explain(exc, graph, probe, opset, what) from None
         final = Path(tmpdir) / path.name
         side = _finish(raw, final, metadata(detector, graph, checksum), external_data)
@@ -336,11 +337,11 @@ def verify_export(detector: Any, onnx_path: Union[str, os.PathLike],
     import onnxruntime as ort
 
     x = probe_batch(detector, images)
-    scores, maps = detector._infer(x)
+    scores, maps = detector.infer(x)
     scores, maps = scores.numpy(), maps.float().cpu().numpy()
     try:
         sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (ONNX Runtime raises its own types)
         raise ExportError(f"ONNX Runtime cannot load the exported graph: {exc}") from None
     single = [sess.run(None, {INPUT: x[i:i + 1].numpy()}) for i in range(x.shape[0])]
     full = sess.run(None, {INPUT: x.numpy()})

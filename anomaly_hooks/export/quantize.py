@@ -134,7 +134,7 @@ def _pre_process(src: Path, dst: Path) -> Path:
     try:
         quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
         return dst
-    except Exception:  # an optional optimisation: the quantisation works without it
+    except Exception:  # noqa: BLE001 (an optional optimisation: the quantisation works without it)
         return src
 
 

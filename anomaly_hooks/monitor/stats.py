@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Dict, Sequence
 
 import numpy as np
 
@@ -136,6 +136,37 @@ class StatisticsCollector:
                 j = int(self._rng.integers(0, self.n_seen))
                 if j < self.max_images:
                     self._rows[j] = row
+
+    def state(self) -> Dict[str, Any]:
+        """The kept statistics as plain data (a shard's part of a sharded fit):
+        ``{"n_seen": int, "vectors": {block: [n, d] float32}}``."""
+        return {"n_seen": self.n_seen, "vectors": self.vectors()}
+
+    @classmethod
+    def merged(cls, like: "StatisticsCollector", states: Sequence[Dict[str, Any]]
+               ) -> "StatisticsCollector":
+        """A collector holding what the shards' collectors kept (``states`` in shard order),
+        with ``like``'s settings. While the images fit in ``max_images`` the rows are the
+        shards' rows in order (what one collector over all the images keeps); beyond, a seeded
+        uniform sample of ``max_images`` of all the images seen: how many come from each shard
+        is drawn from the multivariate hypergeometric law of its ``n_seen``, then that many of
+        its (uniform) reservoir."""
+        out = cls(like.mean, like.std, max_images=like.max_images, seed=0)
+        out._rng = like._rng
+        seen = [int(s["n_seen"]) for s in states]
+        out.n_seen = sum(seen)
+        take = seen
+        if out.n_seen > out.max_images:
+            take = out._rng.multivariate_hypergeometric(seen, out.max_images).tolist()
+        for state, n in zip(states, take):
+            vectors = state["vectors"]
+            if not vectors or n == 0:
+                continue
+            kept = next(iter(vectors.values())).shape[0]
+            rows = (np.arange(kept) if n >= kept
+                    else np.sort(out._rng.choice(kept, size=n, replace=False)))
+            out._rows.extend({k: np.asarray(v[i]) for k, v in vectors.items()} for i in rows)
+        return out
 
     def vectors(self) -> dict:
         """``{block: [N, d]}`` float32 of the kept images."""

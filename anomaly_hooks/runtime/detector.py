@@ -107,7 +107,8 @@ class OnnxDetector:
             extra = "runtime" if engine == "onnxruntime" else engine
             raise ModelFileError(f"engine {engine} is not installed ({exc}): pip install "
                                  f"'anomaly_hooks[{extra}]'") from None
-        except Exception as exc:  # the engines raise their own types for a damaged file
+        # the engines raise their own types for a damaged file
+        except Exception as exc:  # noqa: BLE001
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelFileError(f"{path}: not a loadable ONNX model ({first})") from None
         meta = dict(sess.get_modelmeta().custom_metadata_map)

@@ -44,7 +44,7 @@ class Scorer(ABC):
         """The layers to tap on ``backbone_name`` when the config gives none."""
         return list(cls.default_layers.get(backbone_name, cls.default_layers["*"]))
 
-    @staticmethod
+    @staticmethod  # noqa: B027 (optional: no checks by default)
     def validate_config(section: Any) -> None:
         """Range and cross-field checks of the method's config section (raise ConfigError);
         the choices themselves are enums that omegaconf checks."""
@@ -89,7 +89,7 @@ class Scorer(ABC):
         """A fitted scorer from what :meth:`state` returned."""
 
     # -- fitting --------------------------------------------------------------------------
-    def begin(self, n_images: int) -> None:
+    def begin(self, n_images: int) -> None:  # noqa: B027 (optional: ignored by default)
         """Optional, before the first :meth:`partial_fit`: how many training images will come
         (lets a scorer choose its representation and size its buffers). Ignored by default."""
 

@@ -8,7 +8,7 @@ split into the three steps the request path runs in different places:
 
 Together they compute exactly what ``Detector.predict`` computes (tested), but the batch is
 formed from concurrent requests. This module is the one place of the service that uses the
-Detector's internals (``preprocessor``, ``_infer``, ``threshold_``); when the library changes,
+Detector's public stages (``preprocessor``, ``infer``, ``threshold_``); when the library changes,
 only this file needs to follow.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ class Engine:
         import torch
 
         batch = torch.stack(tensors)
-        scores, maps = self.detector._infer(batch.to(self.detector.device), taps=features)
+        scores, maps = self.detector.infer(batch.to(self.detector.device), taps=features)
         return scores.numpy().astype(np.float64), maps.float().cpu()
 
     def finish(self, score: float, heat: Any, item: PreparedImage, *, overlay: bool,

@@ -108,7 +108,7 @@ class ResultStore(abc.ABC):
         """Delete records older than ``max_age_s`` and all but the newest ``max_count``;
         return the deleted records (so that their pictures can be removed)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: nothing to release by default)
         """Release resources."""
 
     def iter_query(self, page: int = 1000, **filters: Any) -> Iterator[Record]:

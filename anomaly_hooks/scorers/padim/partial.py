@@ -20,7 +20,7 @@ States are plain dicts of numpy arrays and ints / strings (see ``Scorer.partial_
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -108,15 +108,17 @@ def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
 
 
 def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
-              device: torch.device = torch.device("cpu")):
-    """Dense or low-rank Gaussians (on ``device``) of a merged state. The arrays are copied
-    where they are read-only (the object store hands out read-only buffers; the fit works in
-    place)."""
+              device: Optional[torch.device] = None, loo: bool = False):
+    """Dense or low-rank Gaussians (on ``device``, default the CPU) of a merged state; ``loo``:
+    the low-rank form also makes its training samples' leave-one-out distances (``.loo``).
+    The arrays are copied where they are read-only (the object store hands out read-only
+    buffers; the fit works in place)."""
+    device = torch.device("cpu") if device is None else device
     if state["form"] == "lowrank":
         store = SampleStore()
         store.buf = _tensor(state["samples"], device)
         store.n = store.buf.shape[1]
-        return LowRankGaussians.from_samples(store, epsilon)
+        return LowRankGaussians.from_samples(store, epsilon, loo=loo)
     acc = GaussianAccumulator()
     acc.n = int(state["n"])
     acc.shift = _tensor(state["shift"], device)

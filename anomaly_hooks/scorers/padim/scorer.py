@@ -204,8 +204,13 @@ class PadimScorer(Scorer):
         if n < self.min_train_images:
             raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
                            f"for a covariance; got {n}")
-        self.gaussians = partial.gaussians(state, self.epsilon, self.factor_dtype, device)
+        self.gaussians = partial.gaussians(state, self.epsilon, self.factor_dtype, device,
+                                           loo=self.want_out_of_sample)
         self.grid, self.n_train = tuple(state["grid"]), n
+        loo = getattr(self.gaussians, "loo", None)
+        if loo is not None:  # the low-rank form's exact LOO: [P, n] -> [n, h, w]
+            self.gaussians.loo = None
+            self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self._acc = self._store = None
         self.fitted = True
 
@@ -259,7 +264,8 @@ class PadimScorer(Scorer):
                    meta: Dict[str, Any], device: torch.device) -> "PadimScorer":
         if "embed.channel_idx" not in tensors:
             raise ValueError("not a PaDiM model: tensor embed.channel_idx is missing")
-        embedder = PatchEmbedder(layers, upsample="nearest", channel_idx=tensors["embed.channel_idx"])
+        embedder = PatchEmbedder(layers, upsample="nearest",
+                                 channel_idx=tensors["embed.channel_idx"])
         kind = meta.get("covariance", "dense")  # format 1 files are dense
         if kind not in ("dense", "lowrank"):
             raise ValueError(f"unknown PaDiM covariance form {kind!r}")

@@ -35,10 +35,11 @@ Two implementations of the same rule:
   The selection is therefore the one of the brute-force float64 greedy on the float32 projected
   features (same indices, same order); it could differ only where two different distances agree
   to within float64 rounding (~1e-16 relative, a different summation order); exact ties
-  (duplicate points) go to the lowest index, as in the brute force. When the pool certifies fewer than ``MIN_BATCH`` picks (data
-  whose farthest points all sit together), the following picks are plain steps (argmax over
-  all points, one pass each, as the plain loop) and the pool is retried after exponentially
-  more of them, so the method adapts and does not fall far behind the plain loop.
+  (duplicate points) go to the lowest index, as in the brute force. When the pool certifies
+  fewer than ``MIN_BATCH`` picks (data whose farthest points all sit together), the following
+  picks are plain steps (argmax over all points, one pass each, as the plain loop) and the pool
+  is retried after exponentially more of them, so the method adapts and does not fall far
+  behind the plain loop.
 """
 from __future__ import annotations
 
@@ -220,10 +221,11 @@ def greedy_batched(x: np.ndarray, k: int, start: int, progress: bool = False,
 
 
 def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
-    """``[N, q + 3]`` float32 rows ``[y, |y|^2, 1, .]`` with ``y`` the coordinates of ``x`` along its
-    ``q`` leading principal directions (``y = x`` when ``q = p``): ``|y_x - y_c|^2 <= |x - c|^2``,
-    so one GEMM with ``[-2 y_c, 1, |y_c|^2]`` bounds every squared distance from below. ``y`` is
-    computed in float64 and rounded once, so the bound holds up to ~1e-7 relative."""
+    """``[N, q + 3]`` float32 rows ``[y, |y|^2, 1, .]`` with ``y`` the coordinates of ``x``
+    along its ``q`` leading principal directions (``y = x`` when ``q = p``):
+    ``|y_x - y_c|^2 <= |x - c|^2``, so one GEMM with ``[-2 y_c, 1, |y_c|^2]`` bounds every
+    squared distance from below. ``y`` is computed in float64 and rounded once, so the bound
+    holds up to ~1e-7 relative."""
     n, p = x.shape
     if dims is None:
         dims = p

@@ -16,7 +16,7 @@ twice the shard selection time (BENCHMARKS.md, "More than one machine").
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -35,19 +35,26 @@ def final_size(cfg: Any, n_patches: int) -> int:
 
 
 def shard_state(features: torch.Tensor, cfg: Any, seed: int, n_train: int, n_total: int,
-                grid: tuple, oversample: float = OVERSAMPLE) -> State:
+                grid: tuple, oversample: float = OVERSAMPLE, with_images: bool = True) -> State:
     """Reduce a shard's patches ``features`` ``[N_s, D]`` (from ``n_train`` of the ``n_total``
-    training images) to its share of the final bank, ``oversample`` times over."""
+    training images, in image order) to its share of the final bank, ``oversample`` times over.
+    ``image`` ``[k]`` int32: the shard-local image of each kept patch (None without
+    ``with_images``: a bounded fit's kept patches are no longer in image order)."""
     per_image = grid[0] * grid[1]
     keep = features.shape[0]
     if n_train < n_total:
         share = final_size(cfg, n_total * per_image) * features.shape[0] / (n_total * per_image)
         keep = min(features.shape[0], max(1, math.ceil(oversample * share)))
+    idx = torch.arange(features.shape[0])
     if keep < features.shape[0]:
-        features = features[greedy_coreset(features, keep, projection_dim=cfg.projection_dim,
-                                           seed=seed)]
+        idx = greedy_coreset(features, keep, projection_dim=cfg.projection_dim,
+                             seed=seed).cpu()
+        features = features[idx.to(features.device)]
+    # patches come image by image, h * w of each: the shard-local image of each kept point
+    image = None if not with_images else (idx // per_image).to(torch.int32).numpy()
     return {"form": "coreset", "n_train": int(n_train), "n_patches": int(n_train * per_image),
-            "grid": tuple(grid), "features": features.detach().cpu().contiguous().numpy()}
+            "grid": tuple(grid), "features": features.detach().cpu().contiguous().numpy(),
+            "image": image}
 
 
 def merge(states: Sequence[Optional[State]]) -> State:
@@ -60,17 +67,27 @@ def merge(states: Sequence[Optional[State]]) -> State:
         raise FitError(f"cannot merge PatchCore states of different grids: {sorted(grids)}")
     if len(states) == 1:
         return states[0]
+    image = None
+    if all(s.get("image") is not None for s in states):  # shard-local -> fit-wide image ids
+        offsets = np.cumsum([0] + [s["n_train"] for s in states[:-1]])
+        image = np.concatenate([s["image"] + np.int32(o) for s, o in zip(states, offsets)])
     return {**states[0], "n_train": sum(s["n_train"] for s in states),
             "n_patches": sum(s["n_patches"] for s in states),
-            "features": np.concatenate([s["features"] for s in states], axis=0)}
+            "features": np.concatenate([s["features"] for s in states], axis=0),
+            "image": image}
 
 
 def select(state: State, cfg: Any, seed: int, device: torch.device,
-           progress: bool = False) -> torch.Tensor:
+           progress: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The final bank ``[k, D]`` float32 on ``device`` of a merged state (the greedy rule on
-    the union, on ``device`` as the single-process fit runs it)."""
+    the union, on ``device`` as the single-process fit runs it), and the fit-wide image of each
+    bank point ``[k]`` int32 (None when the state has none)."""
     features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
     k = min(features.shape[0], final_size(cfg, int(state["n_patches"])))
     idx = greedy_coreset(features, k, projection_dim=cfg.projection_dim, seed=seed,
                          progress=progress)
-    return features[idx]  # advanced indexing: a new tensor (the state's buffer may be read-only)
+    image = state.get("image")
+    bank_image = (None if image is None
+                  else torch.from_numpy(np.asarray(image))[idx.cpu()].to(torch.int32))
+    # advanced indexing: a new tensor (the state's buffer may be read-only)
+    return features[idx], bank_image

@@ -2,9 +2,10 @@
 distance.
 
 Fit: every training patch embedding goes into a bank, reduced by the greedy k-center coreset
-(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``max_bank_points`` set, the fit is *bounded*: each batch's
-patches are reduced as they arrive and the kept set is re-reduced whenever it exceeds the budget
-(merge-reduce), so peak memory does not depend on the number of training images.
+(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``max_bank_points`` set, the fit is
+*bounded*: each batch's patches are reduced as they arrive and the kept set is re-reduced
+whenever it exceeds the budget (merge-reduce), so peak memory does not depend on the number of
+training images.
 Score: L2 distance (not squared) of each patch to its nearest bank feature.
 """
 from __future__ import annotations
@@ -161,7 +162,7 @@ class PatchCoreScorer(Scorer):
                                         rounding_mode="floor").to(torch.int32)
         synchronize(bank.device)  # the selection's queued GPU work is the coreset's time
         selected = time.perf_counter()
-        self._set_bank(bank)
+        self.set_bank(bank)
         synchronize(bank.device)
         self.finalize_timings_ = {"coreset": selected - start,
                                   "search index": time.perf_counter() - selected}
@@ -220,13 +221,14 @@ class PatchCoreScorer(Scorer):
     def partial_state(self) -> Dict[str, Any]:
         if not self.n_train:
             raise FitError("this PatchCore shard got no training image")
-        if self._stream is not None:  # bounded fit: what the stream kept (<= max_bank_points)
+        bounded = self._stream is not None
+        if bounded:  # what the stream kept (<= max_bank_points)
             features, self._stream = torch.cat(self._stream.kept), None
         else:
             features = self._features()
         n_total = getattr(self, "_n_total", self.n_train)
         return partial.shard_state(features, self.cfg, self.seed + SEED_CORESET, self.n_train,
-                                   n_total, self.grid)
+                                   n_total, self.grid, with_images=not bounded)
 
     @classmethod
     def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -236,8 +238,9 @@ class PatchCoreScorer(Scorer):
                         progress: bool = False) -> None:
         self.grid = tuple(state["grid"])
         self.n_train, self.n_patches = int(state["n_train"]), int(state["n_patches"])
-        self._set_bank(partial.select(state, self.cfg, self.seed + SEED_CORESET, device,
-                                      progress))
+        bank, self.bank_image = partial.select(state, self.cfg, self.seed + SEED_CORESET,
+                                               device, progress)
+        self.set_bank(bank)
         self._stream = None
         self.fitted = True
 
@@ -264,7 +267,9 @@ class PatchCoreScorer(Scorer):
             del chunk
         return out
 
-    def _set_bank(self, bank: torch.Tensor) -> None:
+    def set_bank(self, bank: torch.Tensor) -> None:
+        """Install ``bank`` ``[k, D]`` as the memory bank (stored in ``patchcore.bank_dtype``)
+        and build its search index (``patchcore.knn_backend``)."""
         dtype = torch.float16 if self.cfg.bank_dtype == "float16" else torch.float32
         self.bank = bank.to(dtype).contiguous()
         # the index gets the bank itself: a float16 bank is searched on its own values,
@@ -299,7 +304,8 @@ class PatchCoreScorer(Scorer):
             return scores
         return scores * self.reweight_factors(embeddings, patch_scores)
 
-    def reweight_factors(self, embeddings: torch.Tensor, patch_scores: torch.Tensor) -> torch.Tensor:
+    def reweight_factors(self, embeddings: torch.Tensor,
+                         patch_scores: torch.Tensor) -> torch.Tensor:
         """Eq. 7: ``1 - softmax`` weight of the most anomalous patch, ``[B]``.
 
         For the patch ``m_test`` with the highest score and its nearest bank point ``m*``, take
@@ -348,7 +354,7 @@ class PatchCoreScorer(Scorer):
         if bank.ndim != 2 or bank.shape[1] != embedder.out_channels or bank.shape[0] < 1:
             raise ValueError(f"patchcore.bank {tuple(bank.shape)} does not fit "
                              f"{embedder.out_channels} channels")
-        scorer._set_bank(bank.to(device))
+        scorer.set_bank(bank.to(device))
         if "patchcore.bank_image" in tensors:  # optional: files written before it existed
             ids = tensors["patchcore.bank_image"]
             if tuple(ids.shape) != (bank.shape[0],) or ids.dtype != torch.int32:

@@ -1,0 +1,335 @@
+"""One fit run: every fit of a :class:`~anomaly_hooks.detector.Detector`, in one process
+(``Detector.fit``) or sharded over Ray actors (``distributed.fit``), goes through these steps,
+each timed by one :class:`~anomaly_hooks.timing.Stopwatch`::
+
+    plan        the items; the threshold split (all-images | holdout | folder); the
+                too-few-images rule                                      (FitPlan.of)
+    begin       a fresh seeded scorer; the memory guard; the drift collector
+    accumulate  training batches -> Detector.embed -> scorer.partial_fit (+ the collector),
+                the threshold images decoded in the same pass              (FitRun.accumulate)
+                -- or shards on actors: fit_shard -> partial states -> merge (FitRun.add_shards)
+    finalize    scorer.finalize()  |  scorer.finalize_merged(state)
+    threshold   the good images' scores: every training image out of sample (from finalize,
+                or a second pass -- on the actors for a sharded fit), or the held-out images
+    reference   the drift reference from the collected statistics and those scores
+    complete    the fitted attributes set on the detector, all at once
+
+A failed run leaves the detector as it was: nothing is set before ``complete``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from tqdm.auto import tqdm
+
+from anomaly_hooks.data import format_errors, list_images, resolve_items
+from anomaly_hooks.devices import ieee_float32
+from anomaly_hooks.errors import FitError
+from anomaly_hooks.monitor import fitting as drift
+from anomaly_hooks.monitor.stats import StatisticsCollector
+from anomaly_hooks.resources import check_fit_memory
+from anomaly_hooks.scorers import Scorer, get_scorer
+from anomaly_hooks.threshold import calibrate_threshold
+from anomaly_hooks.threshold import out_of_sample as threshold_out_of_sample
+from anomaly_hooks.timing import Stopwatch
+
+if TYPE_CHECKING:
+    from anomaly_hooks.detector import Detector
+
+log = logging.getLogger(__name__)
+
+SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
+SEED_SCORER = 2
+SEED_DRIFT = 3
+
+
+# -- plan -----------------------------------------------------------------------------------
+@dataclass
+class FitPlan:
+    """Which images train the model and which set the threshold.
+
+    Attributes:
+        train: the training items, in fit order.
+        held: the threshold items kept out of the model (``holdout`` or ``folder``; empty for
+            ``all-images``, where every training image is scored out of sample).
+        out_of_sample: whether the threshold comes from out-of-sample scores of ``train``.
+    """
+
+    train: List[Any]
+    held: List[Any]
+    out_of_sample: bool
+
+    @property
+    def source(self) -> str:
+        """Where the good scores come from: ``all-images``, ``holdout`` or ``folder``."""
+        return "all-images" if self.out_of_sample else ("folder" if self.folder else "holdout")
+
+    folder: Optional[str] = None
+
+    @classmethod
+    def of(cls, cfg: Any, source: Any) -> "FitPlan":
+        """The plan for the config's threshold section on the good images ``source``; raises
+        :class:`FitError` when there are too few images for the method and the mode."""
+        items = resolve_items(source, training=True)
+        thr = cfg.threshold
+        oos = threshold_out_of_sample(thr)
+        train, held = (items, []) if oos else split_holdout(cfg, items)
+        check_image_count(cfg, len(train), len(items), oos)
+        return cls(train, held, oos, thr.folder or None)
+
+
+def split_holdout(cfg: Any, items: List[Any]) -> Tuple[List[Any], List[Any]]:
+    """(training, threshold) items for ``threshold.mode=holdout``: the images of
+    ``threshold.folder``, else a seeded ``holdout_fraction`` of ``items`` (kept in order)."""
+    thr = cfg.threshold
+    if thr.folder:
+        return items, list_images(Path(thr.folder))
+    if thr.holdout_fraction <= 0:
+        raise FitError("no threshold images: set threshold.holdout_fraction > 0 or "
+                       "threshold.folder to a folder of good images")
+    n_held = max(1, int(round(thr.holdout_fraction * len(items))))
+    if n_held >= len(items):
+        raise FitError(f"{len(items)} image(s) cannot be split into training and threshold "
+                       "images: add good images")
+    gen = torch.Generator().manual_seed(cfg.seed + SEED_HOLDOUT)
+    perm = torch.randperm(len(items), generator=gen).tolist()
+    held = sorted(perm[:n_held])
+    held_set = set(held)
+    return [it for i, it in enumerate(items) if i not in held_set], [items[i] for i in held]
+
+
+def check_image_count(cfg: Any, n_train: int, n_items: int, out_of_sample: bool) -> None:
+    """The one too-few-images rule of every fit (the method's minimum, and for
+    ``all-images`` the minimum to score each image by a model without it)."""
+    scorer_cls = get_scorer(cfg.method)
+    if out_of_sample and n_train < scorer_cls.min_out_of_sample_images:
+        raise FitError(f"{cfg.method} needs at least {scorer_cls.min_out_of_sample_images} "
+                       "training images for threshold.mode=all-images (each scored by a "
+                       f"model without it); got {n_train}: add images")
+    if n_train < scorer_cls.min_train_images:
+        raise FitError(f"{cfg.method} needs at least {scorer_cls.min_train_images} training "
+                       f"images after the threshold hold-out; got {n_train} of "
+                       f"{n_items}: add images or lower threshold.holdout_fraction")
+
+
+def report_unreadable(cfg: Any, errors: Dict[str, List[str]]) -> None:
+    """Raise :class:`FitError` listing every unreadable image (``data.on_error=raise``), or
+    warn and go on (``skip``). ``errors``: ``{"training": [...], "threshold": [...]}``."""
+    bad = {what: errs for what, errs in errors.items() if errs}
+    if bad and cfg.data.on_error == "raise":
+        every = [e for errs in bad.values() for e in errs]
+        raise FitError(f"{len(every)} {' and '.join(bad)} image(s) could not be read:\n"
+                       f"{format_errors(every)}\nFix or remove them, or set "
+                       "data.on_error=skip to fit without them")
+    for what, errs in bad.items():
+        log.warning("skipped %d unreadable %s image(s):\n%s", len(errs), what,
+                    format_errors(errs))
+
+
+def new_collector(det: "Detector") -> Optional[StatisticsCollector]:
+    """The drift reference's collector for a fit of ``det`` (None with monitoring off)."""
+    pre = det.preprocessor
+    return drift.fit_collector(det.cfg.monitor, pre.mean, pre.std, det.cfg.seed + SEED_DRIFT)
+
+
+# -- the steps that also run on shards -------------------------------------------------------
+def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
+              on_batch: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+    """The accumulate step on one shard of ``n_total`` training images, from a fresh seeded
+    scorer (so a retried shard recomputes the same state): ``{"state": partial state or None,
+    "drift": the collector's state or None, "errors": [...], "n_used": int}``, plain data
+    for Ray. ``on_batch(b)`` is called after batch ``b``'s work (the fault-injection hook)."""
+    scorer = det.new_scorer()
+    scorer.begin_shard(n_total, len(items))
+    collector = new_collector(det)
+    errors: List[str] = []
+    n_used = 0
+    with ieee_float32():
+        for b, batch in enumerate(det.batches(items)):
+            errors.extend(msg for _, msg in batch.errors)
+            if batch.indices:
+                scorer.partial_fit(det.embed(batch.images, scorer=scorer, observe=collector))
+                n_used += len(batch.indices)
+            if on_batch is not None:
+                on_batch(b)
+    return {"state": scorer.partial_state() if n_used else None,
+            "drift": collector.state() if collector is not None else None,
+            "errors": errors, "n_used": n_used}
+
+
+def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
+                         first_image: int = 0) -> List[float]:
+    """Image scores of training ``items`` (images ``first_image, first_image + 1, ...`` of the
+    fit, unreadable ones skipped as the fit skipped them) from ``scorer`` as if each were
+    unseen: the second pass of a fit whose scorer kept too little to make them in
+    ``finalize`` (and, on the actors, of a sharded fit)."""
+    scores: List[float] = []
+    with ieee_float32():
+        for batch in det.batches(items):
+            if not batch.indices:
+                continue
+            with torch.inference_mode():
+                patch = scorer.out_of_sample_scores(det.embed(batch.images, scorer=scorer),
+                                                    first_image)
+            scores.extend(det.image_scores_from_patches(patch))
+            first_image += len(batch.indices)
+    return scores
+
+
+# -- the run ---------------------------------------------------------------------------------
+class FitRun:
+    """One fit of ``det`` on the good images ``source`` (see the module docstring).
+
+    ``run()`` is the whole single-process fit; the sharded fit calls :meth:`add_shards` in
+    place of :meth:`accumulate` and hands :meth:`threshold_scores` its second pass.
+    """
+
+    def __init__(self, det: "Detector", source: Any, *, progress: bool = True) -> None:
+        self.clock = Stopwatch(det.device)
+        self.det, self.cfg, self.progress = det, det.cfg, progress
+        self.plan = FitPlan.of(det.cfg, source)
+        self.scorer = det.new_scorer()
+        if self.plan.out_of_sample:
+            self.scorer.request_out_of_sample()
+        self.collector = new_collector(det)
+        self.errors: Dict[str, List[str]] = {"training": [], "threshold": []}
+        self.held_images: List[torch.Tensor] = []  # [b, 3, h, w] per batch
+        self.n_used = 0
+        self.memory: Optional[Dict[str, int]] = None
+        self.info: Dict[str, Any] = {}
+        self.clock.lap("plan")
+
+    def run(self) -> None:
+        """The single-process fit, start to end (sets the detector's fitted attributes)."""
+        plan = self.plan
+        self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
+                                       self.det.layer_info, self.det.preprocessor.input_size,
+                                       len(plan.train), self.det.device,
+                                       n_threshold=len(plan.held))
+        self.scorer.begin(len(plan.train))
+        self.clock.lap("begin")
+        with ieee_float32():
+            self.accumulate()
+            self.finalize()
+            good = self.threshold_scores()
+        self.complete(good)
+
+    # -- accumulate ---------------------------------------------------------------------------
+    def accumulate(self) -> None:
+        """Feed the training images to the scorer (and the drift collector) in one pass that
+        also decodes the threshold images (kept preprocessed, to be scored once the model is
+        fitted: their decoding overlaps the training compute). Unreadable images of either kind
+        are listed in one error or skipped with a warning (``data.on_error``)."""
+        det, train, held = self.det, self.plan.train, self.plan.held
+        n_train = len(train)
+        parts = Stopwatch(det.device)
+        bar = tqdm(total=n_train + len(held), desc=f"fit {self.cfg.method}", unit="img",
+                   disable=not self.progress, dynamic_ncols=True)
+        for batch in det.batches([*train, *held]):
+            parts.lap("waiting for images")
+            for i, msg in batch.errors:
+                self.errors["training" if i < n_train else "threshold"].append(msg)
+            # batches come in item order and the training items come first: a prefix of each
+            k = sum(i < n_train for i in batch.indices)
+            if k < len(batch.indices):  # a copy, so that a mixed batch is not kept whole
+                self.held_images.append(batch.images[k:].clone() if k else batch.images)
+            if k:
+                emb = det.embed(batch.images[:k], scorer=self.scorer, observe=self.collector)
+                parts.lap("features")
+                self.scorer.partial_fit(emb)
+                del emb
+                parts.lap("statistics")
+                self.n_used += k
+            bar.update(len(batch.indices) + len(batch.errors))
+        bar.close()
+        report_unreadable(self.cfg, self.errors)
+        self.clock.lap("accumulate")
+        for name, seconds in parts.seconds.items():
+            self.clock.add(f"accumulate: {name}", seconds)
+
+    def add_shards(self, results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+        """The accumulate step's outcome from the shards' :func:`fit_shard` results (in shard
+        order): their errors and image counts, the drift statistics; returns the merged state
+        (``Scorer.merge_states``)."""
+        for r in results:
+            self.errors["training"].extend(r["errors"])
+            self.n_used += int(r["n_used"])
+        report_unreadable(self.cfg, self.errors)
+        if self.collector is not None:
+            self.collector = StatisticsCollector.merged(
+                self.collector, [r["drift"] for r in results if r.get("drift") is not None])
+        self.clock.lap("accumulate")
+        merged = self.scorer.merge_states([r["state"] for r in results])
+        self.clock.lap("merge")
+        return merged
+
+    def decode_held(self) -> None:
+        """Decode the threshold images on this process (the sharded fit's driver)."""
+        for batch in self.det.batches(self.plan.held):
+            self.errors["threshold"].extend(msg for _, msg in batch.errors)
+            if batch.indices:
+                self.held_images.append(batch.images)
+        report_unreadable(self.cfg, self.errors)
+
+    # -- finalize, threshold, reference -------------------------------------------------------
+    def finalize(self, merged: Optional[Dict[str, Any]] = None) -> None:
+        """``scorer.finalize()``, or ``finalize_merged(merged)`` for a sharded fit."""
+        if merged is None:
+            self.scorer.finalize(progress=self.progress)
+        else:
+            self.scorer.finalize_merged(merged, self.det.device, progress=self.progress)
+        self.clock.lap("finalize")
+        for name, seconds in getattr(self.scorer, "finalize_timings_", {}).items():
+            self.clock.add(f"finalize: {name}", seconds)
+
+    def threshold_scores(self, second_pass: Optional[Callable[[Scorer], List[float]]] = None
+                         ) -> List[float]:
+        """The good images' scores the threshold is set from: out-of-sample scores of every
+        training image (made by ``finalize``, else by ``second_pass(scorer)``, by default
+        :func:`out_of_sample_scores` here), or the held-out images' scores (the drift
+        collector sees those too)."""
+        det, scorer = self.det, self.scorer
+        if self.plan.out_of_sample:
+            patch = scorer.take_out_of_sample_scores()
+            if patch is not None:
+                good = det.image_scores_from_patches(patch)
+            elif second_pass is not None:
+                good = second_pass(scorer)
+            else:
+                good = out_of_sample_scores(det, scorer, self.plan.train)
+        else:
+            good = []
+            images = torch.cat(self.held_images) if self.held_images else None
+            self.held_images = []
+            step = self.cfg.data.batch_size
+            for lo in range(0, 0 if images is None else images.shape[0], step):
+                good.extend(det.infer(images[lo:lo + step], scorer=scorer,
+                                      observe=self.collector).scores.tolist())
+        self.clock.lap("threshold")
+        return good
+
+    def complete(self, good: Sequence[float]) -> None:
+        """The threshold and drift reference from ``good``; then every fitted attribute of
+        the detector, at once."""
+        det, cfg = self.det, self.cfg
+        reference = drift.fit_reference(self.collector, good, cfg.monitor,
+                                        cfg.seed + SEED_DRIFT)
+        self.clock.lap("drift reference")
+        if det.device.type == "cuda":
+            # the fit's temporaries (patch buffers, coreset distances) go back to the driver
+            # rather than staying reserved by this process for predict, which needs far less
+            torch.cuda.empty_cache()
+        threshold = calibrate_threshold(good, cfg.threshold, self.plan.source)
+        det.scorer_, det.threshold_, det.memory_estimate_ = self.scorer, threshold, self.memory
+        det.drift_reference_ = reference
+        det.monitor = None  # a monitor of the previous fit compares with its reference
+        det.fit_info_ = {"n_train": self.n_used, "n_threshold": len(good),
+                         "skipped": self.errors["training"] + self.errors["threshold"],
+                         "threshold_source": self.plan.folder or self.plan.source,
+                         **self.info}
+        # Timings are not saved: model files are byte-identical across fits.
+        det.fit_timings_ = self.clock.as_dict(total=True)
