@@ -20,8 +20,7 @@ from typing import Any, Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError, DataError, ImageReadError
 from anomaly_hooks.images import display
-from anomaly_hooks.outputs import (  # noqa: F401 (csv_cell: API)
-    csv_cell,
+from anomaly_hooks.outputs import (
     expand_inputs,
     out_name,
     result_row,
@@ -82,8 +81,6 @@ def _layers_parser(sub) -> None:
 
 def cmd_layers(args: argparse.Namespace) -> int:
     """Print every tappable module of a backbone with its output shape, channels and stride."""
-    import warnings
-
     from anomaly_hooks.backbones import build_backbone
     from anomaly_hooks.extractor import describe_layers
     from anomaly_hooks.scorers import registered

@@ -52,7 +52,7 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".g
 # (JPEG includes multi-picture MPO files).
 PIL_FORMATS = ("PNG", "JPEG", "BMP", "TIFF", "WEBP", "GIF", "PPM")
 DEFAULT_MAX_PIXELS = 100_000_000  # decompression-bomb guard (data.max_pixels)
-# Images up to this many pixels are decoded at full resolution, exactly as always; larger ones
+# Images up to this many pixels are decoded at full resolution; larger ones
 # at a reduced scale by decode_reduced (4096 x 4096, a 16.8 MP camera frame, is still full).
 FULL_DECODE_PIXELS = 4096 * 4096
 _BAND_BYTES = 32 << 20  # float32 working set of one band of a reduced decode
@@ -263,7 +263,7 @@ def _canonical(arr: np.ndarray, label: str) -> np.ndarray:
 
 def _factor(size: Tuple[int, int], min_size: Optional[Tuple[int, int]]) -> int:
     """The integer reduction that keeps ``size`` (H, W) at least ``min_size``; 1 for images of
-    at most :data:`FULL_DECODE_PIXELS` pixels (decoded exactly as always)."""
+    at most :data:`FULL_DECODE_PIXELS` pixels (decoded at full resolution)."""
     if min_size is None or size[0] * size[1] <= FULL_DECODE_PIXELS:
         return 1
     return max(1, min(size[0] // max(1, min_size[0]), size[1] // max(1, min_size[1])))

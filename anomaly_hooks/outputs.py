@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from anomaly_hooks.images import display, is_folder, is_image_file
+from anomaly_hooks.prediction import VERDICT_FIELDS, Prediction
 
-RESULT_FIELDS = ["path", "score", "normalized_score", "is_anomalous", "threshold",
-                 "anomalous_pixels", "heatmap", "overlay", "mask"]
+RESULT_FIELDS = ["path", *VERDICT_FIELDS, "heatmap", "overlay", "mask"]
 
 
-def result_row(pred, path) -> dict:
-    """One scored image's row of the result files (the pictures' paths are added apart)."""
-    return {"path": display(path), "score": pred.score,
-            "normalized_score": pred.normalized_score, "is_anomalous": pred.is_anomalous,
-            "threshold": pred.threshold, "anomalous_pixels": int(pred.mask.sum())}
+def result_row(pred: Prediction, path) -> dict:
+    """One scored image's row of the result files: its path and verdict (the pictures' paths
+    are added apart)."""
+    return {"path": display(path), **pred.verdict.as_dict()}
 
 
 def walk_images(folder: Path) -> tuple[List[Path], List[str]]:

@@ -1,4 +1,4 @@
-"""Scale-out (issue 15): mergeable fit states against the single-process fit (no Ray needed),
+"""Scale-out: mergeable fit states against the single-process fit (no Ray needed),
 then a local Ray (``ray.init(num_cpus=2)``) and a two-node ``ray.cluster_utils.Cluster``: fit
 and score equal the single-process results, a worker killed mid-run is retried and every image
 is scored exactly once; failure paths. A small seeded ResNet18 at 64 px on data/sample."""
@@ -354,6 +354,39 @@ def test_cli_fit_and_score_on_ray(local_ray, small_model, score_inputs, tmp_path
                  str(tmp_path / "out"), "--ray", "--workers", "2", "--no-images"]) == 1
     assert "scored 14 image(s) on 2 Ray worker(s)" in capsys.readouterr().out
     assert len(csv_rows(tmp_path / "out")) == 14
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.parametrize("config", ["configs/padim.yaml", "configs/patchcore.yaml"])
+def test_readme_ray_commands_on_the_default_configs(config, tmp_path):
+    """The README's commands, as a user types them, in fresh processes on the shipped configs
+    (only the backbone made small): the sharded fit with the default
+    ``threshold.mode: all-images``, then a Ray score of the test folder with the model."""
+    import subprocess
+
+    model = tmp_path / "m.safetensors"
+    small = ["backbone.name=resnet18", "preprocess.resize=72", "preprocess.crop=64",
+             "data.num_workers=0", f"output={model}",
+             *(["padim.n_features=100"] if "padim" in config else [])]  # resnet18's paper d
+    fit = subprocess.run([sys.executable, "-m", "anomaly_hooks.cli", "fit", "--config", config,
+                          "--ray", "local:2", "--workers", "2", "--quiet", *small],
+                         capture_output=True, text=True, timeout=600)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "every good image in the model, scored out of sample" in fit.stdout + fit.stderr
+    det = Detector.load(model)
+    assert det.threshold_.source == "all-images" and det.drift_reference_ is not None
+    assert det.fit_info_["n_threshold"] == det.fit_info_["n_train"] == 60
+    out = tmp_path / "o"
+    score = subprocess.run([sys.executable, "-m", "anomaly_hooks.cli", "score", "--model",
+                            str(model), str(SAMPLE / "test"), "--ray", "local:2", "--no-images",
+                            "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert score.returncode == 0, score.stderr[-3000:]
+    assert "scored 44 image(s) on 2 Ray worker(s)" in score.stdout
+    rows = csv_rows(out)
+    # the single-process batches, in the same order: the same scores
+    want = det.decision_function([r["path"] for r in rows])
+    assert [float(r["score"]) for r in rows] == want.tolist()
 
 
 @pytest.mark.slow

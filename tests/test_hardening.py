@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from anomaly_hooks import Detector
-from anomaly_hooks.cli import csv_cell, main, out_name
+from anomaly_hooks.cli import main
 from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.errors import AnomalyHooksError, BackboneError, FitError, ModelFileError
 from anomaly_hooks.images import (
@@ -40,6 +40,7 @@ from anomaly_hooks.images import (
     read_image,
 )
 from anomaly_hooks.modelfile import load_model, save_model
+from anomaly_hooks.outputs import csv_cell, out_name
 
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

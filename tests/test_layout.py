@@ -16,13 +16,25 @@ def _modules() -> dict[str, Path]:
             for p in PACKAGE.rglob("*.py")}
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only: such
+    an import never runs, so it cannot close a cycle)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)):
+                todo.append(child)
+
+
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere (also inside functions)."""
+    """Module -> the package modules it imports at run time anywhere (also inside functions)."""
     files = _modules()
     graph = {}
     for name, path in files.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("anomaly_hooks"):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"

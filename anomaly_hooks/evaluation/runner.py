@@ -86,8 +86,8 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
             masks.append(gt)
             maps.append(pred.heatmap)
         rec = {"path": str(sample.path), "label": sample.label, "defect": sample.defect,
-               "score": pred.score, "normalized_score": pred.normalized_score,
-               "is_anomalous": pred.is_anomalous}
+               **{k: v for k, v in pred.verdict.as_dict().items()
+                  if k in ("score", "normalized_score", "is_anomalous")}}
         if writer is not None:
             t_report = time.perf_counter()
             rec.update(writer.add(sample, pred, gt))

@@ -1,4 +1,4 @@
-"""ONNX export of a fitted Detector's whole predict path (issue 14); needs torch and the
+"""ONNX export of a fitted Detector's whole predict path; needs torch and the
 ``[export]`` extra (onnx; onnxruntime for the verification).
 
     from anomaly_hooks.export import export_onnx

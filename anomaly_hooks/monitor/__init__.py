@@ -1,4 +1,4 @@
-"""Drift monitoring through the detector's forward hooks (issue 13), usable without the server.
+"""Drift monitoring through the detector's forward hooks, usable without the server.
 
 * :class:`StatisticsCollector` -- fit time: per-image statistics of the good images (input
   brightness / contrast / sharpness / noise, each tapped layer's channel means);

@@ -18,13 +18,6 @@ INPUT_STAT_NAMES = ("brightness_r", "brightness_g", "brightness_b", "contrast", 
                     "noise", "gradient")
 
 
-def to_numpy(x: Any) -> np.ndarray:
-    """A float32 numpy array from a numpy array or a torch tensor (without importing torch)."""
-    if hasattr(x, "detach"):
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x, dtype=np.float32)
-
-
 GREY_WEIGHTS = (0.299, 0.587, 0.114)
 
 

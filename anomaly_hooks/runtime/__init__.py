@@ -1,4 +1,4 @@
-"""Torch-free runtime for exported models (issue 14): numpy, Pillow and ONNX Runtime only
+"""Torch-free runtime for exported models: numpy, Pillow and ONNX Runtime only
 (the ``[runtime]`` extra).
 
     from anomaly_hooks.runtime import OnnxDetector

@@ -145,9 +145,9 @@ class OnnxDetector:
     def _prediction(self, score: float, heat: np.ndarray, size: Tuple[int, int]) -> Prediction:
         thr = self.threshold_
         heatmap = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
-        return Prediction(score=score, normalized_score=thr.normalize(score),
-                          is_anomalous=bool(score > thr.value), heatmap=heatmap,
-                          mask=heatmap > thr.value, threshold=thr.value)
+        mask = heatmap > thr.value
+        verdict = thr.verdict(score, anomalous_pixels=int(mask.sum()))
+        return Prediction(**vars(verdict), heatmap=heatmap, mask=mask)
 
     @staticmethod
     def _items(images: Any) -> Tuple[bool, List[Any]]:

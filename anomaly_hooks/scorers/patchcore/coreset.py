@@ -109,7 +109,7 @@ def greedy_coreset(features: torch.Tensor, k: int, projection_dim: Optional[int]
     """Indices ``[k]`` (int64, in selection order, on ``features.device``) of a greedy k-center
     coreset of ``features`` ``[N, D]``. ``method``: ``auto`` (dense on CUDA, batched on the
     CPU), ``dense`` (the plain loop, any device) or ``batched`` (CPU, exact float64;
-    ``pruned``, the former CPU method, is accepted as its alias)."""
+    ``pruned`` is an alias of it)."""
     if features.ndim != 2 or features.shape[0] == 0:
         raise ValueError(f"features must be a non-empty [N, D] tensor, got {tuple(features.shape)}")
     n = features.shape[0]

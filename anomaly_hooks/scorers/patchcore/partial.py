@@ -39,7 +39,7 @@ def shard_state(features: torch.Tensor, cfg: Any, seed: int, n_train: int, n_tot
     """Reduce a shard's patches ``features`` ``[N_s, D]`` (from ``n_train`` of the ``n_total``
     training images, in image order) to its share of the final bank, ``oversample`` times over.
     ``image`` ``[k]`` int32: the shard-local image of each kept patch (None without
-    ``with_images``: a bounded fit's kept patches are no longer in image order)."""
+    ``with_images``: a bounded fit's kept patches are not in image order)."""
     per_image = grid[0] * grid[1]
     keep = features.shape[0]
     if n_train < n_total:
