@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -16,6 +17,9 @@ from anomaly_hooks.images import display, is_folder, is_image_file
 from anomaly_hooks.prediction import VERDICT_FIELDS, Prediction
 
 RESULT_FIELDS = ["path", *VERDICT_FIELDS, "heatmap", "overlay", "mask"]
+# the pictures score writes, each in its own folder of --out: the picture -> its folder
+PICTURES = {"heatmap": "heatmaps", "overlay": "overlays", "mask": "masks"}
+PICTURE_FOLDERS = tuple(PICTURES.values())
 
 
 def result_row(pred: Prediction, path) -> dict:
@@ -112,22 +116,27 @@ def write_images(pred, path: Path, out: Path, name: str, max_pixels: int) -> dic
     from anomaly_hooks.images import canonical_rows, load_oriented
     from anomaly_hooks.visualize import write_pictures
 
-    files = {"heatmap": out / "heatmaps" / f"{name}.png",
-             "overlay": out / "overlays" / f"{name}.png",
-             "mask": out / "masks" / f"{name}.png"}
+    files = {kind: out / folder / f"{name}.png" for kind, folder in PICTURES.items()}
     write_pictures(pred.heatmap, pred.mask, pred.threshold,
                    lambda: load_oriented(path, max_pixels), canonical_rows, files)
     return {k: str(v) for k, v in files.items()}
 
 
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FORMULA_START = ("=", "+", "-", "@")
 
 
 def csv_cell(value):
-    """A CSV cell that a spreadsheet shows as text: a string starting with ``= + - @`` (or a
-    tab / carriage return) would run as a formula, so it gets a leading ``'``. Numbers are
-    written as they are."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
+    """A CSV cell that a spreadsheet shows as text. A string whose first character other than
+    white space (spaces, tabs, line breaks: spreadsheets skip them) is one of ``= + - @`` or a
+    look-alike that compatibility normalisation turns into one (the full-width ``＝``) would
+    run as a formula: it gets a leading ``'``; so does one starting with white space before
+    such a character. NUL characters, which cut a cell short in some readers, become U+FFFD.
+    Numbers are written as they are."""
+    if not isinstance(value, str):
+        return value
+    value = value.replace("\x00", "\ufffd")
+    head = unicodedata.normalize("NFKC", value.lstrip()[:1])
+    if head.startswith(_FORMULA_START) or value[:1] in ("\t", "\r"):
         return "'" + value
     return value
 

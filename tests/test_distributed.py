@@ -165,6 +165,24 @@ def test_unreadable_training_image_is_reported_by_its_shard(tmp_path):
         report_unreadable(cfg, {"training": out["errors"], "threshold": []})
 
 
+def test_stale_picture_temporaries_of_the_run_are_removed(tmp_path):
+    """What an actor killed mid-write leaves (``save_png``'s temporary names) goes; files of
+    other images and the user's own files stay."""
+    from anomaly_hooks.distributed.scoring import remove_stale_pictures
+    from anomaly_hooks.outputs import PICTURE_FOLDERS
+
+    for sub in PICTURE_FOLDERS:
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / ".a[1].png.x7k2.tmp").write_bytes(b"")  # glob characters in a name
+        (tmp_path / sub / ".b.png.abcd.tmp").write_bytes(b"")
+        (tmp_path / sub / ".other.png.zz.tmp").write_bytes(b"")
+        (tmp_path / sub / "a[1].png").write_bytes(b"png")
+    assert remove_stale_pictures(tmp_path, ["a[1]", "b"]) == 2 * len(PICTURE_FOLDERS)
+    for sub in PICTURE_FOLDERS:
+        assert sorted(p.name for p in (tmp_path / sub).iterdir()) == [
+            ".other.png.zz.tmp", "a[1].png"]
+
+
 def test_ray_missing_is_a_config_error_naming_the_extra(monkeypatch):
     from anomaly_hooks.distributed.cluster import require_ray
 
@@ -310,6 +328,7 @@ def test_ray_score_equals_plain_score_with_a_kill(local_ray, small_model, score_
     assert [f.split(": ")[0] for f in ray_json["failures"]] == \
         [f.split(": ")[0] for f in plain_json["failures"]]
     assert len(ray_json["results"]) == len(plain_json["results"]) == 14
+    assert not list((tmp_path / "ray").rglob("*.tmp"))  # nothing half-written is left
     for sub in ("heatmaps", "overlays", "masks"):
         names = sorted(os.listdir(tmp_path / "plain" / sub))
         assert sorted(os.listdir(tmp_path / "ray" / sub)) == names

@@ -127,6 +127,31 @@ def test_shifted_windows_alarm():
     assert st["first_alarm_image"] == ref.window + n
 
 
+def test_non_finite_rows_are_counted_never_folded_into_the_window():
+    """One NaN image among shifted ones: the shift still raises the alarm (a NaN in the window
+    sums would hide every later window), the NaN image is counted, and an infinite value
+    leaves the status JSON-serialisable."""
+    ref = synthetic_reference(with_scores=False)
+    rng = np.random.default_rng(3)
+
+    def feed(mon, n, shift=None, bad=None):
+        rows = {"input": correlated(n, 7, rng), "layer": correlated(n, 40, rng, shift)}
+        if bad is not None:
+            rows["layer"][0, 0] = bad
+        mon.update(rows)
+
+    for bad in (np.nan, np.inf, -np.inf):
+        mon = DriftMonitor(ref)
+        feed(mon, 2 * ref.window)
+        assert not mon.alarm
+        feed(mon, 1, bad=bad)
+        feed(mon, 2 * ref.window - 1, shift=1e4)
+        st = mon.status()
+        assert st["alarm"] and st["non_finite_images"] == 1, st
+        assert st["images_seen"] == 4 * ref.window - 1
+        json.dumps(st, allow_nan=False)  # no NaN or Infinity token anywhere
+
+
 def test_min_shift_floor_silences_small_significant_shifts():
     """A consistent shift of 1 spread in every channel is significant for 8-image windows
     but below a 1.5-spread floor; 2.5 spreads is above it."""

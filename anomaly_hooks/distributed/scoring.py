@@ -26,6 +26,7 @@ and an image whose earlier start never finished is reported, not tried again.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.images import ImageReadError, display
 from anomaly_hooks.modelfile import read_meta
 from anomaly_hooks.outputs import (
+    PICTURE_FOLDERS,
     RESULT_FIELDS,
     csv_cell,
     expand_inputs,
@@ -250,7 +252,7 @@ def score(model: str, inputs: Sequence[str], out: str, *, address: Optional[str]
     start = time.perf_counter()
     rows, input_failures, n = plan(inputs, batch_size)
     outp = Path(out)
-    for sub in ("heatmaps", "overlays", "masks"):
+    for sub in PICTURE_FOLDERS:
         (outp / sub).mkdir(parents=True, exist_ok=True)
     writer = ResultWriter(outp, model, fmt)
     for failure in input_failures:
@@ -271,10 +273,25 @@ def score(model: str, inputs: Sequence[str], out: str, *, address: Optional[str]
         writer.fail(f"{r['path'][int(i) - r['idx'][0]]}: not scored (its worker died on every "
                     "retry)")
     writer.close()
+    remove_stale_pictures(outp, [name for r in rows for name in r["name"]])
     return {"images": n, "scored": writer.n_rows, "anomalous": writer.n_anomalous,
             "failed": len(writer.failures), "failures": writer.failures,
             "missing": [int(i) for i in missing], "seconds": time.perf_counter() - start,
             "pids": sorted(pids), **counts}
+
+
+def remove_stale_pictures(out: Path, names: Sequence[str]) -> int:
+    """Remove the temporary picture files (``visualize.save_png``'s ``.NAME.png.*.tmp``) that
+    an actor killed mid-write left in ``out``'s picture folders, for the images of this run
+    only; returns how many. Its retry wrote the picture itself."""
+    removed = 0
+    for sub in PICTURE_FOLDERS:
+        folder = out / sub
+        for name in names:
+            for tmp in folder.glob(f".{glob.escape(name)}.png.*.tmp"):
+                tmp.unlink(missing_ok=True)
+                removed += 1
+    return removed
 
 
 def _once(batch: Dict[str, np.ndarray], seen: np.ndarray, counts: Dict[str, int]

@@ -62,6 +62,7 @@ class DriftMonitor:
         self._recent = {name: np.zeros((0, b.dim)) for name, b in reference.blocks.items()}
         self._filled = {name: 0 for name in reference.blocks}  # images in each block's window
         self._n_seen = 0
+        self._non_finite = 0  # images left out of the window for a non-finite statistic
         self._values: Dict[str, float] = {}
         self._alarm = False
         self._episodes = 0
@@ -94,8 +95,10 @@ class DriftMonitor:
     def update(self, vectors: Mapping[str, Any], scores: Optional[Any] = None) -> None:
         """Add ``B`` images: per-image statistics ``{block: [B, d]}`` and (optionally) their
         image scores ``[B]``. Blocks the reference does not know are ignored; a block left out
-        is simply not checked. Thread-safe: images are added in the order the calls take the
-        lock."""
+        is simply not checked. An image with a non-finite statistic (a NaN or infinite layer
+        output, score or pixel) is counted (``non_finite_images`` in :meth:`status`) and kept
+        out of the window: one such value would otherwise stay in every window sum after it.
+        Thread-safe: images are added in the order the calls take the lock."""
         if scores is not None:
             vectors = {**vectors, SCORE_BLOCK: np.asarray(_np(scores), np.float64).reshape(-1, 1)}
         known = {k: np.asarray(_np(v), np.float64) for k, v in vectors.items()
@@ -111,8 +114,16 @@ class DriftMonitor:
             if v.ndim != 2 or v.shape[1] != d:
                 raise DataError(f"drift block {name!r}: expected [B, {d}], got {v.shape}")
             known[name] = self.reference.blocks[name].prepare(v)
+        finite = np.logical_and.reduce([np.isfinite(v).all(axis=1) for v in known.values()])
+        n_bad = int(n - finite.sum())
+        if n_bad:
+            known = {name: v[finite] for name, v in known.items()}
+            n -= n_bad
         w = self.window
         with self._lock:
+            self._non_finite += n_bad
+            if n == 0:
+                return
             # every statistic after each of the n new images (NaN while a window is not full),
             # vectorised: window sums from cumulative sums over [recent, new]
             per_image: Dict[str, np.ndarray] = {}
@@ -170,6 +181,7 @@ class DriftMonitor:
         """A JSON-able summary (for ``/v1/drift``, the page, ``score``'s summary):
 
         ``alarm`` (now), ``alarming`` (statistics above threshold now, worst first),
+        ``non_finite_images`` (images left out of the window for a NaN or infinite statistic),
         ``statistics`` (per statistic: ``value``, ``threshold``, ``ratio`` = value /
         threshold, ``shift`` = the window's drift in good-image spreads, ``peak``; None
         until the window is full), ``images_seen``,
@@ -184,14 +196,16 @@ class DriftMonitor:
                 thr = ref.thresholds[s]
                 v = self._values.get(s)
                 stats[s] = {"value": v, "threshold": thr,
-                            "ratio": None if v is None else v / thr if thr > 0 else float("inf"),
+                            # a threshold of 0 has no ratio (never infinity: JSON has none)
+                            "ratio": None if v is None or thr <= 0 else v / thr,
                             "shift": None if v is None else ref.effect(s, v),
                             "peak": self._peaks.get(s)}
             alarming = sorted((s for s, d in stats.items()
                                if d["value"] is not None and d["value"] > d["threshold"]),
-                              key=lambda s: -stats[s]["ratio"])
+                              key=lambda s: -(stats[s]["ratio"] or np.inf))
             return {"alarm": self._alarm, "alarming": alarming,
                     "images_seen": self._n_seen,
+                    "non_finite_images": self._non_finite,
                     "window": self.window,
                     "window_filled": min(self._filled.values()) if self._filled else 0,
                     "alpha": ref.alpha, "min_shift": ref.info.get("min_shift", 0.0),
@@ -206,6 +220,12 @@ class DriftMonitor:
         """One line for a command-line summary (``score`` over a folder); ``status``: a
         :meth:`status` just taken (else it is taken here)."""
         st = self.status() if status is None else status
+        left_out = st.get("non_finite_images", 0)
+        return self._summary_line(st) + (f"; {left_out} image(s) with a non-finite statistic "
+                                         "left out" if left_out else "")
+
+    @staticmethod
+    def _summary_line(st: Dict[str, Any]) -> str:
         if st["images_seen"] < st["window"]:
             return (f"drift: not checked ({st['images_seen']} image(s); a window is "
                     f"{st['window']})")
@@ -232,6 +252,8 @@ class DriftMonitor:
         lines = [f"# TYPE {prefix}_alarm gauge", f"{prefix}_alarm {int(st['alarm'])}",
                  f"# TYPE {prefix}_images_total counter",
                  f"{prefix}_images_total {st['images_seen']}",
+                 f"# TYPE {prefix}_non_finite_images_total counter",
+                 f"{prefix}_non_finite_images_total {st['non_finite_images']}",
                  f"# TYPE {prefix}_alarm_episodes_total counter",
                  f"{prefix}_alarm_episodes_total {st['alarm_episodes']}"]
         for metric in ("value", "threshold", "ratio", "shift"):
