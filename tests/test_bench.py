@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, SAMPLE
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is no installed package: import it 
 
 from anomaly_hooks.config import load_config
 from anomaly_hooks.timing import PeakMemory
-from benchmarks import bench_pipeline, measure
+from benchmarks import bench_coreset, bench_coreset_banks, bench_export, bench_pipeline, measure
 
 # tiny random-init models: the smoke runs check the plumbing, not the speed
 TINY = ["backbone.name=resnet18", "backbone.weights=null", "preprocess.resize=64",
@@ -85,6 +86,54 @@ def test_pipeline_bench_runs_and_reports_every_stage(tmp_path, capsys):
     assert report["results"][1]["fit"]["coreset_seconds"] >= 0
     assert {"cpu", "cores", "ram_gb", "torch", "numpy"} <= set(report["machine"])
     assert "pred/bare" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_coreset_bench_runs(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
+    out = tmp_path / "coreset.json"
+    assert bench_coreset.main(["--data", str(data), "--max-bank-points", "200", "--queries",
+                               "100", "--skip-fits", "--json", str(out), *TINY,
+                               "data.batch_size=4", "device=cpu"]) == 0
+    report = json.loads(out.read_text())
+    assert report["bounded"]["k"] <= 100 and report["coreset_0.01"]["k"] >= 1
+    assert set(report["recall"]) == set(bench_coreset.APPROXIMATE)
+    assert "recall@1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_coreset_banks_use_the_fits_embedding_and_seed(tmp_path, monkeypatch):
+    from anomaly_hooks.fitting import SEED_SCORER
+    from anomaly_hooks.scorers.patchcore.coreset import first_index
+    from anomaly_hooks.scorers.patchcore.scorer import SEED_CORESET
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text("method: patchcore\n")
+    monkeypatch.setitem(bench_coreset_banks.BANKS, "tiny", (
+        [str(config), *TINY, "device=cpu"], lambda: bench_coreset_banks.images(
+            SAMPLE / "train" / "good", 2)[:6]))
+    meta = bench_coreset_banks.build("tiny", tmp_path / "banks", 4)
+    bank = np.load(tmp_path / "banks" / "tiny.npy")
+    assert bank.shape == (meta["n"], meta["dim"]) == (6 * meta["patches_per_image"], 128)
+    seed = load_config(str(config), TINY).seed
+    assert meta["seed"] == seed + SEED_SCORER + SEED_CORESET  # the fit's coreset seed
+    assert meta["first_index"] == first_index(meta["n"], meta["seed"])
+    assert json.loads((tmp_path / "banks" / "tiny.json").read_text()) == meta
+
+
+@pytest.mark.slow
+def test_export_bench_runs_every_engine_in_its_own_process(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
+    out = tmp_path / "export"
+    assert bench_export.main(["--config", "configs/patchcore.yaml", "--data", str(data),
+                              "--out", str(out), "--threads", "1", "--repeats", "1",
+                              "--rounds", "1", "--calib", "4", *TINY,
+                              "threshold.mode=all-images"]) == 0
+    result = json.loads((out / "bench_export.json").read_text())
+    engines = [r["engine"] for r in result["speed"]]
+    assert engines[:3] == ["eager", "onnxruntime", "int8"]
+    assert set(result["accuracy"]) == set(engines)
+    assert "| eager |" in capsys.readouterr().out
 
 
 def test_stage_laps_are_the_detectors_own(tmp_path):
