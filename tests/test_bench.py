@@ -1,39 +1,154 @@
-"""The benchmark script runs end to end (a smoke test: figures are printed, never asserted),
-and what makes its GPU figures mean what they say (the bare backbone's precision and memory
-format, the device named, the GPU peak counted from the start, synchronised timings)."""
+"""The benchmarks run end to end (smoke tests: figures are printed, never asserted), and what
+makes their GPU figures mean what they say (the bare backbone's precision and memory format,
+the device named, the GPU peak counted from the start, synchronised timings)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import runpy
 import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import pytest
-from conftest import SAMPLE
+import torch
+from conftest import ROOT, SAMPLE
 
-from anomaly_hooks.evaluation import benchmark as bench
+sys.path.insert(0, str(ROOT))  # benchmarks/ is no installed package: import it from the checkout
+
+from anomaly_hooks.config import load_config
+from anomaly_hooks.timing import PeakMemory
+from benchmarks import bench_coreset, bench_coreset_banks, bench_export, bench_pipeline, measure
+
+# tiny random-init models: the smoke runs check the plumbing, not the speed
+TINY = ["backbone.name=resnet18", "backbone.weights=null", "preprocess.resize=64",
+        "preprocess.crop=null", "padim.n_features=32", "data.num_workers=0",
+        "patchcore.coreset_ratio=0.5"]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+
+
+def small_dataset(root: Path, train: int = 8, test: int = 2) -> Path:
+    """A copy of a few sample images: ``train`` good ones, ``test`` good and ``test`` spots."""
+    for folder, n in (("train/good", train), ("test/good", test), ("test/spot", test)):
+        (root / folder).mkdir(parents=True)
+        for f in sorted((SAMPLE / folder).glob("*.png"))[:n]:
+            shutil.copy(f, root / folder / f.name)
+    return root
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_answers_help(script, monkeypatch, capsys):
+    """Each script runs as ``__main__`` and its ``--help`` works."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script adds the repository root
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_a_benchmark_runs_as_a_script_from_the_repository_root():
+    """``python benchmarks/<script>`` finds ``benchmarks.measure`` and the package without an
+    install or PYTHONPATH (the script puts the repository root on its path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--help"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+def test_the_package_imports_no_benchmark():
+    """The dependency goes one way: benchmarks use the package, never the reverse."""
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "anomaly_hooks").rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if line.lstrip().startswith(("import benchmarks", "from benchmarks"))]
+    assert not offenders, offenders
 
 
 @pytest.mark.slow
-def test_bench_runs_and_reports_every_stage(tmp_path, capsys):
-    data = tmp_path / "d"
-    for folder, n in (("train/good", 8), ("test/good", 2), ("test/spot", 2)):
-        (data / folder).mkdir(parents=True)
-        for f in sorted((SAMPLE / folder).glob("*.png"))[:n]:
-            shutil.copy(f, data / folder / f.name)
-    overrides = ["backbone.name=resnet18", "backbone.weights=null", "preprocess.resize=64",
-                 "preprocess.crop=null", "padim.n_features=32", "data.num_workers=0",
-                 "patchcore.coreset_ratio=0.5"]
+def test_pipeline_bench_runs_and_reports_every_stage(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
     out = tmp_path / "b.json"
-    assert bench.main(["--config", "configs/padim.yaml", "--config", "configs/patchcore.yaml",
-                       "--data", str(data), "--batch-size", "4", "--device", "cpu",
-                       "--repeats", "2", "--passes", "2", "--json", str(out), *overrides]) == 0
+    assert bench_pipeline.main(
+        ["--config", "configs/padim.yaml", "--config", "configs/patchcore.yaml",
+         "--data", str(data), "--batch-size", "4", "--device", "cpu", "--repeats", "2",
+         "--passes", "2", "--json", str(out), *TINY]) == 0
     report = json.loads(out.read_text())
     assert [r["method"] for r in report["results"]] == ["padim", "patchcore"]
     for r in report["results"]:
-        assert set(bench.STAGES) <= set(r["predict"]["ms_per_image"])
+        assert set(bench_pipeline.STAGES) <= set(r["predict"]["ms_per_image"])
         assert r["predict"]["predict_path_ratio"] > 0 and r["fit"]["ratio_to_bare_backbone"] > 0
         assert r["predict"]["passes"] == 2 and len(r["predict"]["predict_path_ratio_per_pass"]) == 2
+        assert r["predict"]["batch1"]["p90_ms"] >= r["predict"]["batch1"]["median_ms"] > 0
     assert report["results"][1]["fit"]["coreset_seconds"] >= 0
+    assert {"cpu", "cores", "ram_gb", "torch", "numpy"} <= set(report["machine"])
     assert "pred/bare" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_coreset_bench_runs(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
+    out = tmp_path / "coreset.json"
+    assert bench_coreset.main(["--data", str(data), "--max-bank-points", "200", "--queries",
+                               "100", "--skip-fits", "--json", str(out), *TINY,
+                               "data.batch_size=4", "device=cpu"]) == 0
+    report = json.loads(out.read_text())
+    assert report["bounded"]["k"] <= 100 and report["coreset_0.01"]["k"] >= 1
+    assert set(report["recall"]) == set(bench_coreset.APPROXIMATE)
+    assert "recall@1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_coreset_banks_use_the_fits_embedding_and_seed(tmp_path, monkeypatch):
+    from anomaly_hooks.fitting import SEED_SCORER
+    from anomaly_hooks.scorers.patchcore.coreset import first_index
+    from anomaly_hooks.scorers.patchcore.scorer import SEED_CORESET
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text("method: patchcore\n")
+    monkeypatch.setitem(bench_coreset_banks.BANKS, "tiny", (
+        [str(config), *TINY, "device=cpu"], lambda: bench_coreset_banks.images(
+            SAMPLE / "train" / "good", 2)[:6]))
+    meta = bench_coreset_banks.build("tiny", tmp_path / "banks", 4)
+    bank = np.load(tmp_path / "banks" / "tiny.npy")
+    assert bank.shape == (meta["n"], meta["dim"]) == (6 * meta["patches_per_image"], 128)
+    seed = load_config(str(config), TINY).seed
+    assert meta["seed"] == seed + SEED_SCORER + SEED_CORESET  # the fit's coreset seed
+    assert meta["first_index"] == first_index(meta["n"], meta["seed"])
+    assert json.loads((tmp_path / "banks" / "tiny.json").read_text()) == meta
+
+
+@pytest.mark.slow
+def test_export_bench_runs_every_engine_in_its_own_process(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
+    out = tmp_path / "export"
+    assert bench_export.main(["--config", "configs/patchcore.yaml", "--data", str(data),
+                              "--out", str(out), "--threads", "1", "--repeats", "1",
+                              "--rounds", "1", "--calib", "4", *TINY,
+                              "threshold.mode=all-images"]) == 0
+    result = json.loads((out / "bench_export.json").read_text())
+    engines = [r["engine"] for r in result["speed"]]
+    assert engines[:3] == ["eager", "onnxruntime", "int8"]
+    assert set(result["accuracy"]) == set(engines)
+    assert "| eager |" in capsys.readouterr().out
+
+
+def test_stage_laps_are_the_detectors_own(tmp_path):
+    """One pass charges the five stages and the bare backbone, and nothing else: the laps
+    come from ``Detector.infer``'s Stopwatch, not from a copy of the predict path."""
+    from anomaly_hooks.detector import Detector, resolve_layer_names
+
+    data = small_dataset(tmp_path / "d", train=4, test=1)
+    det = Detector.from_config("configs/padim.yaml", overrides=[*TINY, "device=cpu"])
+    det.fit(data, progress=False)
+    bare = measure.bare_backbone(det.cfg, resolve_layer_names(det.cfg), det.device)
+    items = bench_pipeline.predict_items(data)
+    laps = bench_pipeline.one_pass(det, items, 2, bare)
+    assert set(laps) == {*bench_pipeline.STAGES, "bare_backbone"}
+    assert all(v >= 0 for v in laps.values())
 
 
 @pytest.mark.parametrize("precision, channels_last", [("float32", False), ("bfloat16", True)])
@@ -41,23 +156,19 @@ def test_bare_backbone_runs_as_the_extractor_does(precision, channels_last, monk
     """The bare backbone uses the config's precision (autocast, or IEEE float32) and memory
     format, so that a ratio to it compares like with like; its input is already on the
     device (the host-to-device copy is not backbone time)."""
-    import contextlib
-
-    import torch
-
-    from anomaly_hooks.config import load_config
+    import anomaly_hooks.devices as devices
 
     scopes = []
 
     @contextlib.contextmanager
-    def recording_scope():
+    def recording_scope() -> Iterator[None]:
         scopes.append("in")
         yield
 
-    monkeypatch.setattr(bench, "ieee_float32", recording_scope)
+    monkeypatch.setattr(devices, "ieee_float32", recording_scope)
     cfg = load_config(None, backbone__name="resnet18", backbone__weights=None,
                       backbone__precision=precision, backbone__channels_last=channels_last)
-    run = bench.bare_backbone(cfg, ["layer1", "layer2"], torch.device("cpu"))
+    run = measure.bare_backbone(cfg, ["layer1", "layer2"], torch.device("cpu"))
     out = next(iter(run(torch.rand(2, 3, 64, 64)).values()))
     assert out.dtype == getattr(torch, precision) and scopes == ["in"]
     assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
@@ -66,18 +177,17 @@ def test_bare_backbone_runs_as_the_extractor_does(precision, channels_last, monk
 def test_gpu_figures_name_the_device_used_and_count_from_the_start(monkeypatch):
     """The report names the GPU the run used (not GPU 0), and the GPU peak is counted above
     what was allocated when the measurement began (as the RSS peak is)."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: f"GPU {torch.device(d).index}")
-    assert bench.machine(torch.device("cuda", 1))["gpu"] == "GPU 1"
-    assert "gpu" not in bench.machine(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda d=None: f"GPU {torch.device(d).index}")
+    assert measure.machine(torch.device("cuda", 1))["gpu"] == "GPU 1"
+    assert "gpu" not in measure.machine(torch.device("cpu"))
     allocated = {"now": 3 * 2**30, "peak": 3 * 2**30}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
                         lambda d=None: allocated.update(peak=allocated["now"]))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated["now"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: allocated["peak"])
-    with bench.PeakMemory(torch.device("cuda", 1)) as mem:
+    with PeakMemory(torch.device("cuda", 1)) as mem:
         allocated["peak"] += 2 * 2**30
     assert mem.gpu_peak_mb == 2048
 
@@ -85,10 +195,7 @@ def test_gpu_figures_name_the_device_used_and_count_from_the_start(monkeypatch):
 def test_patchcore_timing_split_waits_for_the_device(monkeypatch):
     """The coreset / search-index split of a fit reads the clock after the device finished
     each part (queued GPU work would otherwise be counted in the next part)."""
-    import torch
-
     import anomaly_hooks.scorers.patchcore.scorer as pc
-    from anomaly_hooks.config import load_config
     from anomaly_hooks.extractor import LayerInfo
 
     events = []
@@ -101,3 +208,42 @@ def test_patchcore_timing_split_waits_for_the_device(monkeypatch):
     scorer.partial_fit(torch.rand(2, 8, 4, 4))
     scorer.finalize()
     assert events == [("sync", "cpu"), ("index",), ("sync", "cpu")]
+
+
+# -- the shared helper ------------------------------------------------------------------------
+def test_percentile_is_the_nearest_rank():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert measure.percentile(values, 0) == 1.0 and measure.percentile(values, 100) == 5.0
+    assert measure.percentile(values, 50) == 3.0
+    assert measure.percentile([], 50) != measure.percentile([], 50)  # NaN
+
+
+def test_timed_repeats_warms_up_then_times_each_call():
+    calls = []
+    timed = measure.timed_repeats(lambda: calls.append(1), 3, warmup=2)
+    assert len(calls) == 5 and len(timed.walls) == 3
+    assert timed.median >= 0 and timed.p90 >= timed.median and timed.cpu >= 0
+
+
+def test_a_child_hands_back_its_last_result_line_or_its_error(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import sys\nsys.path.insert(0, sys.argv[1])\n"
+                      "from benchmarks.measure import report_result\n"
+                      "print('noise')\nreport_result({'n': 1})\nreport_result({'n': 2})\n")
+    assert measure.child_result([script, ROOT]) == {"n": 2}
+    failed = measure.child_result(["-c", "import sys; sys.exit('broken')"])
+    assert "broken" in failed["error"]
+
+
+def test_measure_imports_no_torch():
+    """The ONNX engines are timed in processes whose peak memory must not include torch."""
+    code = ("import sys; sys.path.insert(0, '.'); import benchmarks.measure, "
+            "anomaly_hooks.timing; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_tree_cpu_seconds_counts_this_process():
+    sum(i * i for i in range(200_000))
+    assert measure.tree_cpu_seconds() > 0

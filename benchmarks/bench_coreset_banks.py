@@ -22,43 +22,44 @@ For each bank the bare backbone (torchvision's create_feature_extractor up to th
 tapped layer) is timed over the same images in the same run, so that coreset seconds can be
 quoted as a ratio to the backbone pass.
 
-    PYTHONPATH=. python scripts/bench_coreset_banks.py [--out bench_out/banks] [--bank weld222]
+    python benchmarks/bench_coreset_banks.py [--out bench_out/banks] [--bank weld222]
 
-Writes ``<out>/<bank>.npy`` (float32 [N, 128], projected and centred), and ``<out>/<bank>.json``
-(N, feature dim, seed, first index, patches per image, backbone/embedding seconds).
+Writes ``<out>/<bank>.npy`` (float32 [N, 128], projected and centred: select on it with
+``greedy_batched(x, k, meta["first_index"])``), and ``<out>/<bank>.json`` (N, feature dim, seed,
+first index, patches per image, backbone/embedding seconds).
 
 ``--export DIR`` instead writes the bank's images as PNGs in the MVTec layout (``DIR/<bank>/
 train/good``, and ``test/good`` with the first 8 source images un-augmented), for an end-to-end
-fit with scripts/bench.py, e.g.::
+fit with bench_pipeline.py, e.g.::
 
-    python scripts/bench_coreset_banks.py --export /tmp/banks --bank weld222
-    python scripts/bench.py --config configs/patchcore_effnet_lite0.yaml --data /tmp/banks/weld222 \
-        --batch-size 16 --passes 1 --repeats 3 preprocess.crop=null \
+    python benchmarks/bench_coreset_banks.py --export /tmp/banks --bank weld222
+    python benchmarks/bench_pipeline.py --config configs/patchcore_effnet_lite0.yaml \\
+        --data /tmp/banks/weld222 --batch-size 16 --passes 1 --repeats 3 preprocess.crop=null \\
         threshold.folder=/tmp/banks/weld222/test/good
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from anomaly_hooks.data import list_images  # noqa: E402
-from anomaly_hooks.images import read_image  # noqa: E402
-from anomaly_hooks.scorers.patchcore.coreset import first_index, random_projection  # noqa: E402
+from anomaly_hooks.data import list_images
+from anomaly_hooks.images import read_image
+from anomaly_hooks.scorers.patchcore.coreset import first_index, random_projection
+from anomaly_hooks.scorers.patchcore.scorer import SEED_CORESET
+from anomaly_hooks.timing import Stopwatch
+from benchmarks.measure import ROOT, bare_backbone, bare_seconds, chunks, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 WELD = SHARED / "battery_weld" / "train" / "good"
 BOTTLE = SHARED / "mvtec_bottle" / "train" / "good"
 SAMPLE = ROOT / "data" / "sample" / "train" / "good"
-SEED = 0 + 2 + 12  # cfg.seed + SEED_SCORER + SEED_CORESET: the fit's coreset seed
 EFFNET = ["configs/patchcore_effnet_lite0.yaml", "preprocess.crop=null"]
 
 
@@ -71,7 +72,7 @@ def crop(img: torch.Tensor, frac: float, corner: int) -> torch.Tensor:
     return img[:, top:top + ch, left:left + cw]
 
 
-AUGMENT = [
+AUGMENT: List[Callable[[torch.Tensor], torch.Tensor]] = [
     lambda x: x,
     lambda x: x.flip(-1),
     lambda x: x.flip(-2),
@@ -85,15 +86,17 @@ AUGMENT = [
 ]
 
 
-def images(folder: Path, n_aug: int) -> list[torch.Tensor]:
-    out = []
+def images(folder: Path, n_aug: int) -> List[torch.Tensor]:
+    """Each image of ``folder`` under the first ``n_aug`` augmentations."""
+    out: List[torch.Tensor] = []
     for path in list_images(folder):
         img = read_image(path)
         out.extend(AUGMENT[a](img).contiguous() for a in range(n_aug))
     return out
 
 
-BANKS = {
+# name -> (config and overrides, the images)
+BANKS: Dict[str, Tuple[List[str], Callable[[], List[torch.Tensor]]]] = {
     "weld222": (EFFNET, lambda: images(WELD, 6)),
     "mix610": (EFFNET, lambda: images(WELD, 10) + images(SAMPLE, 4)),
     "bottle": (["configs/patchcore.yaml"], lambda: images(BOTTLE, 1)),
@@ -101,47 +104,47 @@ BANKS = {
 }
 
 
-def build(name: str, out: Path, batch_size: int) -> dict:
-    from anomaly_hooks.bench import bare_backbone
+def _batches(det: Any, imgs: Sequence[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+    """The network inputs of ``imgs``, ``batch_size`` at a time (``Detector.prepare``)."""
+    for chunk in chunks(imgs, batch_size):
+        yield det.prepare(chunk)[0]
+
+
+def build(name: str, out: Path, batch_size: int) -> Dict[str, Any]:
+    """Embed the bank's images as the fit does, project and centre them as the selection does,
+    time the bare backbone over the same images; write ``<name>.npy`` and ``<name>.json``."""
     from anomaly_hooks.detector import Detector, resolve_layer_names
-    from anomaly_hooks.scorers import get_scorer
 
     config, make = BANKS[name]
     det = Detector.from_config(config[0], overrides=config[1:])
     cfg = det.cfg
-    scorer = get_scorer("patchcore").create(cfg.patchcore, det.layer_info, det.backbone_name,
-                                            cfg.seed + 2)
+    scorer = det.new_scorer()
+    seed = scorer.seed + SEED_CORESET  # the fit's coreset seed
     imgs = make()
-    feats, embed_s = [], 0.0
-    for lo in range(0, len(imgs), batch_size):
-        batch = torch.stack([det.preprocessor(im) for im in imgs[lo:lo + batch_size]])
-        start = time.perf_counter()
-        emb = det.embed(batch, scorer=scorer)
-        embed_s += time.perf_counter() - start
+    watch = Stopwatch(det.device)
+    feats = []
+    for images in _batches(det, imgs, batch_size):
+        emb = det.embed(images.to(det.device), scorer=scorer, timings=watch)
         feats.append(emb.permute(0, 2, 3, 1).reshape(-1, emb.shape[1]).clone())
     per_image = emb.shape[2] * emb.shape[3]
     bare = bare_backbone(cfg, resolve_layer_names(cfg), det.device)
-    bare_s = 0.0
-    for lo in range(0, len(imgs), batch_size):
-        batch = torch.stack([det.preprocessor(im) for im in imgs[lo:lo + batch_size]])
-        start = time.perf_counter()
-        bare(batch)
-        bare_s += time.perf_counter() - start
+    bare_s = bare_seconds(bare, _batches(det, imgs, batch_size), det.device)
     x = torch.cat(feats)
     del feats
     n, d = x.shape
-    start = time.perf_counter()
-    p = random_projection(x, cfg.patchcore.projection_dim, SEED)
+    watch.mark()
+    p = random_projection(x, cfg.patchcore.projection_dim, seed)
     p = p - p.mean(dim=0, dtype=torch.float64).float()
-    project_s = time.perf_counter() - start
+    project_s = watch.lap("projection")
     out.mkdir(parents=True, exist_ok=True)
-    np.save(out / f"{name}.npy", p.numpy())
-    meta = {"bank": name, "n": n, "feature_dim": d, "dim": int(p.shape[1]), "seed": SEED,
-            "first_index": first_index(n, SEED), "images": len(imgs),
+    np.save(out / f"{name}.npy", p.cpu().numpy())
+    meta = {"bank": name, "n": n, "feature_dim": d, "dim": int(p.shape[1]), "seed": seed,
+            "first_index": first_index(n, seed), "images": len(imgs),
             "patches_per_image": per_image, "config": config,
-            "embed_seconds": embed_s, "bare_backbone_seconds": bare_s,
-            "projection_seconds": project_s, "threads": torch.get_num_threads()}
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=2))
+            "embed_seconds": watch.seconds["backbone"] + watch.seconds["embedding"],
+            "bare_backbone_seconds": bare_s, "projection_seconds": project_s,
+            "threads": torch.get_num_threads()}
+    write_json(out / f"{name}.json", meta)
     return meta
 
 
@@ -164,26 +167,28 @@ def export(name: str, root: Path) -> None:
     print(f"{name}: images in {root}")
 
 
-def main() -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "banks")
-    parser.add_argument("--bank", action="append", choices=sorted(BANKS))
+    parser.add_argument("--bank", action="append", choices=sorted(BANKS),
+                        help="repeatable (default: all; with --export, weld222)")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--export", type=Path, default=None, metavar="DIR")
-    args = parser.parse_args()
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
+                        help="write the banks' images as an MVTec-layout dataset instead")
+    args = parser.parse_args(argv)
     if args.export is not None:
         for name in args.bank or ["weld222"]:
             export(name, args.export / name)
         return 0
     for name in args.bank or ["sample", "weld222", "bottle", "mix610"]:
-        start = time.perf_counter()
+        watch = Stopwatch()
         meta = build(name, args.out, args.batch_size)
         print(f"{name}: {meta['n']} x {meta['feature_dim']} -> {meta['dim']} "
               f"({meta['images']} images x {meta['patches_per_image']}); bare backbone "
               f"{meta['bare_backbone_seconds']:.1f} s, embedding {meta['embed_seconds']:.1f} s; "
-              f"{time.perf_counter() - start:.0f} s", flush=True)
+              f"{watch.lap('bank'):.0f} s", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,9 @@
-"""Eager PyTorch vs the exported model: speed, memory and the accuracy of int8 (issue 14).
+#!/usr/bin/env python
+"""Eager PyTorch vs the exported model: speed, memory and the accuracy of int8.
 
-``python scripts/bench_export.py --config configs/patchcore_effnet_lite0.yaml --data data/sample``
+    python benchmarks/bench_export.py [--config configs/patchcore_effnet_lite0.yaml]
+        [--data data/sample] [--out DIR] [--threads N] [--repeats 5] [--rounds 2]
+        [--max-train N] [--calib 32] [--calibration minmax|entropy|percentile] [key=value ...]
 
 1. Fits the config on the dataset's training images (CPU), saves it, exports float32 ONNX and
    an int8 copy (backbone quantised, calibrated on two thirds of the training images; written
@@ -12,23 +15,29 @@
    imports torch, the ONNX ones do not), on the same preprocessed batches: latency at batch 1
    (median of repeats) and throughput at batch 32, wall and CPU seconds, as ratios to eager;
    the engines take turns for ``--rounds`` rounds and each keeps its best (a shared machine's
-   load drifts).
+   load drifts). OpenVINO is timed where it is installed.
+
+Results in ``<out>/bench_export.json`` (``--out``, default a new temporary folder), a table on
+stdout.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import platform
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import numpy as np
+
+# torch-free: each engine's worker process imports only what its engine needs
+from anomaly_hooks.timing import peak_rss_mb
+from benchmarks.measure import child_result, machine, report_result, timed_repeats, write_json
 
 ENGINES = ("eager", "onnxruntime", "int8", "openvino")
 
@@ -51,49 +60,25 @@ def _runner(engine: str, model: Path, threads: int) -> Callable[[np.ndarray], An
     return odet.run
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> Dict[str, float]:
-    """Median wall seconds of ``repeats`` calls (after one warm-up), and CPU seconds per call."""
-    fn()
-    walls, cpu0 = [], time.process_time()
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - start)
-    return {"wall": float(np.median(walls)), "cpu": (time.process_time() - cpu0) / repeats}
-
-
 def worker(engine: str, model: Path, batches: Path, threads: int, repeats: int) -> Dict[str, Any]:
-    """Latency at batch 1, throughput at batch 32, peak RSS of this process."""
+    """Latency at batch 1 (four single images a call), throughput at batch 32, the peak RSS of
+    this process after each."""
     data = np.load(batches)
     run = _runner(engine, model, threads)
-    one = _timed(lambda: [run(data[i:i + 1]) for i in range(4)], repeats)
+    one = timed_repeats(lambda: [run(data[i:i + 1]) for i in range(4)], repeats)
     rss_b1 = peak_rss_mb()
-    big = _timed(lambda: run(data[:32]), max(2, repeats // 2))
-    return {"engine": engine, "latency_b1_ms": 1000 * one["wall"] / 4,
-            "latency_b1_cpu_ms": 1000 * one["cpu"] / 4,
-            "throughput_b32": 32 / big["wall"], "b32_wall_s": big["wall"], "b32_cpu_s": big["cpu"],
+    big = timed_repeats(lambda: run(data[:32]), max(2, repeats // 2))
+    return {"engine": engine, "latency_b1_ms": 1000 * one.median / 4,
+            "latency_b1_cpu_ms": 1000 * one.cpu / 4,
+            "throughput_b32": 32 / big.median, "b32_wall_s": big.median, "b32_cpu_s": big.cpu,
             "peak_rss_b1_mb": rss_b1, "peak_rss_mb": peak_rss_mb()}
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (``VmHWM``: unlike ``ru_maxrss``, not inherited
-    from the parent across ``exec``)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- driver ----------------------------------------------------------------------------------
 def _engines(paths: Dict[str, Path]) -> List[str]:
-    try:
-        import openvino  # noqa: F401
-    except ImportError:
-        return [e for e in ENGINES if e != "openvino" and e in paths]
-    return [e for e in ENGINES if e in paths]
+    """The engines to measure: those with a model file, OpenVINO only where installed."""
+    openvino = importlib.util.find_spec("openvino") is not None
+    return [e for e in ENGINES if e in paths and (openvino or e != "openvino")]
 
 
 def build_models(args: argparse.Namespace, out: Path) -> tuple[Any, Dict[str, Path], Dict]:
@@ -147,30 +132,26 @@ def accuracy(det: Any, paths: Dict[str, Path], data_root: str) -> Dict[str, Dict
 
 
 def batches(det: Any, data_root: str, path: Path) -> None:
-    """32 preprocessed test images (repeated if fewer) saved as one ``.npy``."""
-    import torch
-
-    from anomaly_hooks.data import load_preprocessed
+    """32 test images (repeated if fewer), decoded and preprocessed by ``Detector.prepare``,
+    saved as one ``.npy``: every engine runs on these same network inputs."""
     from anomaly_hooks.evaluation.datasets import open_dataset
 
     items = [s.path for s in open_dataset(data_root).test]
     items = (items * (32 // len(items) + 1))[:32]
-    x = torch.stack([load_preprocessed(i, det.preprocessor, 10**9)[0] for i in items])
-    np.save(path, x.numpy())
+    np.save(path, det.prepare(items)[0].numpy())
 
 
 def speed(paths: Dict[str, Path], npy: Path, threads: int, repeats: int,
           rounds: int) -> List[Dict]:
-    """Each engine's worker in a subprocess, the engines interleaved for ``rounds`` rounds (on
-    a shared machine the load drifts: each engine keeps its best round)."""
+    """Each engine's worker in a fresh process, the engines interleaved for ``rounds`` rounds
+    (on a shared machine the load drifts: each engine keeps its best round)."""
     best: Dict[str, Dict] = {}
     for _ in range(rounds):
         for engine in _engines(paths):
-            cmd = [sys.executable, "-m", "anomaly_hooks.export.bench", "--worker", engine,
-                   "--model", str(paths[engine]), "--batches", str(npy), "--threads",
-                   str(threads), "--repeats", str(repeats)]
-            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            row = json.loads(res.stdout.strip().splitlines()[-1])
+            row = child_result([__file__, "--worker", engine, "--model", paths[engine],
+                                "--batches", npy, "--threads", threads, "--repeats", repeats])
+            if "error" in row:
+                raise SystemExit(f"the {engine} worker failed: {row['error']}")
             best[engine] = _best(best.get(engine, row), row)
     return [best[e] for e in _engines(paths)]
 
@@ -183,24 +164,6 @@ def _best(a: Dict, b: Dict) -> Dict:
             "latency_b1_cpu_ms": lat["latency_b1_cpu_ms"],
             "peak_rss_b1_mb": max(a["peak_rss_b1_mb"], b["peak_rss_b1_mb"]),
             "peak_rss_mb": max(a["peak_rss_mb"], b["peak_rss_mb"])}
-
-
-def machine(threads: int) -> Dict[str, Any]:
-    """CPU model and flags of interest, threads, load average, date."""
-    info: Dict[str, Any] = {"platform": platform.platform(), "threads": threads,
-                            "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
-                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines()
-                           if line.startswith("model name"))
-        flags = next(line.split(":", 1)[1].split() for line in text.splitlines()
-                     if line.startswith("flags"))
-        info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "vnni"))
-                               or "vnni" in f)
-    except (OSError, StopIteration):
-        pass
-    return info
 
 
 def format_table(rows: List[Dict], acc: Dict[str, Dict[str, float]]) -> str:
@@ -223,7 +186,7 @@ def format_table(rows: List[Dict], acc: Dict[str, Dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/patchcore_effnet_lite0.yaml")
@@ -239,10 +202,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--batches", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, Path(args.model), Path(args.batches), args.threads,
-                                args.repeats)))
+        report_result(worker(args.worker, Path(args.model), Path(args.batches), args.threads,
+                             args.repeats))
         return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_export_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -252,8 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     del det
     rows = speed(paths, out / "batches.npy", args.threads, args.repeats, args.rounds)
     result = {"config": args.config, "data": args.data, "overrides": args.overrides,
-              "machine": machine(args.threads), "int8": int8, "accuracy": acc, "speed": rows}
-    (out / "bench_export.json").write_text(json.dumps(result, indent=2))
+              "machine": machine(threads=args.threads), "int8": int8, "accuracy": acc,
+              "speed": rows}
+    write_json(out / "bench_export.json", result)
     print(json.dumps({k: result[k] for k in ("machine", "int8")}))
     print(format_table(rows, acc))
     return 0

@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Drift-monitor detection table: drift kind x dataset -> images to alarm, and the false-alarm
 rate per window on held-out good images (BENCHMARKS.md, section "Drift monitor").
 
@@ -18,8 +19,11 @@ For each dataset (``train/good`` + ``test/good`` folders):
 Drifts are applied where the network sees them: to the image resized to the model's
 ``preprocess.resize`` (blur and noise sizes in those pixels), before the centre crop.
 
-    python scripts/bench_drift.py --config configs/padim_effnet_lite0.yaml \\
+    python benchmarks/bench_drift.py --config configs/padim_effnet_lite0.yaml \\
         data/sample ../shared/data/mvtec_bottle ../shared/data/battery_weld
+        [--device cpu] [--window 16] [--alpha 0.01] [--streams 200] [--max-held 40]
+        [--seed 0] [--json drift.json]
+    python benchmarks/bench_drift.py --alignment DATASET [DATASET ...]
 
 ``--alignment`` instead prints how far apart the good images of each dataset already are: the
 offset of the phase-correlation peak between every pair of (at most 37) ``train/good`` images
@@ -29,13 +33,14 @@ good image to the monitor.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import random
+import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
@@ -45,6 +50,8 @@ from anomaly_hooks import Detector
 from anomaly_hooks.data import list_images
 from anomaly_hooks.images import read_image_reduced
 from anomaly_hooks.monitor import SCORE_BLOCK, DriftMonitor
+from anomaly_hooks.timing import Stopwatch
+from benchmarks.measure import machine, write_json
 
 Drift = Callable[[torch.Tensor, torch.Generator], torch.Tensor]  # [3, H, W] in [0, 1]
 
@@ -54,6 +61,7 @@ def _grey(x: torch.Tensor) -> torch.Tensor:
 
 
 def _blur(sigma: float) -> Drift:
+    """Gaussian blur of ``sigma`` pixels (separable, reflected border)."""
     r = int(math.ceil(3 * sigma))
     t = torch.arange(-r, r + 1, dtype=torch.float32)
     k = torch.exp(-0.5 * (t / sigma) ** 2)
@@ -89,6 +97,7 @@ def _shift(frac: float) -> Drift:
 
 
 def _contrast(k: float) -> Drift:
+    """Contrast scaled by ``k`` about the image's mean grey."""
     return lambda x, g: (x - _grey(x).mean()) * k + _grey(x).mean()
 
 
@@ -118,16 +127,17 @@ class Recorder(DriftMonitor):
         self.rows: List[Dict[str, np.ndarray]] = []
         self.cpu_s = 0.0  # CPU seconds spent in the statistics (the monitor's cost per batch)
 
-    def statistics(self, features, images):
+    def statistics(self, features: Optional[Mapping[str, Any]], images: Any) -> Dict[str, Any]:
         c0 = time.process_time()
         out = super().statistics(features, images)
         self.cpu_s += time.process_time() - c0
         return out
 
-    def update(self, vectors, scores=None) -> None:
+    def update(self, vectors: Mapping[str, Any], scores: Optional[Any] = None) -> None:
         self.rows.append({**vectors, SCORE_BLOCK: np.asarray(scores, np.float64)[:, None]})
 
     def take(self) -> Dict[str, np.ndarray]:
+        """The statistics recorded since the last call, one row per image."""
         out = {k: np.concatenate([r[k] for r in self.rows]) for k in self.rows[0]}
         self.rows = []
         return out
@@ -143,7 +153,10 @@ def resized(det: Detector, paths: List[Path]) -> List[torch.Tensor]:
 
 
 def statistics(det: Detector, rec: Recorder, images: List[torch.Tensor],
-               drift: Drift | None, seed: int, cost: Dict[str, float]) -> Dict[str, np.ndarray]:
+               drift: Optional[Drift], seed: int, cost: Dict[str, float]
+               ) -> Dict[str, np.ndarray]:
+    """The monitor's per-image statistics of ``images`` (drifted by ``drift``, seeded), from
+    one predict pass; adds its CPU seconds and image count to ``cost``."""
     gen = torch.Generator().manual_seed(seed)
     batch = [x if drift is None else drift(x, gen).clamp(0, 1) for x in images]
     c0 = time.process_time()
@@ -154,6 +167,7 @@ def statistics(det: Detector, rec: Recorder, images: List[torch.Tensor],
 
 
 def cat(*parts: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The rows of ``parts``, block by block."""
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -167,6 +181,7 @@ def run_stream(det: Detector, vecs: Dict[str, np.ndarray], order: np.ndarray) ->
 
 def evaluate(det: Detector, clean: Dict[str, np.ndarray], drifted: Dict[str, dict],
              n_streams: int, rng: np.random.Generator) -> dict:
+    """False alarms on streams of clean images, and the images to alarm of each drift."""
     w = det.drift_reference_.window
     n_clean = len(clean[SCORE_BLOCK])
     checks = alarms = episodes = 0
@@ -198,6 +213,8 @@ def evaluate(det: Detector, clean: Dict[str, np.ndarray], drifted: Dict[str, dic
 
 
 def bench(cfg: str, root: Path, others: List[Path], args: argparse.Namespace) -> dict:
+    """Fit on ``root``, record the statistics of its held-out good images clean, drifted and
+    of the ``others``' good images, and evaluate the monitor on streams of them."""
     train = list_images(root / "train" / "good")
     order = list(range(len(train)))
     random.Random(args.seed).shuffle(order)
@@ -205,7 +222,7 @@ def bench(cfg: str, root: Path, others: List[Path], args: argparse.Namespace) ->
     pool = [train[i] for i in sorted(order[:n_pool])][:args.max_held]
     fit = [train[i] for i in sorted(order[n_pool:])]
     test_good = list_images(root / "test" / "good")[:args.max_held]
-    t0, c0 = time.perf_counter(), time.process_time()
+    watch, c0 = Stopwatch(), time.process_time()
     det = Detector.from_config(cfg, device=args.device, overrides=[
         f"monitor.window={args.window}", f"monitor.alpha={args.alpha}", "data.num_workers=0"])
     det.fit(fit, progress=False)
@@ -223,7 +240,7 @@ def bench(cfg: str, root: Path, others: List[Path], args: argparse.Namespace) ->
                                                              None, 0, cost)
     res = evaluate(det, clean, drifted, args.streams, np.random.default_rng(args.seed))
     res.update(dataset=root.name, config=cfg, n_fit=len(fit), n_pool=len(pool),
-               n_test_good=len(test_good), wall_s=time.perf_counter() - t0,
+               n_test_good=len(test_good), wall_s=watch.lap("bench"),
                cpu_s=time.process_time() - c0, alpha=args.alpha,
                predict_cpu_ms=1000 * cost["predict_cpu_s"] / cost["images"],
                statistics_cpu_ms=1000 * rec.cpu_s / cost["images"])
@@ -289,7 +306,7 @@ def alignment(root: Path, side: int = 256, limit: int = 37) -> Dict[str, float]:
             "known_5pct_shift": offset(np.roll(ims[0], round(0.05 * side), axis=1), ims[0])}
 
 
-def main() -> None:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("datasets", nargs="+", type=Path, help="folders with train/good, test/good")
     ap.add_argument("--config", default="configs/padim_effnet_lite0.yaml")
@@ -302,22 +319,27 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--alignment", action="store_true",
                     help="only print the good images' pairwise offsets per dataset")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
     if args.alignment:
         for root in args.datasets:
             a = alignment(root)
             print(f"{root.name}: {a['images']} train/good images, pairwise offsets "
                   f"{a['q25']:.1f} / {a['median']:.1f} / {a['q75']:.1f} % of the width "
                   f"(quartiles); a 5 % shift reads {a['known_5pct_shift']:.1f} %")
-        return
+        return 0
     torch.manual_seed(args.seed)
-    print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")
+    print(f"machine: {machine()}")
     runs = [bench(args.config, root, [o for o in args.datasets if o != root], args)
             for root in args.datasets]
     if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
+        write_json(args.json, runs)
     print(table(runs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Load test of the inspection service on loopback (issue 13, item 5).
+#!/usr/bin/env python
+"""Load test of the inspection service on loopback.
 
 Starts ``anomaly-hooks serve`` on 127.0.0.1 (a free port, a temporary results log), then
 
@@ -15,8 +16,8 @@ files, decompression bombs, huge headers, over-size bodies, unsupported types, 1
 reports the server's RSS growth between the second minute and the last minute, wrong statuses and
 5xx answers.
 
-    python scripts/bench_serve.py --model models/padim.safetensors --clients 16 --duration 180
-    python scripts/bench_serve.py --model models/padim.safetensors --soak 600 --clients 8
+    python benchmarks/bench_serve.py --model models/padim.safetensors --clients 16 --duration 180
+    python benchmarks/bench_serve.py --model models/padim.safetensors --soak 600 --clients 8
 
 Bounded: loopback only, a request cap and a time cap; the server is stopped at the end.
 """
@@ -39,15 +40,17 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.measure import ROOT, machine, percentile, write_json
 
 HOST = "127.0.0.1"  # never anything else
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--images", default=str(ROOT / "data" / "sample" / "test"),
@@ -65,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--soak", type=float, default=0.0,
                    help="seconds of mixed good/defective/hostile uploads instead of the load test")
     p.add_argument("--server-arg", action="append", default=[],
-                   help="extra option for the server (repeatable), e.g. --server-arg=--keep-images=all")
+                   help="extra option for the server (repeatable), e.g. "
+                   "--server-arg=--keep-images=all")
     p.add_argument("--out", default="bench_serve.json")
     return p.parse_args(argv)
 
@@ -78,7 +82,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args, workdir: Path, extra: List[str]) -> None:
+    """``python -m anomaly_hooks.serve`` on a free loopback port, started at construction, its
+    results and log in ``workdir``."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, extra: List[str]) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.results = workdir / "results"
@@ -93,6 +100,7 @@ class Server:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
+        """Until ``/readyz`` answers 200 (the model loaded and warmed up)."""
         import httpx
 
         deadline = time.monotonic() + timeout
@@ -108,6 +116,7 @@ class Server:
         raise SystemExit("server not ready in time")
 
     def stop(self) -> None:
+        """Terminate the server (SIGTERM: it drains), killing it if it does not end."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -143,21 +152,25 @@ class RssSampler(threading.Thread):
             self._halt.wait(self.interval)
 
     def stop(self) -> None:
+        """Stop sampling."""
         self._halt.set()
         self.join(5)
 
     def peak(self) -> int:
+        """The highest RSS sampled, bytes."""
         return max((r for _, r in self.samples), default=0)
 
 
 # ---- payloads ---------------------------------------------------------------------------------
 def list_images(folder: Path, limit: int = 400) -> List[Path]:
+    """The first ``limit`` image files under ``folder`` (recursive, sorted)."""
     from anomaly_hooks.images import is_image_file
 
     return sorted(p for p in folder.rglob("*") if p.is_file() and is_image_file(p))[:limit]
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
+    """A PNG chunk: length, type, data, CRC."""
     return struct.pack(">I", len(data)) + kind + data + struct.pack(
         ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
@@ -172,9 +185,9 @@ def hostile_payloads(sample: bytes, max_upload: int) -> Dict[str, Tuple[bytes, i
     img.save(buf, "JPEG", quality=90)
     jpeg = bytearray(buf.getvalue())
     corrupt = bytes(jpeg[: len(jpeg) // 3]) + os.urandom(len(jpeg) // 3)
-    bomb = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 50000, 50000, 8, 2, 0, 0, 0))
+    bomb = (PNG_SIGNATURE + _chunk(b"IHDR", struct.pack(">IIBBBBB", 50000, 50000, 8, 2, 0, 0, 0))
             + _chunk(b"IDAT", zlib.compress(b"\x00" * 150001 * 4, 9)) + _chunk(b"IEND", b""))
-    over = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 8000, 8000, 8, 2, 0, 0, 0))
+    over = (PNG_SIGNATURE + _chunk(b"IHDR", struct.pack(">IIBBBBB", 8000, 8000, 8, 2, 0, 0, 0))
             + _chunk(b"IDAT", zlib.compress(b"\x00" * 24001 * 4, 9)) + _chunk(b"IEND", b""))
     text = _chunk(b"zTXt", b"comment\x00\x00" + zlib.compress(b"A" * (8 << 20), 9))
     huge_header = sample[:33] + text + sample[33:]
@@ -249,6 +262,7 @@ class Reference:
         return json.loads(line)
 
     def run(self, passes: int) -> List[float]:
+        """Time ``passes`` batches; returns their seconds."""
         self.proc.stdin.write(f"{passes}\n")
         self.proc.stdin.flush()
         out = self._read()
@@ -258,6 +272,7 @@ class Reference:
         return out["times"]
 
     def close(self) -> None:
+        """End the reference process."""
         self.proc.stdin.close()
         self.proc.wait(60)
 
@@ -314,14 +329,6 @@ async def run_clients(url: str, bodies: List[Tuple[str, bytes, int]], clients: i
     return out
 
 
-def pct(values: List[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
-    return s[k]
-
-
 def batch_stats(url: str) -> Tuple[float, float, float]:
     """(images batched, batches, seconds of inference) so far, from the server's /metrics."""
     import httpx
@@ -338,6 +345,7 @@ def batch_stats(url: str) -> Tuple[float, float, float]:
 
 
 def lost_results(db: Path, acked: List[str]) -> int:
+    """How many acknowledged request ids the server's results log lacks."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     stored = {r[0] for r in con.execute("SELECT request_id FROM results")}
     con.close()
@@ -345,11 +353,14 @@ def lost_results(db: Path, acked: List[str]) -> int:
 
 
 def mib(n: float) -> float:
+    """Bytes to MiB."""
     return n / 2**20
 
 
 # ---- main -------------------------------------------------------------------------------------
-def load_test(args, server: Server, paths: List[Path], bodies) -> dict:
+def load_test(args: argparse.Namespace, server: Server, paths: List[Path],
+              bodies: List[Tuple[str, bytes, int]]) -> Dict[str, Any]:
+    """Concurrent clients in ``--cycles`` segments, the reference between them."""
     ref = Reference(args.model, paths, args.max_batch)
     ref.run(args.reference_passes)
     sampler = RssSampler(server.proc.pid)
@@ -394,7 +405,7 @@ def load_test(args, server: Server, paths: List[Path], bodies) -> dict:
     srv_img_per_cpu = ok / server_cpu if server_cpu else float("nan")
     errors = sum(n for s, n in res["status"].items() if s != 200) + res["transport_errors"]
     lost = lost_results(server.results / "results.sqlite", res["acked"])
-    p = {q: pct(res["lat"], q) for q in (50, 95, 99)}
+    p = {q: percentile(res["lat"], q) for q in (50, 95, 99)}
     return {
         "mode": "load", "clients": args.clients, "max_batch": args.max_batch,
         "max_wait_ms": args.max_wait_ms, "images": len(paths), "requests_ok": ok,
@@ -419,7 +430,8 @@ def load_test(args, server: Server, paths: List[Path], bodies) -> dict:
     }
 
 
-def soak_test(args, server: Server, paths: List[Path]) -> dict:
+def soak_test(args: argparse.Namespace, server: Server, paths: List[Path]) -> Dict[str, Any]:
+    """Mixed good, defective and hostile uploads for ``--soak`` seconds; RSS over time."""
     goods = [p for p in paths if p.parent.name == "good"] or paths
     defects = [p for p in paths if p.parent.name != "good"] or paths
     sample = goods[0].read_bytes()
@@ -458,11 +470,13 @@ def soak_test(args, server: Server, paths: List[Path]) -> dict:
         "scored_ok": len(res["lat"]), "wrong_status": len(res["unexpected"]), "5xx": five_xx,
         "transport_errors": res["transport_errors"], "lost_results": lost,
         "rss_mib": {"second_minute_median": mib(base_rss), "last_minute_median": mib(last_rss),
-                    "peak": mib(sampler.peak()), "growth_pct": 100 * (last_rss - base_rss) / base_rss},
-        "rss_timeline_mib": [(round(t), round(mib(r))) for t, r in samples[:: max(1, len(samples) // 60)]],
+                    "peak": mib(sampler.peak()),
+                    "growth_pct": 100 * (last_rss - base_rss) / base_rss},
+        "rss_timeline_mib": [(round(t), round(mib(r)))
+                             for t, r in samples[:: max(1, len(samples) // 60)]],
         # per minute: the floor (between batches: memory kept), median and peak (in flight)
         "rss_per_minute_mib": per_minute(samples),
-        "latency_s": {"p50": pct(res["lat"], 50), "p99": pct(res["lat"], 99)},
+        "latency_s": {"p50": percentile(res["lat"], 50), "p99": percentile(res["lat"], 99)},
         "mix": by_kind, "unexpected": res["unexpected"][:20],
         "targets": {"rss_growth_lt_5pct": (last_rss - base_rss) / base_rss < 0.05,
                     "no_5xx": five_xx == 0, "zero_lost": lost == 0},
@@ -480,7 +494,8 @@ def per_minute(samples: List[Tuple[float, int]]) -> List[Tuple[int, float, float
     return out
 
 
-def print_load(r: dict) -> None:
+def print_load(r: Dict[str, Any]) -> None:
+    """The load test's figures, one per line."""
     ref = r["reference"]
     lat = r["latency_s"]
     print(f"\nload test: {r['clients']} clients, {r['wall_s']:.0f} s in {r['cycles']} segments, "
@@ -490,7 +505,8 @@ def print_load(r: dict) -> None:
         ("requests ok / errors / lost results", f"{r['requests_ok']} / {r['errors']} / "
                                                 f"{r['lost_results']}"),
         ("throughput (img/s)", f"{r['throughput_img_s']:.3f}"),
-        (f"Detector.predict, batches of {r['max_batch']} (img/s)", f"{ref['throughput_img_s']:.3f}"),
+        (f"Detector.predict, batches of {r['max_batch']} (img/s)",
+         f"{ref['throughput_img_s']:.3f}"),
         ("throughput ratio (target >= 0.85)", f"{r['throughput_ratio']:.3f}"),
         ("images per CPU-second: server / Detector.predict",
          f"{r['cpu']['server_img_per_cpu_s']:.3f} / {r['cpu']['reference_img_per_cpu_s']:.3f}"
@@ -511,10 +527,17 @@ def print_load(r: dict) -> None:
     width = max(len(a) for a, _ in rows)
     for a, b in rows:
         print(f"  {a:<{width}}  {b}")
-    print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in r["targets"].items()))
+    print_targets(r)
 
 
-def print_soak(r: dict) -> None:
+def print_targets(r: Dict[str, Any]) -> None:
+    """Which targets the run met."""
+    print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}"
+                                    for k, v in r["targets"].items()))
+
+
+def print_soak(r: Dict[str, Any]) -> None:
+    """The soak test's figures."""
     rss = r["rss_mib"]
     print(f"\nsoak: {r['seconds']:.0f} s, {r['clients']} clients, {r['requests']} requests "
           f"{r['statuses']}; mix {r['mix']}")
@@ -524,10 +547,10 @@ def print_soak(r: dict) -> None:
           f"{rss['last_minute_median']:.0f} ({rss['growth_pct']:+.2f} %), peak {rss['peak']:.0f}")
     print("  per minute, min / median / max: " + "; ".join(
         f"{m}: {a}/{b}/{c}" for m, a, b, c in r["rss_per_minute_mib"]))
-    print("  targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in r["targets"].items()))
+    print_targets(r)
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     args.model = str(Path(args.model).resolve())
     paths = list_images(Path(args.images))
@@ -550,12 +573,12 @@ def main(argv=None) -> int:
             server.stop()
     result["model"] = args.model
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    result["machine"] = machine()
     result["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
     (print_soak if args.soak else print_load)(result)
     print(f"  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()} "
           f"on {os.cpu_count()} CPUs")
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"written {args.out}")
+    print(f"written {write_json(args.out, result)}")
     ok = all(result["targets"].values())
     return 0 if ok else 1
 
