@@ -1,7 +1,9 @@
-"""Helpers for the service tests: image payloads (good, defective, hostile), model files, a real
-uvicorn server in a subprocess on a free loopback port, a stand-in drift monitor."""
+"""Helpers for the service tests: image payloads (good, defective, hostile), model files, the app
+in process (``serving``) and a real uvicorn server in a subprocess on a free loopback port, a
+stand-in drift monitor."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -10,14 +12,18 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import pytest
 from conftest import ROOT, textured_images, with_defect
 from PIL import Image
+
+TOKEN = "s3cret-token-for-tests"
 
 
 # ---- payloads -------------------------------------------------------------------------------
@@ -170,6 +176,65 @@ def model_variants(det, root: Path) -> Dict[str, Path]:
     text = root / "notes.txt"
     text.write_text("not a model")
     return {"good": good, "strict": strict, "damaged": damaged, "text": text}
+
+
+@pytest.fixture(scope="module")
+def models(fitted, tmp_path_factory) -> Dict[str, Path]:
+    """:func:`model_variants` of the fitted detector (a test module takes it as a fixture with
+    ``models = serve_helpers.models``)."""
+    return model_variants(fitted, tmp_path_factory.mktemp("serve_models"))
+
+
+# ---- the app in process ---------------------------------------------------------------------
+@contextlib.contextmanager
+def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, **kw
+            ) -> Iterator[Tuple[Any, Any]]:
+    """The real app (real batcher, model and SQLite results log) around FastAPI's TestClient;
+    the client sends the token when one is set. ``kw``: :class:`ServeSettings` fields."""
+    from fastapi.testclient import TestClient
+
+    from anomaly_hooks.serve import ServeSettings, create_app
+
+    kw.setdefault("results_dir", str(tmp_path / "results"))
+    settings = ServeSettings(model=str(model), token=kw.pop("token", None), **kw)
+    app = create_app(settings, monitor=monitor)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        if settings.token:
+            client.headers["Authorization"] = f"Bearer {settings.token}"
+        if wait:
+            wait_ready(client)
+        yield client, app.state.service
+
+
+def wait_ready(client, timeout: float = 120.0) -> None:
+    """Until ``/readyz`` answers 200 (the model loads in the background)."""
+    deadline = time.monotonic() + timeout
+    while (r := client.get("/readyz")).status_code != 200:
+        assert time.monotonic() < deadline, r.json()
+        time.sleep(0.05)
+
+
+def assert_error(response, status: int, code: str) -> dict:
+    """The response is the service's JSON error with this status and code; its body."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["code"] == code and body["status"] == status and body["message"], body
+    assert set(body) == {"code", "status", "message"}, body
+    return body
+
+
+def hold_inference(service) -> threading.Event:
+    """Make the current model's inference wait for the returned event."""
+    event = threading.Event()
+    engine = service.engine
+    original = engine.infer
+
+    def held(tensors, **kw):
+        event.wait(60)
+        return original(tensors, **kw)
+
+    engine.infer = held
+    return event
 
 
 # ---- a real server --------------------------------------------------------------------------
