@@ -103,7 +103,7 @@ def gif() -> bytes:
 
 def cut_jpeg_with_end_marker() -> bytes:
     """The first half of a noisy JPEG plus an end marker: Pillow alone decodes it (the rest
-    grey) without an error; libjpeg's strict check (issue 12) refuses it."""
+    grey) without an error; libjpeg's strict check refuses it."""
     noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
     raw = encode(noise, "JPEG", quality=90)
     return raw[:len(raw) // 2] + b"\xff\xd9"
@@ -130,7 +130,7 @@ def hostile_payloads() -> Dict[str, tuple]:
         "png_header_only": (good_png()[:33], 400, "unreadable_image"),
         "bmp_garbage": (b"BM" + os.urandom(200), 400, "unreadable_image"),
         "tiff_garbage": (b"II*\x00" + os.urandom(300), 400, "unreadable_image"),
-        # the hardened reader's refusals (issue 12), reached through an upload
+        # the hardened reader's refusals, reached through an upload
         "jpeg_cut_with_end_marker": (cut_jpeg_with_end_marker(), 400, "unreadable_image"),
         "tiff_int32": (tiff_of(np.full((8, 8), 70000, np.int32), "I"), 400, "unreadable_image"),
         "tiff_float_255": (tiff_of(np.full((8, 8), 200.0, np.float32), "F"), 400,

@@ -2,9 +2,9 @@
 :class:`~anomaly_hooks.serve.service.Service`, the middleware (metrics, auth, body limit), the
 JSON error handlers, the routers of :mod:`.routes`, the operator page's files and the API docs.
 
-The API docs (``/docs``: Swagger UI, ``/redoc``: ReDoc, ``/openapi.json``) load their scripts
-and styles from this server (``/docs/assets``, the ``fastapi-offline`` package's copies), never
-from a CDN: production lines are often air-gapped.
+The API docs (``/docs``: Swagger UI, and ``/openapi.json``) load their scripts and styles from
+this server (``/docs/assets``, the ``fastapi-offline`` package's copies), never from a CDN:
+production lines are often air-gapped. (No ReDoc page: it fetches its logo from its CDN.)
 """
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     service = Service(settings, monitor=monitor, store=store, on_fatal=on_fatal)
     app = FastAPIOffline(title="anomaly_hooks inspection service", version=__version__,
                          description=DESCRIPTION, lifespan=service.lifespan,
-                         docs_url="/docs", redoc_url="/redoc", static_url=DOCS_ASSETS)
+                         docs_url="/docs", redoc_url=None, static_url=DOCS_ASSETS,
+                         # no spec validator badge: Swagger UI would send the spec to its site
+                         swagger_ui_parameters={"validatorUrl": None})
     app.state.service = service
     # last added = outermost
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))

@@ -13,7 +13,7 @@ from anomaly_hooks.serve.errors import ServeError
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 DOCS_ASSETS = "/docs/assets"  # the API docs' scripts and styles
 # what a browser opens: their 401 asks for Basic credentials (the token as the password)
-PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/redoc"})
+PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect"})
 PAGE_PREFIXES = ("/static/", DOCS_ASSETS + "/")
 API_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/model",
                        "/v1/predict", "/v1/predict/batch", "/v1/results", "/v1/results.csv",
