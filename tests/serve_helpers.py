@@ -1,7 +1,9 @@
-"""Helpers for the service tests: image payloads (good, defective, hostile), model files, a real
-uvicorn server in a subprocess on a free loopback port, a stand-in drift monitor."""
+"""Helpers for the service tests: image payloads (good, defective, hostile), model files, the app
+in process (``serving``) and a real uvicorn server in a subprocess on a free loopback port, a
+stand-in drift monitor."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -10,14 +12,18 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import pytest
 from conftest import ROOT, textured_images, with_defect
 from PIL import Image
+
+TOKEN = "s3cret-token-for-tests"
 
 
 # ---- payloads -------------------------------------------------------------------------------
@@ -97,7 +103,7 @@ def gif() -> bytes:
 
 def cut_jpeg_with_end_marker() -> bytes:
     """The first half of a noisy JPEG plus an end marker: Pillow alone decodes it (the rest
-    grey) without an error; libjpeg's strict check (issue 12) refuses it."""
+    grey) without an error; libjpeg's strict check refuses it."""
     noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
     raw = encode(noise, "JPEG", quality=90)
     return raw[:len(raw) // 2] + b"\xff\xd9"
@@ -124,7 +130,7 @@ def hostile_payloads() -> Dict[str, tuple]:
         "png_header_only": (good_png()[:33], 400, "unreadable_image"),
         "bmp_garbage": (b"BM" + os.urandom(200), 400, "unreadable_image"),
         "tiff_garbage": (b"II*\x00" + os.urandom(300), 400, "unreadable_image"),
-        # the hardened reader's refusals (issue 12), reached through an upload
+        # the hardened reader's refusals, reached through an upload
         "jpeg_cut_with_end_marker": (cut_jpeg_with_end_marker(), 400, "unreadable_image"),
         "tiff_int32": (tiff_of(np.full((8, 8), 70000, np.int32), "I"), 400, "unreadable_image"),
         "tiff_float_255": (tiff_of(np.full((8, 8), 200.0, np.float32), "F"), 400,
@@ -170,6 +176,65 @@ def model_variants(det, root: Path) -> Dict[str, Path]:
     text = root / "notes.txt"
     text.write_text("not a model")
     return {"good": good, "strict": strict, "damaged": damaged, "text": text}
+
+
+@pytest.fixture(scope="module")
+def models(fitted, tmp_path_factory) -> Dict[str, Path]:
+    """:func:`model_variants` of the fitted detector (a test module takes it as a fixture with
+    ``models = serve_helpers.models``)."""
+    return model_variants(fitted, tmp_path_factory.mktemp("serve_models"))
+
+
+# ---- the app in process ---------------------------------------------------------------------
+@contextlib.contextmanager
+def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, **kw
+            ) -> Iterator[Tuple[Any, Any]]:
+    """The real app (real batcher, model and SQLite results log) around FastAPI's TestClient;
+    the client sends the token when one is set. ``kw``: :class:`ServeSettings` fields."""
+    from fastapi.testclient import TestClient
+
+    from anomaly_hooks.serve import ServeSettings, create_app
+
+    kw.setdefault("results_dir", str(tmp_path / "results"))
+    settings = ServeSettings(model=str(model), token=kw.pop("token", None), **kw)
+    app = create_app(settings, monitor=monitor)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        if settings.token:
+            client.headers["Authorization"] = f"Bearer {settings.token}"
+        if wait:
+            wait_ready(client)
+        yield client, app.state.service
+
+
+def wait_ready(client, timeout: float = 120.0) -> None:
+    """Until ``/readyz`` answers 200 (the model loads in the background)."""
+    deadline = time.monotonic() + timeout
+    while (r := client.get("/readyz")).status_code != 200:
+        assert time.monotonic() < deadline, r.json()
+        time.sleep(0.05)
+
+
+def assert_error(response, status: int, code: str) -> dict:
+    """The response is the service's JSON error with this status and code; its body."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["code"] == code and body["status"] == status and body["message"], body
+    assert set(body) == {"code", "status", "message"}, body
+    return body
+
+
+def hold_inference(service) -> threading.Event:
+    """Make the current model's inference wait for the returned event."""
+    event = threading.Event()
+    engine = service.engine
+    original = engine.infer
+
+    def held(tensors, **kw):
+        event.wait(60)
+        return original(tensors, **kw)
+
+    engine.infer = held
+    return event
 
 
 # ---- a real server --------------------------------------------------------------------------

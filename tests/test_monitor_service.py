@@ -8,11 +8,13 @@ import time
 
 import numpy as np
 import pytest
+import test_monitor
 from conftest import textured_images
-from test_monitor import monitored  # noqa: F401  (the fitted detector with a reference)
 
 from anomaly_hooks.errors import NotFittedError
 from anomaly_hooks.monitor.service import ServiceMonitor, build, build_auto
+
+monitored = test_monitor.monitored  # the fitted detector with a drift reference (a fixture)
 
 
 def _png(img: np.ndarray) -> bytes:
@@ -121,7 +123,7 @@ def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
     built is refused, and the model before it serves on with its monitor."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
     from fastapi.testclient import TestClient
-    from serve_helpers import save_model_variant
+    from serve_helpers import TOKEN, save_model_variant, wait_ready
 
     from anomaly_hooks.serve import ServeSettings, create_app
 
@@ -129,13 +131,11 @@ def test_reload_gives_the_new_model_its_own_monitor(monitored, tmp_path):
     other = save_model_variant(det, tmp_path / "other.safetensors", threshold_factor=2.0)
     refused = save_model_variant(det, tmp_path / "refused.safetensors", threshold_factor=1e9)
     good = [_png(img) for img in textured_images(3, seed=9)]
-    app = create_app(ServeSettings(model=str(path), results_dir=None,
+    app = create_app(ServeSettings(model=str(path), results_dir=None, token=TOKEN,
+                                   models_dir=str(tmp_path),
                                    monitor="serve_helpers:monitor_refusing_huge_thresholds"))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/readyz").json()
-            time.sleep(0.05)
+    with TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        wait_ready(client)
 
         def seen_after(n):
             deadline = time.monotonic() + 60

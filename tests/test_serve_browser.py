@@ -109,3 +109,45 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
             finally:
                 browser.close()
         assert not problems, problems
+
+
+@pytest.mark.slow
+def test_api_docs_render_offline(chromium, fitted, tmp_path):
+    """``/docs`` (Swagger UI) renders the served OpenAPI document in a real browser that may
+    reach nothing but the server: every operation is listed."""
+    from playwright.sync_api import sync_playwright
+
+    model = save_model_variant(fitted, tmp_path / "model.safetensors")
+    with ServerProcess(model, tmp_path, "--token", TOKEN, "--no-results") as server:
+        spec = httpx.get(server.url + "/openapi.json",
+                         headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        operations = sum(len(ops) for ops in spec["paths"].values())
+        elsewhere: list = []
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                        headless=True)
+            try:
+                context = browser.new_context(
+                    http_credentials={"username": "operator", "password": TOKEN})
+
+                def only_the_server(route):
+                    if route.request.url.startswith(server.url):
+                        return route.continue_()
+                    elsewhere.append(route.request.url)
+                    return route.abort()
+
+                context.route("**/*", only_the_server)
+                page = context.new_page()
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.goto(server.url + "/docs", wait_until="load")
+                page.wait_for_function(
+                    f"document.querySelectorAll('.opblock').length === {operations}",
+                    timeout=60000)
+                assert "Unable to render" not in page.inner_text("body")
+                assert "/v1/admin/reload" in page.inner_text("body")
+                page.screenshot(path=str(tmp_path / "docs.png"), full_page=True)
+            finally:
+                browser.close()
+        assert not elsewhere, elsewhere
+        assert not problems, problems

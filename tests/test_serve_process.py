@@ -1,5 +1,6 @@
 """The inspection service as a real process (uvicorn on a free loopback port): kill -9
-durability of the results log, SIGHUP reload under load, the command line, batching over HTTP."""
+durability of the results log, SIGHUP reload under load, the command line, batching over HTTP,
+the admin routes and the API docs."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,14 @@ pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
 from conftest import ROOT  # noqa: E402
-from serve_helpers import ServerProcess, defect_png, good_png, hostile_payloads, model_variants  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    TOKEN,
+    ServerProcess,
+    defect_png,
+    good_png,
+    hostile_payloads,
+    model_variants,
+)
 
 # every test here starts a server process: slow (the README's test command runs them)
 pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
@@ -159,7 +167,7 @@ def test_http_batching_and_monitor_plugin(model_files, tmp_path):
         for body in (os.urandom(3 << 20), iter([os.urandom(1 << 20)] * 3)):
             r = httpx.post(server.url + "/v1/predict", content=body, timeout=60)
             assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
-        # every bad upload of the hardening issue, all at once: its 4xx JSON, never a 500
+        # every hostile upload, all at once: its 4xx JSON, never a 500
         hostile = hostile_payloads()
         with ThreadPoolExecutor(4) as pool:
             refused = dict(zip(hostile, pool.map(
@@ -201,6 +209,9 @@ def test_http_batching_and_monitor_plugin(model_files, tmp_path):
             sock.recv(1024)
         assert httpx.get(server.url + "/healthz").status_code == 200
         assert httpx.post(server.url + "/v1/predict", content=good_png()).status_code == 200
+        # no token: the admin routes refuse (a reload is SIGHUP's then)
+        r = httpx.post(server.url + "/v1/admin/reload", params={"path": "/dev/zero"})
+        assert r.status_code == 403 and r.json()["code"] == "admin_disabled"
         assert server.stop() in (0, -signal.SIGTERM)  # SIGTERM: graceful shutdown
         assert "Application shutdown complete" in server.log()
 
@@ -219,5 +230,40 @@ def test_cli_refuses_a_model_it_cannot_serve(model_files, tmp_path):
     assert bad.returncode == 2 and "checksum" in bad.stderr.splitlines()[-1], bad.stderr
     opts = _run_cli("serve", "--model", str(model_files["good"]), "--max-batch", "0")
     assert opts.returncode == 2 and "max-batch" in opts.stderr
+    device = _run_cli("serve", "--model", "/dev/zero")
+    assert device.returncode == 2
+    assert "not a regular file (a character device)" in device.stderr, device.stderr
+    folder = _run_cli("serve", "--model", str(model_files["good"]), "--models-dir",
+                      str(tmp_path / "nowhere"))
+    assert folder.returncode == 2 and "models-dir" in folder.stderr
     helptext = _run_cli("serve", "--help")
     assert helptext.returncode == 0 and "--max-wait-ms" in helptext.stdout
+    assert "--models-dir" in helptext.stdout
+
+
+def test_admin_routes_and_docs_over_http(model_files, tmp_path):
+    """A real server with a token: a reload body nested 100,000 deep is a 422 JSON answer (not
+    a dropped connection), a path outside the models folder a 403, a good one reloads; the
+    API docs and their assets come from the server itself."""
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    shutil.copy(model_files["strict"], shelf / "strict.safetensors")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with ServerProcess(model_files["good"], tmp_path, "--token", TOKEN, "--models-dir",
+                       str(shelf), "--no-results") as server:
+        url = server.url + "/v1/admin/reload"
+        deep = httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, timeout=60,
+                          headers={**auth, "Content-Type": "application/json"})
+        assert deep.status_code == 422 and deep.json()["code"] == "invalid_parameter", deep.text
+        outside = httpx.post(url, params={"path": str(model_files["strict"])}, headers=auth)
+        assert outside.status_code == 403 and str(shelf) in outside.json()["message"]
+        ok = httpx.post(url, json={"path": str(shelf / "strict.safetensors")}, headers=auth,
+                        timeout=120)
+        assert ok.status_code == 200 and not ok.json()["unchanged"], ok.text
+        docs = httpx.get(server.url + "/docs", auth=("operator", TOKEN))
+        assert docs.status_code == 200 and "/docs/assets/swagger-ui-bundle.js" in docs.text
+        for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+            r = httpx.get(f"{server.url}/docs/assets/{asset}", auth=("operator", TOKEN))
+            assert r.status_code == 200 and len(r.content) > 10_000, asset
+        spec = httpx.get(server.url + "/openapi.json", headers=auth).json()
+        assert "/v1/admin/reload" in spec["paths"]

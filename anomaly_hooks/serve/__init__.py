@@ -1,9 +1,15 @@
-"""The inspection service (issue 13): ``anomaly-hooks serve --model m.safetensors``.
+"""The inspection service: ``anomaly-hooks serve --model m.safetensors``.
 
 A FastAPI app on uvicorn (optional extra ``[serve]``) around one loaded model: single and batch
-prediction with dynamic batching, a results log (SQLite), an operator web page, Prometheus
-metrics, bearer-token auth and atomic model reload. Importing this package does not import
-FastAPI or torch; :func:`create_app` does.
+prediction with dynamic batching, a results log (SQLite), an operator web page, the API docs
+(``/docs``, ``/openapi.json``), Prometheus metrics, bearer-token auth and atomic model reload.
+Importing this package does not import FastAPI or torch; :func:`create_app` does.
+
+Modules: :mod:`.app` (``create_app``), :mod:`.service` (the running service),
+:mod:`.routes` (one router per area), :mod:`.schemas` (the JSON bodies), :mod:`.dependencies`,
+:mod:`.middleware`, :mod:`.engine` (one loaded model), :mod:`.batcher`, :mod:`.results` (the
+results log), :mod:`.uploads`, :mod:`.pictures`, :mod:`.modelpaths`, :mod:`.monitoring`,
+:mod:`.metrics`, :mod:`.errors`, :mod:`.settings`, :mod:`.cli`.
 """
 from __future__ import annotations
 

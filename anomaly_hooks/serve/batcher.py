@@ -216,7 +216,9 @@ class Batcher:
                         job.future.set_exception(ServeError(503, "shutting_down",
                                                             "the server is shutting down"))
                 raise
-            except Exception as exc:  # a fault of the model, not of the inputs
+            # broad: whatever the model raises is a fault of the model, not of the inputs; its
+            # requests get a 500 and the batcher goes on with the next batch
+            except Exception as exc:
                 log.exception("inference failed on a batch of %d", len(batch))
                 err = ServeError(500, "internal_error",
                                  f"inference failed: {type(exc).__name__}: {exc}")

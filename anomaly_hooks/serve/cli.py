@@ -9,7 +9,6 @@ import argparse
 import logging
 import sys
 from dataclasses import fields
-from pathlib import Path
 from typing import Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError
@@ -27,7 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d["port"], help=f"default {d['port']}")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved in the model)")
     p.add_argument("--token", help=f"bearer token required on everything but /healthz and "
-                   f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth)")
+                   f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth, "
+                   "and the admin routes are disabled)")
+    p.add_argument("--models-dir", help="the folder POST /v1/admin/reload may load model files "
+                   "from (default: the folder of --model)")
     g = p.add_argument_group("batching and limits")
     g.add_argument("--max-batch", type=int, default=d["max_batch"],
                    help=f"images per backbone batch (default {d['max_batch']})")
@@ -91,8 +93,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(
         model=args.model, host=args.host, port=args.port, device=args.device,
-        token=args.token, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue, decode_workers=args.decode_workers,
+        token=args.token, models_dir=args.models_dir, max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, decode_workers=args.decode_workers,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
         max_pixels=args.max_pixels, request_timeout_s=args.request_timeout,
         results_dir=None if args.no_results else args.results_dir,
@@ -114,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'anomaly_hooks[serve]'", file=sys.stderr)
         return 2
     settings = settings_from_args(args)
-    if not Path(settings.model).is_file():
-        raise FileNotFoundError(f"{settings.model}: model file not found")
+    from anomaly_hooks.serve.modelpaths import check_model_file
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
 
+    check_model_file(settings.model)
     if monitor_enabled(settings.monitor):
         load_factory(settings.monitor)  # fail now, not after the model has loaded
     log = logging.getLogger("anomaly_hooks.serve")

@@ -23,7 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
+from anomaly_hooks.serve.modelpaths import check_model_file
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
 
@@ -59,13 +61,9 @@ class PreparedImage:
 
 @dataclass
 class Outcome:
-    """The result for one image, with the pictures asked for."""
+    """The result for one image: its verdict, with the pictures asked for."""
 
-    score: float
-    normalized_score: float
-    is_anomalous: bool
-    threshold: float
-    anomalous_pixels: int
+    verdict: Verdict
     overlay_png: Optional[bytes] = None
     mask_png: Optional[bytes] = None
     thumb_jpg: Optional[bytes] = None
@@ -85,14 +83,14 @@ class Engine:
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str, device: Optional[str] = None, warmup: bool = True) -> "Engine":
-        """Read, verify and warm up a model file (raises the library's errors when refused)."""
+        """Read, verify and warm up a model file (raises the library's errors when refused;
+        a path that is not a regular file is refused before it is read)."""
         from anomaly_hooks.detector import Detector
         from anomaly_hooks.errors import ModelFileError
 
         start = time.perf_counter()
         p = Path(path)
-        if not p.is_file():
-            raise ModelFileError(f"{p}: model file not found")
+        check_model_file(p)
         before = _signature(p)
         sha = file_sha256(p)
         det = Detector.load(p, device=device)
@@ -203,16 +201,15 @@ class Engine:
         full = pre.to_original(heat, (item.height, item.width), fill=fill)
         anomalous_pixels = int((full > thr.value).sum())
         del full
-        out = Outcome(score=float(score), normalized_score=float(thr.normalize(score)),
-                      is_anomalous=bool(score > thr.value), threshold=float(thr.value),
-                      anomalous_pixels=anomalous_pixels)
+        out = Outcome(thr.verdict(score, anomalous_pixels))
+        anomalous = out.verdict.is_anomalous
         prev = item.preview
-        if prev is not None and (overlay or (keep_anomalous and out.is_anomalous) or thumb_side):
+        if prev is not None and (overlay or (keep_anomalous and anomalous) or thumb_side):
             from anomaly_hooks.visualize import colorize
             from anomaly_hooks.visualize import overlay as blend
 
             vmax = max(2 * thr.value, float(heat.max()))
-            if overlay or (keep_anomalous and out.is_anomalous):
+            if overlay or (keep_anomalous and anomalous):
                 small = pre.to_original(heat, prev.shape[:2], fill=fill).numpy()
                 mask = small > thr.value
                 picture = blend(prev, colorize(small, 0.0, vmax), mask=mask)

@@ -2,36 +2,37 @@
 that says what was wrong. The JSON body of every error response is
 ``{"code": ..., "message": ..., "status": ...}``.
 
-Stable codes (clients may switch on them):
-
-====== ======================= ===========================================================
-status code                    meaning
-====== ======================= ===========================================================
-400    empty_body              the request carried no image bytes
-400    unreadable_image        the bytes are of a supported type but cannot be decoded
-400    malformed_request       broken multipart body, bad Content-Length, ...
-401    unauthorized            missing or wrong bearer token
-404    not_found               no such route or result
-405    method_not_allowed      wrong HTTP method for the route
-409    reload_in_progress      another model reload is running
-413    payload_too_large       the upload exceeds the byte limit
-413    too_many_pixels         the image exceeds the pixel limit (decompression-bomb guard)
-413    too_many_images         more images in one batch request than allowed
-415    unsupported_media_type  not PNG, JPEG, TIFF, BMP or WebP
-422    invalid_parameter       a query/form parameter is invalid
-422    reload_failed           the new model file was refused; the old model keeps serving
-500    internal_error          a fault of the server, never of the input
-503    not_ready               the model is not loaded (yet); Retry-After
-503    overloaded              the bounded queue is full; Retry-After
-503    timeout                 the request took longer than the request timeout
-503    shutting_down           the server is stopping
-====== ======================= ===========================================================
+:data:`CODES` lists the stable codes (clients may switch on them) with their status and meaning;
+the OpenAPI document (``/openapi.json``, ``/docs``) lists them under each error status.
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 from anomaly_hooks.errors import AnomalyHooksError
+
+CODES = (
+    (400, "empty_body", "the request carried no image bytes"),
+    (400, "unreadable_image", "the bytes are of a supported type but cannot be decoded"),
+    (400, "malformed_request", "broken multipart body, bad Content-Length, ..."),
+    (401, "unauthorized", "missing or wrong bearer token"),
+    (403, "admin_disabled", "admin routes answer only on a server with a token"),
+    (403, "path_not_allowed", "a reload path outside the models folder"),
+    (404, "not_found", "no such route, result or picture; or the results log is off"),
+    (405, "method_not_allowed", "wrong HTTP method for the route"),
+    (409, "reload_in_progress", "another model reload is running"),
+    (413, "payload_too_large", "the upload (or request body) exceeds the byte limit"),
+    (413, "too_many_pixels", "the image exceeds the pixel limit (decompression-bomb guard)"),
+    (413, "too_many_images", "more images in one batch request than allowed"),
+    (415, "unsupported_media_type", "not PNG, JPEG, TIFF, BMP or WebP"),
+    (422, "invalid_parameter", "a path, query, form or body parameter is invalid"),
+    (422, "reload_failed", "the new model file was refused; the old model keeps serving"),
+    (500, "internal_error", "a fault of the server, never of the input"),
+    (503, "not_ready", "the model is not loaded (yet); Retry-After"),
+    (503, "overloaded", "the bounded queue is full; Retry-After"),
+    (503, "timeout", "the request took longer than the request timeout; Retry-After"),
+    (503, "shutting_down", "the server is stopping"),
+)
 
 
 class ServeError(AnomalyHooksError, ValueError):
@@ -59,13 +60,20 @@ def overloaded(message: str, retry_after: int) -> ServeError:
     return ServeError(503, "overloaded", message, {"Retry-After": str(max(1, int(retry_after)))})
 
 
+def client_gone() -> ServeError:
+    """The client went away before its request body was complete."""
+    return ServeError(400, "malformed_request", "the client disconnected before the request "
+                      "body was complete")
+
+
 def not_ready(message: str, retry_after: int = 5) -> ServeError:
     return ServeError(503, "not_ready", message, {"Retry-After": str(max(1, int(retry_after)))})
 
 
-STATUS_CODES = {400: "malformed_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
-                415: "unsupported_media_type", 422: "invalid_parameter", 503: "not_ready"}
+STATUS_CODES = {400: "malformed_request", 401: "unauthorized", 403: "forbidden",
+                404: "not_found", 405: "method_not_allowed", 409: "conflict",
+                413: "payload_too_large", 415: "unsupported_media_type",
+                422: "invalid_parameter", 503: "not_ready"}
 
 
 def code_for_status(status: int) -> str:

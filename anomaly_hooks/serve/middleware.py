@@ -11,19 +11,25 @@ from typing import Any, Callable, Optional
 from anomaly_hooks.serve.errors import ServeError
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-PAGE_PATHS = ("/", "/index.html")  # and everything under /static/: a browser's Basic prompt
+DOCS_ASSETS = "/docs/assets"  # the API docs' scripts and styles
+# what a browser opens: their 401 asks for Basic credentials (the token as the password)
+PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect"})
+PAGE_PREFIXES = ("/static/", DOCS_ASSETS + "/")
+API_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/model",
+                       "/v1/predict", "/v1/predict/batch", "/v1/results", "/v1/results.csv",
+                       "/v1/drift", "/v1/admin/reload"})
 
 
 def endpoint_label(path: str) -> str:
     """A bounded set of labels for metrics (never the raw path: ids would explode them)."""
-    if path in ("/", "/index.html", "/healthz", "/readyz", "/metrics", "/v1/model",
-                "/v1/predict", "/v1/predict/batch", "/v1/results", "/v1/results.csv",
-                "/v1/drift", "/v1/admin/reload"):
+    if path in API_PATHS or path in PAGE_PATHS:
         return path
     if path.startswith("/v1/results/"):
         return "/v1/results/{id}"
     if path.startswith("/static/"):
         return "/static"
+    if path.startswith(DOCS_ASSETS + "/"):
+        return DOCS_ASSETS
     return "other"
 
 
@@ -70,7 +76,7 @@ class RequestMetricsMiddleware:
 
 
 class AuthMiddleware:
-    """Bearer token on everything but the health probes.
+    """Bearer token on everything but the health probes (the page and the API docs included).
 
     ``Authorization: Bearer <token>`` for API clients; ``Basic`` with the token as the password
     (any user name) is accepted too, so that a browser can open the operator page: the page's
@@ -104,7 +110,7 @@ class AuthMiddleware:
         if self._ok(_header(scope, b"authorization")):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        page = path in PAGE_PATHS or path.startswith("/static/")
+        page = path in PAGE_PATHS or path.startswith(PAGE_PREFIXES)
         challenge = ('Basic realm="anomaly-hooks", charset="UTF-8"' if page
                      else 'Bearer realm="anomaly-hooks"')
         given = _header(scope, b"authorization")

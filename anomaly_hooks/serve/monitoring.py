@@ -112,6 +112,8 @@ class MonitorRunner:
         try:
             self.monitor.observe(make_batch())
             self.observed += 1
+        # broad: a monitor is the user's code; whatever it raises is logged, and the next
+        # batch is offered to it again
         except Exception:
             log.exception("drift monitor observe() failed")
         finally:
@@ -120,7 +122,7 @@ class MonitorRunner:
     def status(self) -> Dict[str, Any]:
         try:
             status = dict(self.monitor.status())
-        except Exception as exc:
+        except Exception as exc:  # broad: the user's code; /v1/drift then says "error"
             log.exception("drift monitor status() failed")
             return {"enabled": True, "state": "error", "message": f"status() failed: {exc}"}
         status.setdefault("enabled", True)

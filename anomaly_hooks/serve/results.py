@@ -24,32 +24,29 @@ import queue
 import sqlite3
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, fields
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.outputs import csv_cell
+from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
 
 log = logging.getLogger("anomaly_hooks.serve")
 
 
 @dataclass
 class Record:
-    """One prediction."""
+    """One prediction: its verdict and where, when and by which model it was made."""
 
     time: float
     request_id: str
-    score: float
-    normalized_score: float
-    is_anomalous: bool
-    threshold: float
+    verdict: Verdict
     model_id: str
     model_checksum: str
     part_id: Optional[str] = None
     source: Optional[str] = None
-    anomalous_pixels: Optional[int] = None
     width: Optional[int] = None
     height: Optional[int] = None
     overlay_path: Optional[str] = None
@@ -58,25 +55,40 @@ class Record:
     latency_ms: Optional[float] = None
     id: Optional[int] = None
 
+    def flat(self) -> Dict[str, Any]:
+        """The record as one flat mapping: the verdict's fields beside the others (its JSON,
+        CSV and SQL rows; non-finite floats as None)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "verdict"}
+        return {**self.verdict.as_dict(), **out}
+
+    def picture_urls(self) -> Dict[str, Optional[str]]:
+        """``{overlay,mask,thumb}_url``: where each stored picture is served (None: none)."""
+        return {f"{kind}_url": (f"/v1/results/{self.id}/{name}"
+                                if getattr(self, f"{kind}_path") and self.id is not None
+                                else None)
+                for kind, name in PICTURES.items()}
+
     def as_json(self) -> Dict[str, Any]:
         """JSON form: ISO time, URLs of the stored pictures (no server paths)."""
-        out = asdict(self)
-        out["time_iso"] = iso_time(self.time)
-        for kind, key in (("overlay", "overlay_path"), ("mask", "mask_path"),
-                          ("thumb", "thumb_path")):
-            out[f"{kind}_url"] = (f"/v1/results/{self.id}/{PICTURES[kind]}"
-                                  if out.pop(key) and self.id is not None else None)
-        return out
+        out = self.flat()
+        for kind in PICTURES:
+            del out[f"{kind}_path"]
+        return {**out, "time_iso": iso_time(self.time), **self.picture_urls()}
 
 
-COLUMNS = [f.name for f in fields(Record) if f.name != "id"]
+# the other fields, then the verdict's: the SQL columns (the table's names, in any order)
+META_COLUMNS = [f.name for f in fields(Record) if f.name not in ("id", "verdict")]
+COLUMNS = META_COLUMNS + VERDICT_FIELDS
 PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
                "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id"]
+# ids are SQLite INTEGERs (signed 64-bit): a larger id can name no record
+MAX_ID = 2**63 - 1
 
 
 def iso_time(ts: float) -> str:
+    """Unix seconds as ISO 8601 UTC with milliseconds (``2026-11-23T10:00:00.000Z``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
 
 
@@ -203,7 +215,7 @@ class SQLiteResultStore(ResultStore):
             con.execute("BEGIN IMMEDIATE")
             try:
                 for rec in records:
-                    cur = con.execute(sql, [_to_sql(getattr(rec, c)) for c in COLUMNS])
+                    cur = con.execute(sql, _to_row(rec))
                     ids.append(int(cur.lastrowid))
                 con.execute("COMMIT")
             except BaseException:
@@ -227,7 +239,7 @@ class SQLiteResultStore(ResultStore):
         if part_id is not None:
             clauses.append("part_id = ?")
             args.append(part_id)
-        if before_id is not None:
+        if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
             clauses.append("id < ?")
             args.append(int(before_id))
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
@@ -237,10 +249,12 @@ class SQLiteResultStore(ResultStore):
         where, args = self._where(since, until, anomalous, part_id, before_id)
         rows = self._reader().execute(
             f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",
-            [*args, int(limit)]).fetchall()
+            [*args, min(int(limit), MAX_ID)]).fetchall()
         return [_from_row(r) for r in rows]
 
     def get(self, record_id: int) -> Optional[Record]:
+        if not 0 < record_id <= MAX_ID:  # no such row, and SQLite cannot even bind it
+            return None
         row = self._reader().execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
                                      [int(record_id)]).fetchone()
         return _from_row(row) if row else None
@@ -282,16 +296,18 @@ class SQLiteResultStore(ResultStore):
             self._write.close()
 
 
-def _to_sql(value: Any) -> Any:
-    if isinstance(value, bool):
-        return int(value)
-    return value
+def _to_row(record: Record) -> List[Any]:
+    """The SQL values of :data:`COLUMNS` (a bool as 0/1)."""
+    flat = record.flat()
+    return [int(v) if isinstance(v, bool) else v for v in (flat[c] for c in COLUMNS)]
 
 
 def _from_row(row: Sequence[Any]) -> Record:
+    """The record of a row ``(id, *COLUMNS)``."""
     data = dict(zip(["id", *COLUMNS], row))
-    data["is_anomalous"] = bool(data["is_anomalous"])
-    return Record(**data)
+    verdict = Verdict(**{k: data.pop(k) for k in VERDICT_FIELDS})
+    verdict.is_anomalous = bool(verdict.is_anomalous)
+    return Record(verdict=verdict, **data)
 
 
 def open_store(spec: str) -> ResultStore:
@@ -311,9 +327,9 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     writer.writerow(CSV_COLUMNS)
     n = 0
     for rec in records:
-        row = asdict(rec)
+        row = rec.flat()
         row["time_iso"] = iso_time(rec.time)
-        row["is_anomalous"] = int(rec.is_anomalous)
+        row["is_anomalous"] = int(rec.verdict.is_anomalous)
         writer.writerow([csv_cell(row[c]) for c in CSV_COLUMNS])  # no formulas
         n += 1
         if n % 500 == 0:
@@ -425,7 +441,9 @@ class Recorder:
             for (fn, args, kwargs), fut in calls:
                 try:
                     _resolve(fut, fn(*args, **kwargs))
-                except BaseException as exc:
+                # broad: the writer thread must outlive any call; the error goes to the caller,
+                # whose future raises it
+                except BaseException as exc:  # noqa: BLE001
                     _resolve(fut, error=exc)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -443,5 +461,5 @@ def _resolve(fut: "Future[Any]", value: Any = None, error: Optional[BaseExceptio
             fut.set_exception(error)
         else:
             fut.set_result(value)
-    except Exception:  # InvalidStateError: cancelled between the check and the set
+    except InvalidStateError:  # cancelled between the check and the set
         pass

@@ -19,7 +19,8 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     device: Optional[str] = None           # None = as saved in the model
-    token: Optional[str] = None            # None = no auth (fine on loopback only)
+    token: Optional[str] = None            # None = no auth (fine on loopback only), no admin
+    models_dir: Optional[str] = None       # admin reloads load from here; None = --model's folder
     max_batch: int = 16                    # images per backbone batch
     max_wait_ms: Optional[float] = None    # wait after a batch's first image; None = auto
     max_queue: int = 64                    # images in the request path at most (then 503)
@@ -66,6 +67,8 @@ class ServeSettings:
             raise ConfigError("retention-count must be >= 1")
         if self.token is not None and len(self.token) < 8:
             raise ConfigError("the token must have at least 8 characters")
+        if self.models_dir is not None and not os.path.isdir(self.models_dir):
+            raise ConfigError(f"models-dir {self.models_dir!r} is not a folder")
         return self
 
     def public(self) -> dict:

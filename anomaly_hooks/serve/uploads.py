@@ -5,7 +5,7 @@ checks and decodes the bytes of an upload exactly as it does a file: format allo
 count from the header, strict JPEG entropy check, reduced decoding of huge images): which
 media types it accepts (decided by the first bytes, never by the client's Content-Type or file
 name) and how each refusal maps to an HTTP status. The byte-size limit is checked before this,
-while the body is read (:mod:`.middleware`, :func:`.app._read_upload`).
+while the body is read (:mod:`.middleware`, :mod:`.routes.predict`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""Which paths the service loads as a model.
+
+* :func:`check_model_file`: a model is a regular file; anything else (a folder, a device such as
+  ``/dev/zero``, a FIFO, a symbolic link loop, a missing file) is refused with what it is, from
+  ``os.stat`` alone, before a byte is read or hashed (reading ``/dev/zero`` never ends, opening a
+  FIFO waits for a writer).
+* :func:`inside_folder`: the admin reload route loads files from one folder only (the serving
+  model's, or ``--models-dir``); symbolic links and ``..`` are resolved first, so neither can
+  lead out of it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.images import display
+from anomaly_hooks.serve.errors import ServeError
+
+# what each kind of non-regular file is called in the refusal
+_KINDS = ((stat.S_ISDIR, "is a folder"), (stat.S_ISCHR, "not a regular file (a character device)"),
+          (stat.S_ISBLK, "not a regular file (a block device)"),
+          (stat.S_ISFIFO, "not a regular file (a FIFO)"),
+          (stat.S_ISSOCK, "not a regular file (a socket)"))
+
+
+def check_model_file(path: str | os.PathLike) -> None:
+    """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file.
+
+    Only ``os.stat`` is called (it follows symbolic links): nothing is opened.
+    """
+    label = display(path)
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelFileError(f"{label}: model file not found") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ModelFileError(f"{label}: is a symbolic link loop, not a model file") from None
+        raise ModelFileError(f"{label}: cannot read the model file "
+                             f"({exc.strerror or exc})") from None
+    except ValueError:  # a NUL character in the name
+        raise ModelFileError(f"{label}: not a valid file name") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
+    raise ModelFileError(f"{label}: {kind}, not a model file")
+
+
+def inside_folder(path: str, folder: str) -> str:
+    """The real path of ``path`` (symbolic links and ``..`` resolved; relative to the working
+    directory), which must lie inside ``folder``.
+
+    Raises:
+        ServeError: 403 ``path_not_allowed`` naming the folder; 422 for a name that cannot be
+            a path (a NUL character).
+    """
+    root = os.path.realpath(folder)
+    try:
+        real = os.path.realpath(path)
+    except ValueError:
+        raise ServeError(422, "invalid_parameter", "path is not a valid file name") from None
+    if real == root or os.path.commonpath([real, root]) != root:
+        raise ServeError(403, "path_not_allowed",
+                         f"{display(path)} is outside the models folder {display(root)}: a "
+                         "reload loads model files from that folder only (the server's "
+                         "--models-dir, by default the folder of the model it started with)")
+    return real

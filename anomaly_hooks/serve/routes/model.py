@@ -1,0 +1,108 @@
+"""The serving model: ``GET /v1/model`` and the admin route ``POST /v1/admin/reload``.
+
+Admin routes answer only on a server with a token (403 ``admin_disabled`` otherwise), and a
+reload loads files from the models folder only (403 ``path_not_allowed``): see
+:func:`~anomaly_hooks.serve.dependencies.admin_enabled` and
+:meth:`~anomaly_hooks.serve.service.Service.reload_target`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Dict, Optional
+
+from fastapi import APIRouter, Depends, Query, Request
+from starlette.requests import ClientDisconnect
+
+from anomaly_hooks.serve.dependencies import EngineDep, ServiceDep, admin_enabled
+from anomaly_hooks.serve.errors import ServeError, client_gone
+from anomaly_hooks.serve.schemas import ModelInfo, ReloadResult, error_responses
+
+router = APIRouter(tags=["model"])
+
+# a reload body is {"path": "..."}: deeper JSON is refused before it is parsed (a parser
+# recursing through 100,000 levels would exhaust the stack)
+MAX_JSON_DEPTH = 32
+PATH_MAX = 4096
+_RELOAD_BODY = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"path": {"type": "string", "maxLength": PATH_MAX}}}}}}}
+
+
+@router.get("/v1/model", response_model=ModelInfo, response_model_exclude_unset=True,
+            summary="The serving model", responses=error_responses(401, 500, 503))
+async def model_info(service: ServiceDep, engine: EngineDep) -> Dict[str, Any]:
+    """Its identity (file checksum), method, backbone, layers, preprocessing, threshold, fit,
+    the server's settings, the batcher's state and the last reload."""
+    b = service.batcher
+    assert b is not None
+    return {**engine.info(), "serving": service.settings.public(),
+            "batching": {"wait_ms": round(b.wait_s * 1000, 3), "batches": b.batches,
+                         "seconds_per_image": round(b.seconds_per_image, 6)},
+            "last_reload": service.last_reload,
+            "drift_monitor": service.monitor is not None}
+
+
+@router.post("/v1/admin/reload", response_model=ReloadResult, summary="Reload the model",
+             dependencies=[Depends(admin_enabled)], openapi_extra=_RELOAD_BODY,
+             responses=error_responses(400, 401, 403, 409, 413, 422, 500))
+async def reload(request: Request, service: ServiceDep,
+                 path: Annotated[Optional[str], Query(
+                     max_length=PATH_MAX, description="the model file (default: the serving "
+                     "one's path again); inside the models folder")] = None) -> Dict[str, Any]:
+    """Load a model file beside the serving model, warm it up, then swap: requests admitted
+    before finish on the old model. The path comes as ``?path=`` or as ``{"path": ...}``; a
+    refused file (422 ``reload_failed``) leaves the old model serving."""
+    if path is None:
+        path = await _body_path(request)
+    return await service.reload(service.reload_target(path) if path else None)
+
+
+async def _body_path(request: Request) -> Optional[str]:
+    """The ``path`` of a JSON body ``{"path": "..."}`` (None without one)."""
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        return None
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise client_gone() from None
+    if not raw.strip():
+        return None
+    if nested_deeper_than(raw, MAX_JSON_DEPTH):
+        raise ServeError(422, "invalid_parameter", f"the JSON body is nested deeper than "
+                         f"{MAX_JSON_DEPTH} levels; send {{\"path\": \"...\"}}")
+    try:
+        payload = json.loads(raw)
+    except ValueError:  # JSONDecodeError, and bytes that are not UTF-8
+        raise ServeError(422, "invalid_parameter", "the body is not valid JSON") from None
+    if payload is not None and not isinstance(payload, dict):
+        raise ServeError(422, "invalid_parameter", 'the body must be {"path": "..."}')
+    path = (payload or {}).get("path")
+    if path is not None and (not isinstance(path, str) or len(path) > PATH_MAX):
+        raise ServeError(422, "invalid_parameter",
+                         f"path must be a string of at most {PATH_MAX} characters")
+    return path
+
+
+def nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the arrays and objects of a JSON text nest deeper than ``limit`` (brackets
+    inside strings do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # it cannot nest deeper than it has brackets
+    depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return False

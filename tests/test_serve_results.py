@@ -1,0 +1,149 @@
+"""The results log (results.py): the SQLite store, the picture files, the CSV export, the
+group commit, and the record's one verdict (prediction.Verdict) in its columns."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
+from anomaly_hooks.serve.results import (
+    COLUMNS,
+    MAX_ID,
+    SCHEMA,
+    ImageFiles,
+    Record,
+    Recorder,
+    SQLiteResultStore,
+    csv_lines,
+    open_store,
+)
+
+
+def _record(i: int, t: float, anomalous: bool = False, **kw) -> Record:
+    verdict = Verdict(score=float(i), normalized_score=0.5, is_anomalous=anomalous,
+                      threshold=10.0, anomalous_pixels=kw.pop("anomalous_pixels", None))
+    return Record(time=t, request_id=f"r{i}", verdict=verdict, model_id="m",
+                  model_checksum="c" * 64, part_id=kw.pop("part_id", f"P{i}"), **kw)
+
+
+def test_store_add_query_filters_and_paging(tmp_path):
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    ids = store.add([_record(i, 1000.0 + i, anomalous=i % 3 == 0) for i in range(10)])
+    assert ids == list(range(1, 11)) and store.count() == 10
+    assert [r.id for r in store.query(limit=3)] == [10, 9, 8]
+    assert [r.verdict.score for r in store.query(anomalous=True)] == [9.0, 6.0, 3.0, 0.0]
+    assert [r.id for r in store.query(since=1005.0, until=1008.0)] == [8, 7, 6]
+    assert [r.id for r in store.query(part_id="P4")] == [5]
+    assert [r.id for r in store.query(before_id=4)] == [3, 2, 1]
+    assert [r.id for r in store.iter_query(page=3)] == list(range(10, 0, -1))
+    rec = store.get(4)
+    assert rec.verdict.is_anomalous is True and rec.part_id == "P3" and store.get(99) is None
+    store.close()
+    again = open_store(f"sqlite:///{tmp_path / 'r.sqlite'}")   # reopened: all there
+    assert again.count() == 10
+    assert again._write.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_store_retention_by_age_and_count(tmp_path):
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    store.add([_record(i, 1000.0 + i) for i in range(10)])
+    removed = store.prune(max_age_s=5, now=1010.0)          # older than t=1005
+    assert sorted(r.id for r in removed) == [1, 2, 3, 4, 5]
+    removed = store.prune(max_count=3)
+    assert sorted(r.id for r in removed) == [6, 7] and store.count() == 3
+    assert store.add([_record(99, 2000.0)]) == [11]          # ids never reused
+    assert store.prune(max_count=100) == []
+
+
+def test_image_files_write_resolve_delete(tmp_path):
+    files = ImageFiles(tmp_path)
+    paths = files.write("abc", 1000.0, {"overlay": b"png", "mask": None, "thumb": b"jpg"})
+    assert paths["mask"] is None and paths["overlay"].startswith("images/1970-01-01/")
+    assert files.resolve(paths["overlay"]).read_bytes() == b"png"
+    assert files.resolve("../../etc/passwd") is None
+    rec = _record(1, 1000.0, overlay_path=paths["overlay"], thumb_path=paths["thumb"])
+    assert files.delete([rec]) == 2 and files.resolve(paths["overlay"]) is None
+
+
+def test_csv_export_is_parseable_and_neutralises_formulas(tmp_path):
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    store.add([_record(1, 1000.0, part_id="=HYPERLINK(\"http://x\")", source="a,b\"c")])
+    text = "".join(csv_lines(store.iter_query()))
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert rows[0]["part_id"].startswith("'=") and rows[0]["source"] == 'a,b"c'
+    assert rows[0]["time_iso"] == "1970-01-01T00:16:40.000Z" and rows[0]["is_anomalous"] == "0"
+
+
+def test_recorder_group_commits_from_many_threads(tmp_path):
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    rec = Recorder(store)
+    with ThreadPoolExecutor(16) as pool:
+        futures = list(pool.map(lambda i: rec.submit(_record(i, 1000.0 + i)), range(400)))
+    ids = [f.result(30) for f in futures]
+    assert sorted(ids) == list(range(1, 401))
+    assert rec.commits < 400                  # grouped into fewer transactions
+    assert rec.call(store.count).result(30) == 400
+    rec.close()
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    assert con.execute("SELECT COUNT(DISTINCT request_id) FROM results").fetchone()[0] == 400
+
+
+def test_store_refuses_unknown_schemes(tmp_path):
+    with pytest.raises(ValueError, match="implement ResultStore"):
+        open_store("postgresql://db/results")
+
+
+
+
+def test_store_columns_are_the_schemas_and_the_verdict_fields():
+    """The SQL columns: the verdict's fields (prediction.VERDICT_FIELDS) and the record's own,
+    the same names as the table an existing log has."""
+    table = set(re.findall(r"^    (\w+) (?:INTEGER|REAL|TEXT)", SCHEMA, re.M))
+    assert set(COLUMNS) | {"id"} == table and set(VERDICT_FIELDS) <= set(COLUMNS)
+
+
+def test_store_keeps_the_verdict_and_refuses_no_id(tmp_path):
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    [rid] = store.add([_record(7, 1000.0, anomalous=True, anomalous_pixels=42, width=3,
+                               height=4)])
+    rec = store.get(rid)
+    assert rec.verdict == Verdict(7.0, 0.5, True, 10.0, 42)
+    assert (rec.width, rec.height) == (3, 4)
+    for huge in (MAX_ID, MAX_ID + 1, 10**30, 0, -1):  # beyond SQLite's INTEGER: no record
+        assert store.get(huge) is None
+    assert [r.id for r in store.query(before_id=10**30)] == [rid]
+    assert [r.id for r in store.query(limit=10**30)] == [rid]
+
+
+def test_existing_log_reads_and_grows(tmp_path):
+    """A results log written by the schema (as an existing server left it) reads back as
+    records with their verdict, and new records go in beside them."""
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    con.executescript(SCHEMA)
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum, part_id, anomalous_pixels) "
+                "VALUES (1000.0, 'old', 2.5, 0.7, 1, 2.0, 'm', 'c', 'P', 12)")
+    con.commit()
+    con.close()
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    old = store.get(1)
+    assert old.verdict == Verdict(2.5, 0.7, True, 2.0, 12) and old.request_id == "old"
+    assert store.add([_record(1, 2000.0)]) == [2]
+    assert [r.request_id for r in store.query()] == ["r1", "old"]
+
+
+def test_record_json_flattens_the_verdict_and_hides_paths():
+    rec = _record(3, 1000.0, anomalous=True, overlay_path="images/x_overlay.png")
+    rec.id = 5
+    rec.verdict.normalized_score = float("nan")  # a strict JSON encoder refuses NaN
+    out = rec.as_json()
+    assert {k: out[k] for k in VERDICT_FIELDS} == {**rec.verdict.as_dict()}
+    assert out["normalized_score"] is None
+    assert out["overlay_url"] == "/v1/results/5/overlay.png" and out["mask_url"] is None
+    assert not any(k.endswith("_path") for k in out)
+    assert out["time_iso"] == "1970-01-01T00:16:40.000Z"

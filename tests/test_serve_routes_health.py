@@ -1,0 +1,69 @@
+"""The probes and the metrics (routes/health.py): ``/healthz``, ``/readyz``, ``/metrics``."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+pytest.importorskip("httpx", reason="httpx (TestClient) is not installed")
+import serve_helpers  # noqa: E402
+from serve_helpers import StandInMonitor, good_png, serving  # noqa: E402
+
+models = serve_helpers.models
+
+
+@pytest.fixture(scope="module")
+def api(models, tmp_path_factory):
+    with serving(models["good"], tmp_path_factory.mktemp("serve_health"),
+                 monitor=StandInMonitor()) as (client, service):
+        yield client, service
+
+
+def test_probes(api):
+    client, service = api
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["uptime_s"] >= 0
+    assert client.get("/readyz").json() == {"ready": True, "model_id": service.engine.model_id}
+
+
+def test_metrics(api):
+    client, _ = api
+    client.post("/v1/predict", content=good_png(11))
+    client.post("/v1/predict", content=b"junk")
+    client.get("/docs")
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for needle in [
+            'anomaly_hooks_http_requests_total{endpoint="/v1/predict",status="200"}',
+            'anomaly_hooks_http_requests_total{endpoint="/v1/predict",status="415"}',
+            'anomaly_hooks_http_requests_total{endpoint="/docs",status="200"}',
+            "anomaly_hooks_http_request_duration_seconds_bucket",
+            "anomaly_hooks_normalized_score_bucket", "anomaly_hooks_anomalous_rate",
+            "anomaly_hooks_batch_size_bucket", "anomaly_hooks_queue_depth 0.0",
+            "anomaly_hooks_images_in_progress", 'anomaly_hooks_rejected_images_total{code=',
+            "anomaly_hooks_model_ready 1.0", "anomaly_hooks_model_info{",
+            "anomaly_hooks_drift_enabled 1.0", 'anomaly_hooks_drift{key="observed"}',
+            'anomaly_hooks_drift{key="statistics.score_mean"}',
+            'anomaly_hooks_drift_state{state="ok"} 1.0']:
+        assert needle in text, needle
+    assert re.search(r'anomaly_hooks_predictions_total\{verdict="normal"\} [1-9]', text)
+
+
+def test_metrics_labels_are_bounded():
+    """Request paths become a fixed set of labels: an id or a junk path never makes a new one."""
+    from fastapi.routing import APIRoute
+
+    from anomaly_hooks.serve.middleware import endpoint_label
+    from anomaly_hooks.serve.routes import ROUTERS
+
+    for route in (r for router in ROUTERS for r in router.routes if isinstance(r, APIRoute)):
+        if "{" not in route.path:  # each route without parameters is its own label
+            assert endpoint_label(route.path) == route.path
+    assert endpoint_label("/v1/results/123/overlay.png") == "/v1/results/{id}"
+    assert endpoint_label("/v1/results/99999999999999999999") == "/v1/results/{id}"
+    assert endpoint_label("/static/app.js") == "/static"
+    assert endpoint_label("/docs/assets/swagger-ui.css") == "/docs/assets"
+    assert endpoint_label("/openapi.json") == "/openapi.json"
+    assert endpoint_label("/wp-admin/x") == "other"

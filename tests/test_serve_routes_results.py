@@ -1,0 +1,107 @@
+"""The results-log routes (routes/results.py) in process: queries, paging, pictures, the CSV
+export, retention, and every refused parameter answered with a 4xx JSON (never a 500)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+pytest.importorskip("httpx", reason="httpx (TestClient) is not installed")
+import serve_helpers  # noqa: E402
+from serve_helpers import assert_error, defect_png, good_png, serving  # noqa: E402
+
+from anomaly_hooks.serve.results import MAX_ID  # noqa: E402
+
+models = serve_helpers.models
+HUGE = "99999999999999999999999"  # beyond a 64-bit integer
+
+
+@pytest.fixture(scope="module")
+def api(models, tmp_path_factory):
+    with serving(models["good"], tmp_path_factory.mktemp("serve_results")) as (client, service):
+        client.post("/v1/predict", content=defect_png(9))  # one record with every picture
+        yield client, service
+
+
+def test_results_log_query_pictures_and_csv(models, tmp_path):
+    with serving(models["good"], tmp_path) as (client, _):
+        ids = []
+        for i in range(3):
+            ids.append(client.post(f"/v1/predict?part_id=G{i}", content=good_png(20 + i)).json())
+        bad = client.post("/v1/predict?part_id=D0", content=defect_png(30)).json()
+        res = client.get("/v1/results").json()
+        assert res["count"] == 4 and [r["part_id"] for r in res["results"]] == ["D0", "G2", "G1",
+                                                                                 "G0"]
+        only = client.get("/v1/results?anomalous=true").json()["results"]
+        assert [r["id"] for r in only] == [bad["id"]]
+        assert client.get("/v1/results?limit=2").json()["next_before_id"] == ids[2]["id"]
+        assert client.get("/v1/results?part_id=G1").json()["count"] == 1
+        since = client.get(f"/v1/results?since={ids[1]['time']}").json()["count"]
+        assert since == 3
+        assert client.get("/v1/results?since=2999-01-01T00:00:00Z").json()["count"] == 0
+        rec = client.get(f"/v1/results/{bad['id']}").json()
+        assert rec["overlay_url"] and rec["mask_url"] and rec["thumb_url"]   # kept: anomalous
+        for key in ("score", "normalized_score", "is_anomalous", "threshold",
+                    "anomalous_pixels", "part_id", "request_id"):
+            assert rec[key] == bad[key], key  # the log holds what the answer said
+        good_rec = client.get(f"/v1/results/{ids[0]['id']}").json()
+        assert good_rec["overlay_url"] is None and good_rec["thumb_url"]      # only a thumbnail
+        assert client.get(rec["overlay_url"]).headers["content-type"] == "image/png"
+        assert client.get(rec["thumb_url"]).headers["content-type"] == "image/jpeg"
+        assert_error(client.get(f"/v1/results/{ids[0]['id']}/overlay.png"), 404, "not_found")
+        csv_text = client.get("/v1/results.csv?anomalous=false").text
+        lines = csv_text.strip().splitlines()
+        assert lines[0].startswith("id,time_iso") and len(lines) == 4
+        assert client.get("/v1/results.csv?limit=1").text.count("\n") == 2
+        assert "path" not in "".join(rec)  # no server paths in JSON
+
+
+def test_retention_removes_records_and_pictures(models, tmp_path):
+    with serving(models["good"], tmp_path, retention_count=2, keep_images="all") as (client,
+                                                                                      service):
+        for i in range(5):
+            client.post("/v1/predict", content=good_png(40 + i))
+        pictures = list((tmp_path / "results" / "images").rglob("*.*"))
+        assert len(pictures) == 15
+        removed = client.portal.call(service.prune)
+        assert removed == 3 and client.get("/v1/results").json()["count"] == 2
+        assert len(list((tmp_path / "results" / "images").rglob("*.*"))) == 6
+
+
+def test_unknown_results_and_pictures_are_404(api):
+    client, _ = api
+    assert_error(client.get("/v1/results/999999"), 404, "not_found")
+    assert_error(client.get(f"/v1/results/{MAX_ID}"), 404, "not_found")
+    assert_error(client.get(f"/v1/results/{MAX_ID}/overlay.png"), 404, "not_found")
+    assert_error(client.get("/v1/results/1/secret.txt"), 404, "not_found")
+    assert client.get("/v1/results/1/overlay.png").status_code == 200
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=5000", "since=yesterday", "anomalous=maybe",
+                                   "before_id=-3", "since=nan", "until=inf", "since=-1e999",
+                                   "since=" + "9" * 400, "until=2026-13-45T10:00:00Z",
+                                   "since=" + "1" * 65, "part_id=" + "p" * 201])
+def test_bad_result_queries_are_422(api, query):
+    client, _ = api
+    assert_error(client.get("/v1/results?" + query), 422, "invalid_parameter")
+    if not query.startswith(("limit=", "before_id=")):  # the CSV: no paging, any limit
+        assert_error(client.get("/v1/results.csv?" + query), 422, "invalid_parameter")
+
+
+@pytest.mark.parametrize("url, name", [
+    (f"/v1/results/{HUGE}", "record_id"), (f"/v1/results/{HUGE}/overlay.png", "record_id"),
+    (f"/v1/results/{MAX_ID + 1}", "record_id"), ("/v1/results/0", "record_id"),
+    ("/v1/results/-5/mask.png", "record_id"), (f"/v1/results?before_id={HUGE}", "before_id"),
+    (f"/v1/results?limit={HUGE}", "limit"), (f"/v1/results.csv?limit={HUGE}", "limit"),
+    ("/v1/results/1.5", "record_id"), ("/v1/results/1e3", "record_id")])
+def test_integers_beyond_the_store_are_422_not_500(api, url, name):
+    """Every integer parameter is bounded to what SQLite holds (a signed 64-bit integer)."""
+    client, _ = api
+    body = assert_error(client.get(url), 422, "invalid_parameter")
+    assert f"parameter '{name}'" in body["message"], body
+
+
+def test_largest_ids_are_valid_queries(api):
+    client, _ = api
+    page = client.get(f"/v1/results?before_id={MAX_ID}&limit=1000").json()
+    assert page["count"] >= 1
+    assert client.get(f"/v1/results.csv?limit={MAX_ID}").status_code == 200
