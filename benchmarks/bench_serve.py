@@ -216,7 +216,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 from anomaly_hooks import Detector
 import torch
-torch.zeros(1 << 20).add_(1)   # first parallel torch op on the main thread: see serve/app.py
+torch.zeros(1 << 20).add_(1)   # first parallel torch op on the main thread: see serve/service.py
 model, batch = sys.argv[1], int(sys.argv[2])
 paths = sys.argv[3:]
 pool = ThreadPoolExecutor(1)   # batches on a worker thread, as the service runs them
