@@ -4,7 +4,9 @@ written atomically.
 Layout: a standard safetensors file whose string metadata holds
 ``format`` ("anomaly_hooks"), ``format_version``, ``meta`` (JSON: config, preprocessing,
 threshold, ...) and ``checksum`` (SHA-256 over ``meta`` and every tensor's name, dtype, shape and
-bytes). A file that fails any check is refused with :class:`ModelFileError`.
+bytes). A file that fails any check is refused with :class:`ModelFileError`; so is one whose
+threshold, preprocessing, layers or image-size limit break the rules of
+:mod:`anomaly_hooks.modelmeta` (shared with the exported ``.onnx`` reader), checksum or not.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.modelmeta import about, check_model_meta
 
 FORMAT_NAME = "anomaly_hooks"
 FORMAT_VERSION = 2  # the newest format this version reads and writes
@@ -247,11 +250,7 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
     if checksum(meta_json, tensors) != metadata.get("checksum"):
         raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
                              "after it was written; refit or restore it from a backup")
-    meta = _parse_json(meta_json, "metadata", path)
-    if not isinstance(meta, dict):
-        raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
-                             "object)")
-    return tensors, meta
+    return tensors, _checked_meta(meta_json, path)
 
 
 def read_header(path: Path) -> Dict[str, Any]:
@@ -271,11 +270,18 @@ def read_meta(path: str | os.PathLike) -> Dict[str, Any]:
     then :func:`load_model` the file in full)."""
     path = Path(path)
     header = read_header(path)
-    meta = _parse_json(_check_metadata(header["__metadata__"], path).get("meta", ""),
-                       "metadata", path)
+    return _checked_meta(_check_metadata(header["__metadata__"], path).get("meta", ""), path)
+
+
+def _checked_meta(meta_json: str, path: Path) -> Dict[str, Any]:
+    """The metadata JSON parsed, and its threshold, preprocessing, layers and image-size
+    limit checked by the rules both model formats share (:mod:`anomaly_hooks.modelmeta`)."""
+    meta = _parse_json(meta_json, "metadata", path)
     if not isinstance(meta, dict):
         raise ModelFileError(f"{path}: damaged or not a model file (metadata is not a JSON "
                              "object)")
+    with about(path):
+        check_model_meta(meta)
     return meta
 
 

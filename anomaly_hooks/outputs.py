@@ -6,12 +6,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
 import unicodedata
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from anomaly_hooks.images import display, is_folder, is_image_file
 from anomaly_hooks.prediction import VERDICT_FIELDS, Prediction
@@ -159,14 +160,29 @@ def atomic_text(path: Path, write) -> None:
 def write_results(out: Path, rows: List[dict], failures: List[str], model: str,
                   drift: Optional[dict] = None) -> None:
     """``results.csv`` and ``results.json`` in ``out``, each written atomically; ``drift``
-    (the drift monitor's status over the scored images) goes into the JSON when given."""
+    (the drift monitor's status over the scored images) goes into the JSON when given. A
+    non-finite number is written as an empty CSV cell and a JSON ``null``."""
     def write_csv(fh) -> None:
         writer = csv.DictWriter(fh, fieldnames=RESULT_FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
+        writer.writerows({k: csv_cell(v) for k, v in finite_json(row).items()} for row in rows)
 
     atomic_text(out / "results.csv", write_csv)
     doc = {"model": display(model), "results": rows, "failures": failures}
     if drift is not None:
         doc["drift"] = drift
-    atomic_text(out / "results.json", lambda fh: json.dump(doc, fh, indent=2))
+    # strict JSON: NaN and Infinity are not JSON, and most readers refuse them
+    atomic_text(out / "results.json",
+                lambda fh: json.dump(finite_json(doc), fh, indent=2, allow_nan=False))
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, infinities) in it replaced by ``None``
+    (JSON ``null``), through dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

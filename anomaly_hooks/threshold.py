@@ -117,8 +117,14 @@ class Threshold:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Threshold":
-        """Inverse of :meth:`as_dict` (fields added later take their defaults: older files)."""
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        """Inverse of :meth:`as_dict` (fields added later take their defaults: older files),
+        checked by :func:`anomaly_hooks.modelmeta.check_threshold` (finite, positive value and
+        scale, ...): a :class:`~anomaly_hooks.modelmeta.MetadataError` naming the field
+        otherwise."""
+        from anomaly_hooks.modelmeta import check_threshold
+
+        checked = check_threshold(data)
+        return cls(**{k: checked[k] for k in cls.__dataclass_fields__ if k in checked})
 
 
 def out_of_sample(thr_cfg: Any) -> bool:

@@ -1,4 +1,4 @@
-"""ONNX export (issue 14): parity with the eager Detector, the backbone cut, the metadata, and
+"""ONNX export: parity with the eager Detector, the backbone cut, the metadata, and
 the failure paths with their messages. Export runs on the CPU only (``export_onnx`` refuses a
 CUDA detector), so these tests take no ``device`` fixture.
 
@@ -260,27 +260,38 @@ def test_corrupt_onnx_file_is_a_model_file_error(exported, tmp_path):
 
 
 def _rewrite_meta(src, dst, **changes) -> None:
+    """Copy an export with metadata entries changed (None: removed) and the checksum of the
+    new content appended, as a forger would (the checksum is unkeyed)."""
     import onnx
+
+    from anomaly_hooks.runtime.onnxfile import seal
 
     model = onnx.load(str(src))
     props = {p.key: p.value for p in model.metadata_props}
-    props.update(changes)
+    props.update(changes, checksum=None)
     props = {k: v for k, v in props.items() if v is not None}
     del model.metadata_props[:]
     for key, value in props.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
     onnx.save_model(model, str(dst))
+    seal(dst)
 
 
 def test_wrong_metadata_is_refused(exported, tmp_path):
     _, _, path = exported
     newer = tmp_path / "newer.onnx"
-    _rewrite_meta(path, newer, format_version="2")
-    with pytest.raises(ModelFileError, match=rf"^{newer} is in exported-model format 2; this "
-                       r"version of anomaly_hooks reads format 1: export it again with this "
+    _rewrite_meta(path, newer, format_version="3")
+    with pytest.raises(ModelFileError, match=rf"^{newer} is in exported-model format 3; this "
+                       r"version of anomaly_hooks reads format 2: export it again with this "
                        r"version, or upgrade anomaly_hooks$"):
         OnnxDetector.load(newer)
+    older = tmp_path / "older.onnx"
+    _rewrite_meta(path, older, format_version="1")
+    with pytest.raises(ModelFileError, match=rf"^{older} is in exported-model format 1, which "
+                       r"has no checksum of its content: export it again with this version of "
+                       r"anomaly_hooks$"):
+        OnnxDetector.load(older)
     foreign = tmp_path / "foreign.onnx"
     _rewrite_meta(path, foreign, format=None)
     with pytest.raises(ModelFileError, match=rf"^{foreign}: an ONNX file, but not one written by "
@@ -288,7 +299,7 @@ def test_wrong_metadata_is_refused(exported, tmp_path):
         OnnxDetector.load(foreign)
     broken = tmp_path / "broken.onnx"
     _rewrite_meta(path, broken, threshold="{}")
-    with pytest.raises(ModelFileError, match=rf"^{broken}: inconsistent metadata \((KeyError|TypeError): "):
+    with pytest.raises(ModelFileError, match=rf"^{broken}: threshold\.value is missing$"):
         OnnxDetector.load(broken)
 
 

@@ -521,7 +521,8 @@ def test_newer_format_version_refused(padim_file, tmp_path):
         Detector.load(newer)
     for bogus in ("0", "-1", "abc", ""):
         odd = tmp_path / "odd.safetensors"
-        rewrite_header(padim_file, odd, lambda h: h["__metadata__"].update(format_version=bogus))
+        rewrite_header(padim_file, odd,
+                       lambda h, v=bogus: h["__metadata__"].update(format_version=v))
         with pytest.raises(ModelFileError):
             Detector.load(odd)
     # the rewrite itself is sound: the same header rewritten with the current version loads
@@ -666,6 +667,74 @@ def test_forged_dense_file_with_valid_checksum_is_refused_on_load(case, dense_pa
     with pytest.raises(ModelFileError) as err:
         Detector.load(forged).predict(textured_images(1)[0])
     assert str(forged) in str(err.value)
+
+
+def _both_preprocess(**changes):
+    """An edit of the preprocessing in the metadata and in the config it is built from."""
+    def edit(meta: dict) -> None:
+        meta["preprocess"].update(changes)
+        meta["config"]["preprocess"].update(changes)
+    return edit
+
+
+def _threshold(**changes):
+    return lambda meta: meta["threshold"].update(changes)
+
+
+_DISTANCE = "expected a finite number > 0 (image scores are distances >= 0)"
+_STD = "expected three finite numbers >= 1.18e-38 (the smallest normal float32)"
+_PIXELS = "expected an integer in 1..1099511627776"
+FORGED_VALUES = {
+    "threshold_inf": (_threshold(value=float("inf")), f"threshold.value = inf: {_DISTANCE}"),
+    "threshold_minus_inf": (_threshold(value=float("-inf")),
+                            f"threshold.value = -inf: {_DISTANCE}"),
+    "threshold_minus_1e9": (_threshold(value=-1e9),
+                            f"threshold.value = -1000000000.0: {_DISTANCE}"),
+    "threshold_nan": (_threshold(value=float("nan")), f"threshold.value = nan: {_DISTANCE}"),
+    "threshold_zero": (_threshold(value=0), f"threshold.value = 0: {_DISTANCE}"),
+    "threshold_string": (_threshold(value="1.5"), f"threshold.value = '1.5': {_DISTANCE}"),
+    "scale_zero": (_threshold(scale=0.0), "threshold.scale = 0.0: expected a finite number > 0"),
+    "scale_inf": (_threshold(scale=float("inf")),
+                  "threshold.scale = inf: expected a finite number > 0"),
+    "std_zero": (_both_preprocess(std=[0.0, 0.0, 0.0]), f"preprocess.std[0] = 0.0: {_STD}"),
+    "std_nan_in_config": (lambda m: m["config"]["preprocess"].update(std=[0.2, float("nan"),
+                                                                          0.2]),
+                          f"config.preprocess.std[1] = nan: {_STD}"),
+    "mean_two_values": (_both_preprocess(mean=[0.5, 0.5]),
+                        "preprocess.mean = [0.5, 0.5]: expected three finite float32 numbers"),
+    "resize_20000": (_both_preprocess(resize=[20000, 20000]),
+                     "preprocess.resize = [20000, 20000]: expected [height, width], integers "
+                     "in 1..8192"),
+    "preprocess_not_the_config": (lambda m: m["preprocess"].update(crop=None),
+                                  "preprocess = {'crop': None, "),
+    "max_pixels_zero": (lambda m: m["config"]["data"].update(max_pixels=0),
+                        f"config.data.max_pixels = 0: {_PIXELS}"),
+    "max_pixels_1e24": (lambda m: m["config"]["data"].update(max_pixels=10 ** 24),
+                        f"config.data.max_pixels = {10 ** 24}: {_PIXELS}"),
+    "layers_nested": (lambda m: m.update(layers=[[[["layer1"]]]]),
+                      "layers[0] = [[['layer1']]]: expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_VALUES))
+def test_forged_values_with_valid_checksum_are_refused_naming_the_field(case, padim_file,
+                                                                        tmp_path, capsys):
+    """Values that would decide every image the same way or fail at the first predict (a NaN,
+    infinite or non-positive threshold or scale, a zero std, absurd sizes): refused by the
+    reader, the loader and ``score`` (exit 2), naming the field."""
+    from anomaly_hooks.modelfile import save_model
+
+    edit, message = FORGED_VALUES[case]
+    tensors, meta = load_model(padim_file)
+    edit(meta)
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    for load in (load_model, Detector.load):
+        with pytest.raises(ModelFileError) as err:
+            load(forged)
+        assert str(err.value).startswith(f"{forged}: {message}")
+    assert main(["score", "--model", str(forged), str(tmp_path), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(f"error: {forged}: {message}")
 
 
 def test_model_files_record_the_oldest_format_that_holds_them(padim_file, dense_padim_file,

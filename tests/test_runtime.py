@@ -21,10 +21,10 @@ pytest.importorskip("onnxruntime")
 from conftest import ROOT, textured_images, with_defect  # noqa: E402
 
 from anomaly_hooks import Detector  # noqa: E402
-from anomaly_hooks.errors import ImageReadError  # noqa: E402
+from anomaly_hooks.errors import ImageReadError, ModelFileError  # noqa: E402
 from anomaly_hooks.export import export_onnx  # noqa: E402
 from anomaly_hooks.preprocess import Preprocessor  # noqa: E402
-from anomaly_hooks.runtime import NumpyPreprocessor, OnnxDetector  # noqa: E402
+from anomaly_hooks.runtime import NumpyPreprocessor, OnnxDetector, read_exported  # noqa: E402
 
 SCORE_RTOL = 1e-4
 
@@ -195,6 +195,13 @@ def test_int8_is_checked_and_refused_beyond_the_tolerance(model, tmp_path):
     assert report["accepted"] and report["nodes_quantized"] > 10
     q = OnnxDetector.load(tmp_path / "q.onnx")
     assert json.loads(q.meta["int8"])["max_drift"] == report["max_drift"]
+    # the int8 copy carries the checksum of its own bytes, and a damaged copy is refused
+    assert q.model.checksum != read_exported(path).checksum
+    raw = bytearray((tmp_path / "q.onnx").read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    (tmp_path / "damaged.onnx").write_bytes(bytes(raw))
+    with pytest.raises(ModelFileError, match=r"checksum mismatch"):
+        OnnxDetector.load(tmp_path / "damaged.onnx")
     files = sorted(folder.iterdir())
     s32 = OnnxDetector.load(path).decision_function(files)
     assert np.corrcoef(q.decision_function(files), s32)[0, 1] > 0.9
@@ -204,6 +211,30 @@ def test_int8_is_checked_and_refused_beyond_the_tolerance(model, tmp_path):
         quantize_backbone(path, tmp_path / "refused.onnx", good[:8], check_images=good[8:],
                           tolerance=0.0)
     assert not (tmp_path / "refused.onnx").exists()
+
+
+@pytest.mark.slow
+def test_int8_copy_of_an_external_data_export(model, tmp_path):
+    """Weights in a side file: the int8 copy writes its own side file, names it, and its
+    checksum covers it."""
+    from anomaly_hooks.export.quantize import quantize_backbone
+
+    det, _, _, folder = model
+    fp32 = export_onnx(det, tmp_path / "x.onnx", external_data=True)
+    good = textured_images(12, seed=21)
+    quantize_backbone(fp32, tmp_path / "xq.onnx", good[:8], check_images=good[8:],
+                      tolerance=10.0)
+    q = OnnxDetector.load(tmp_path / "xq.onnx")
+    assert q.meta["external_data"] == "xq.onnx.data"
+    files = sorted(folder.iterdir())
+    assert np.corrcoef(q.decision_function(files), det.decision_function(files))[0, 1] > 0.9
+    side = tmp_path / "xq.onnx.data"
+    raw = bytearray(side.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    side.write_bytes(bytes(raw))
+    with pytest.raises(ModelFileError, match=r"checksum mismatch: the file or its weights file "
+                       r"xq\.onnx\.data was modified"):
+        OnnxDetector.load(tmp_path / "xq.onnx")
 
 
 @pytest.mark.slow

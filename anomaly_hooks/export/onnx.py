@@ -5,13 +5,16 @@
 network input size) and ``image_score [B]``, with everything the torch-free runtime
 (:mod:`anomaly_hooks.runtime`) needs to predict in the ONNX metadata (``metadata_props``):
 threshold, preprocessing, layer description, method and the scorer's form, the source model
-file's checksum, the backbone fingerprint. The export is verified before it is published:
+file's checksum, the backbone fingerprint, and last the checksum of the file's own content
+(graph, weights, metadata; :mod:`anomaly_hooks.runtime.onnxfile`), which the runtime verifies
+before it runs anything. The export is verified before it is published:
 ONNX Runtime's outputs on probe images, one at a time and batched, must match the eager ones
 (image scores within ``SCORE_RTOL`` relative, heatmaps within ``HEAT_TOL`` of the map's range),
 or :class:`~anomaly_hooks.errors.ExportError` is raised and nothing is written.
 
 Models whose initialisers exceed protobuf's 2 GB (dense PaDiM on WRN50: 3.8 GB) are written
-with their weights in one side file ``<name>.data`` next to the ``.onnx`` (ONNX external data).
+with their weights in one side file ``<name>.data`` next to the ``.onnx`` (ONNX external data,
+named by the ``external_data`` entry and covered by the checksum).
 """
 from __future__ import annotations
 
@@ -32,11 +35,14 @@ from torch import nn
 from anomaly_hooks import __version__
 from anomaly_hooks.errors import ExportError, NotFittedError
 from anomaly_hooks.export.graph import PredictGraph
-from anomaly_hooks.runtime.detector import FORMAT  # the torch-free reader's constants
-from anomaly_hooks.runtime.detector import SUPPORTED_VERSION as FORMAT_VERSION
+from anomaly_hooks.runtime.metadata import (  # the torch-free reader's constants
+    FORMAT,
+    FORMAT_VERSION,
+    INPUT,
+    OUTPUTS,
+)
+from anomaly_hooks.runtime.onnxfile import CHECKSUM_KEY, EXTERNAL_KEY, seal
 
-INPUT = "images"
-OUTPUTS = ["patch_scores", "heatmap", "image_score"]
 DEFAULT_OPSET = 17
 EXPORTERS = ("torchscript", "dynamo")
 PROTOBUF_LIMIT = 2_000_000_000 - 64 * 1024 * 1024  # weights beyond this go to a side file
@@ -53,7 +59,8 @@ def source_checksum(model_path: Union[str, os.PathLike]) -> str:
 
 
 def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dict[str, str]:
-    """The string key/value pairs stored in the ONNX file (all the runtime needs)."""
+    """The string key/value pairs stored in the ONNX file (all the runtime needs; the
+    ``external_data`` entry is set when the file is written, the checksum appended last)."""
     cfg = detector.cfg
     return {
         "format": FORMAT,
@@ -69,10 +76,11 @@ def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dic
                                 "fingerprint": detector.backbone_fingerprint}),
         "grid": json.dumps(list(graph.grid)),
         "input": json.dumps({"name": INPUT, "size": list(graph.size)}),
-        "outputs": json.dumps(OUTPUTS),
+        "outputs": json.dumps(list(OUTPUTS)),
         "max_pixels": str(int(cfg.data.max_pixels)),
         "source_checksum": checksum or "",
         "int8": "",
+        EXTERNAL_KEY: "",
     }
 
 
@@ -85,12 +93,12 @@ def _export_graph(graph: nn.Module, probe: torch.Tensor, path: Path, exporter: s
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             torch.onnx.export(graph, (probe,), str(path), dynamo=False, opset_version=opset,
-                              input_names=[INPUT], output_names=OUTPUTS, dynamic_axes=axes,
+                              input_names=[INPUT], output_names=list(OUTPUTS), dynamic_axes=axes,
                               do_constant_folding=True)
         else:
             batch = torch.export.Dim("batch", min=1, max=4096)
             torch.onnx.export(graph, (probe,), str(path), dynamo=True, opset_version=opset,
-                              input_names=[INPUT], output_names=OUTPUTS,
+                              input_names=[INPUT], output_names=list(OUTPUTS),
                               dynamic_shapes={"x": {0: batch}}, external_data=True,
                               optimize=True, verbose=False)
 
@@ -220,17 +228,38 @@ def gemm_transposed_initializers(model: Any) -> int:
 
 
 def set_metadata(model: Any, meta: Dict[str, str]) -> None:
-    """Replace the ONNX model's ``metadata_props`` by ``meta``."""
+    """Replace the ONNX model's ``metadata_props`` by ``meta`` (without a checksum entry:
+    :func:`~anomaly_hooks.runtime.onnxfile.seal` appends the one of the final bytes)."""
     del model.metadata_props[:]
     for key, value in meta.items():
+        if key == CHECKSUM_KEY:
+            continue
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
 
 
+def save_sealed(model: Any, out: Path, external: bool) -> Optional[Path]:
+    """Write ``model`` to ``out`` (its weights in the side file ``out.data`` when
+    ``external``), with the ``external_data`` entry naming that file, then append the
+    checksum of the content. Returns the side file, if any."""
+    import onnx
+
+    data = out.with_name(out.name + ".data")
+    meta = {p.key: p.value for p in model.metadata_props}
+    set_metadata(model, {**meta, EXTERNAL_KEY: data.name if external else ""})
+    if external:
+        onnx.save_model(model, str(out), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(out))
+    seal(out)
+    return data if external else None
+
+
 def _finish(raw: Path, out: Path, meta: Dict[str, str],
             external_data: Optional[bool] = None) -> Optional[Path]:
-    """Add the metadata, store each big constant once, write ``out`` (weights inline, or in
-    ``out.data`` past 2 GB). Returns the side file, if any."""
+    """Add the metadata, store each big constant once, write and seal ``out`` (weights
+    inline, or in ``out.data`` past 2 GB). Returns the side file, if any."""
     import onnx
 
     model = onnx.load(str(raw), load_external_data=True)
@@ -239,22 +268,29 @@ def _finish(raw: Path, out: Path, meta: Dict[str, str],
     model.doc_string = (f"anomaly_hooks {meta['method']} ({meta['scorer_form']}) model: "
                         f"normalised images [B, 3, H, W] -> {', '.join(OUTPUTS)}")
     size = sum(t.ByteSize() for t in model.graph.initializer)
-    if external_data or (external_data is None and size > PROTOBUF_LIMIT):
-        data = out.with_name(out.name + ".data")
-        onnx.save_model(model, str(out), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
-        return data
-    onnx.save_model(model, str(out))
-    return None
+    external = bool(external_data or (external_data is None and size > PROTOBUF_LIMIT))
+    return save_sealed(model, out, external)
+
+
+def _ordinary_mode(path: Path) -> None:
+    """Permissions of an ordinary file (``0666`` less the umask): the writers make some files
+    private, and an edge box often runs the model as another user."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def publish(tmp: Path, side: Optional[Path], path: Path) -> Path:
     """Move a finished file (and its side file first) into place, each by an atomic rename."""
     data = path.with_name(path.name + ".data")
     if side is not None:
+        if side.name != data.name:  # the model's external_data entry names the side file
+            raise ValueError(f"side file {side.name} published as {data.name}")
+        _ordinary_mode(side)
         os.replace(side, data)
     else:
         data.unlink(missing_ok=True)
+    _ordinary_mode(tmp)
     os.replace(tmp, path)
     return path
 

@@ -11,7 +11,8 @@ The result is checked before it is written: the image scores of held-out good im
 stay within ``tolerance`` of the float32 model's, in units of the threshold's scale (the good
 scores' standard deviation), and no good image may change verdict; otherwise
 :class:`QuantizationRefused` is raised and nothing is written. The threshold is the float32
-model's; the metadata key ``int8`` records the calibration and the drift measured.
+model's; the metadata key ``int8`` records the calibration and the drift measured. The int8 file
+carries the checksum of its own content (the float32 model's is dropped with its bytes).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from anomaly_hooks.errors import ExportError
+from anomaly_hooks.runtime.metadata import KEYS
+from anomaly_hooks.runtime.onnxfile import EXTERNAL_KEY, seal
 
 DEFAULT_TOLERANCE = 0.5  # max |score_int8 - score_fp32| / threshold.scale over good images
 CALIBRATIONS = ("minmax", "entropy", "percentile")
@@ -106,6 +109,7 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
             calibrate_method=methods[calibration],
             use_external_data_format=fp32_path.with_name(fp32_path.name + ".data").exists(),
             extra_options={"ActivationSymmetric": False, "CalibMovingAverage": False})
+        _rewrite_metadata(q, {})  # the float32 model's checksum does not fit these bytes
         s32 = ref.decision_function(checks)
         s8 = OnnxDetector.load(q).decision_function(checks)
         report = drift_report(s32, s8, ref.threshold_, tolerance)
@@ -118,11 +122,10 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
                 f"{tolerance:g}), {report['verdict_flips']} verdict change(s): not written. "
                 "Calibrate on more / more typical good images, try --calibration percentile, "
                 "accept a larger drift (--tolerance), or keep the float32 model.")
-        _add_metadata(q, {"int8": json.dumps(report)})
+        side = _rewrite_metadata(q, {"int8": json.dumps(report)})
         from anomaly_hooks.export.onnx import publish  # (torch: imported when needed)
 
-        side = q.with_name(q.name + ".data")
-        publish(q, side if side.exists() else None, out_path)
+        publish(q, side, out_path)
     return report
 
 
@@ -151,11 +154,23 @@ def drift_report(s32: np.ndarray, s8: np.ndarray, threshold: Any,
             "accepted": bool(drift.max() <= tolerance and not flips)}
 
 
-def _add_metadata(path: Path, values: Dict[str, str]) -> None:
+def _rewrite_metadata(path: Path, values: Dict[str, str]) -> Optional[Path]:
+    """Update metadata entries of the model at ``path`` (its side file of weights, written by
+    the quantiser as ``<name>.data``, stays as it is) and seal it again; the entries ONNX
+    Runtime's tools add (``onnx.infer``, ``onnx.quant.pre_process``) are dropped: an export
+    holds the format's entries only. Returns the side file, if any."""
     import onnx
 
-    from anomaly_hooks.export.onnx import set_metadata
+    from anomaly_hooks.export.onnx import save_sealed, set_metadata
 
     model = onnx.load(str(path), load_external_data=False)
-    set_metadata(model, {**{p.key: p.value for p in model.metadata_props}, **values})
-    onnx.save_model(model, str(path))
+    kept = {p.key: p.value for p in model.metadata_props if p.key in KEYS}
+    set_metadata(model, {**kept, **values})
+    side = path.with_name(path.name + ".data")
+    if not side.exists():
+        return save_sealed(model, path, external=False)
+    set_metadata(model, {**{p.key: p.value for p in model.metadata_props},
+                         EXTERNAL_KEY: side.name})
+    onnx.save_model(model, str(path))  # the tensors keep pointing into the side file
+    seal(path)
+    return side

@@ -6,11 +6,12 @@ image scores, float64), ``iter_predict`` (unreadable items come back as
 :class:`~anomaly_hooks.errors.ImageReadError`, the rest are scored); any input type (path, PIL
 image, numpy array), decoded by the same torch-free :mod:`anomaly_hooks.images` as the eager
 path; the heatmap and mask in the caller's frame; thread-safe (an ONNX Runtime session may be
-run from many threads, everything else is read-only).
+run from many threads, everything else is read-only). A file is verified before its first image
+(:mod:`anomaly_hooks.runtime.metadata`): the checksum of its content, every metadata entry, and
+the metadata against the graph.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -19,12 +20,12 @@ import numpy as np
 
 from anomaly_hooks.errors import ImageReadError, ModelFileError
 from anomaly_hooks.images import decode_reduced, is_one_image
+from anomaly_hooks.modelmeta import about
 from anomaly_hooks.prediction import Prediction
+from anomaly_hooks.runtime.metadata import ExportedModel, check_graph, read_exported
+from anomaly_hooks.runtime.onnxfile import unchanged
 from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
-from anomaly_hooks.threshold import Threshold
 
-FORMAT = "anomaly_hooks-onnx"  # what anomaly_hooks.export.onnx writes (it imports these)
-SUPPORTED_VERSION = 1
 DEFAULT_BATCH = 8
 ENGINES = ("onnxruntime", "openvino")
 
@@ -45,44 +46,52 @@ def _session(path: Path, engine: str, providers: Optional[Sequence[Any]],
                                 providers=list(providers or ["CPUExecutionProvider"]))
 
 
-def check_metadata(meta: Dict[str, str], path: Path) -> None:
-    """Refuse a file that is not an anomaly_hooks export, or of a newer format."""
-    if meta.get("format") != FORMAT:
-        raise ModelFileError(f"{path}: an ONNX file, but not one written by anomaly-hooks export "
-                             "(no anomaly_hooks metadata)")
+def open_session(path: Path, engine: str = "onnxruntime",
+                 providers: Optional[Sequence[Any]] = None, threads: Optional[int] = None
+                 ) -> Any:
+    """An inference session on a verified model; a missing engine or a graph the engine
+    refuses is a :class:`ModelFileError`."""
+    if engine not in ENGINES:
+        raise ModelFileError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
     try:
-        version = int(meta.get("format_version", ""))
-    except ValueError:
-        raise ModelFileError(f"{path}: damaged metadata (format_version "
-                             f"{meta.get('format_version')!r})") from None
-    if version > SUPPORTED_VERSION or version < 1:
-        raise ModelFileError(f"{path} is in exported-model format {version}; this version of "
-                             f"anomaly_hooks reads format {SUPPORTED_VERSION}: export it again "
-                             "with this version, or upgrade anomaly_hooks")
+        return _session(path, engine, providers, threads)
+    except ImportError as exc:
+        extra = "runtime" if engine == "onnxruntime" else engine
+        raise ModelFileError(f"engine {engine} is not installed ({exc}): pip install "
+                             f"'anomaly_hooks[{extra}]'") from None
+    # the engines raise their own types for a graph they cannot load
+    except Exception as exc:  # noqa: BLE001
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelFileError(f"{path}: not a loadable ONNX model ({first})") from None
 
 
 class OnnxDetector:
     """A predict-only detector on an ONNX file written by ``anomaly-hooks export``."""
 
-    def __init__(self, session: Any, meta: Dict[str, str], path: Path, batch_size: int,
-                 preprocess_method: str) -> None:
+    def __init__(self, session: Any, model: ExportedModel, batch_size: int = DEFAULT_BATCH,
+                 preprocess_method: str = "numpy") -> None:
         self.session = session
-        self.meta = meta
-        self.path = path
-        self.method = meta["method"]
-        self.threshold_ = Threshold.from_dict(json.loads(meta["threshold"]))
-        self.preprocessor = NumpyPreprocessor.from_dict(json.loads(meta["preprocess"]),
-                                                        preprocess_method)
-        self.layers = json.loads(meta["layers"])
-        self.max_pixels = int(meta["max_pixels"])
+        self.model = model
+        self.meta = dict(model.meta)
+        self.path = model.path
+        self.method = model.method
+        self.threshold_ = model.threshold
+        pre = model.preprocess
+        self.preprocessor = NumpyPreprocessor(pre["resize"], pre["crop"], pre["mean"],
+                                              pre["std"], preprocess_method)
+        self.layers = model.layers
+        self.max_pixels = model.max_pixels
         self.batch_size = batch_size
-        self.input_name = session.get_inputs()[0].name
+        self.input_name = model.input_name
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
              threads: Optional[int] = None, batch_size: int = DEFAULT_BATCH,
              preprocess_method: str = "numpy", engine: str = "onnxruntime") -> "OnnxDetector":
-        """Open ``path`` (``.onnx``; its ``.onnx.data`` side file, if any, next to it).
+        """Open ``path`` (``.onnx``; its ``.onnx.data`` side file, if any, next to it), after
+        :func:`~anomaly_hooks.runtime.metadata.read_exported` has verified its checksum and
+        metadata and before any image is read; the metadata must agree with the graph
+        (:func:`~anomaly_hooks.runtime.metadata.check_graph`).
 
         Args:
             providers: ONNX Runtime execution providers (default: CPU).
@@ -93,31 +102,21 @@ class OnnxDetector:
             engine: ``onnxruntime`` or ``openvino`` (the optional extra; the same file).
 
         Raises:
-            ModelFileError: missing, damaged, not an anomaly_hooks export, newer format, or the
-                engine is not installed.
+            ModelFileError: missing, damaged (checksum), not an anomaly_hooks export, another
+                format version, metadata outside its rules or disagreeing with the graph
+                (naming the entry), or the engine is not installed.
         """
         path = Path(path)
         if engine not in ENGINES:
             raise ModelFileError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
-        if not path.is_file():
-            raise ModelFileError(f"model file not found: {path}")
-        try:
-            sess = _session(path, engine, providers, threads)
-        except ImportError as exc:
-            extra = "runtime" if engine == "onnxruntime" else engine
-            raise ModelFileError(f"engine {engine} is not installed ({exc}): pip install "
-                                 f"'anomaly_hooks[{extra}]'") from None
-        # the engines raise their own types for a damaged file
-        except Exception as exc:  # noqa: BLE001
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ModelFileError(f"{path}: not a loadable ONNX model ({first})") from None
-        meta = dict(sess.get_modelmeta().custom_metadata_map)
-        check_metadata(meta, path)
-        try:
-            return cls(sess, meta, path, batch_size, preprocess_method)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelFileError(f"{path}: inconsistent metadata ({type(exc).__name__}: {exc}); "
-                                 "export the model again") from None
+        model = read_exported(path)
+        sess = open_session(path, engine, providers, threads)
+        with about(path):
+            check_graph(model, sess.get_inputs(), sess.get_outputs())
+        if not unchanged(model.content):  # the engine read the files again
+            raise ModelFileError(f"{path}: the file changed while it was being loaded; try "
+                                 "again once it is complete")
+        return cls(sess, model, batch_size, preprocess_method)
 
     # -- inference ------------------------------------------------------------------------
     def run(self, batch: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from anomaly_hooks.framing import Framing
+from anomaly_hooks.modelmeta import check_preprocess
 
 F32 = np.float32
 
@@ -98,9 +99,10 @@ class NumpyPreprocessor(Framing):
 
     @classmethod
     def from_dict(cls, d: dict, method: str = "numpy") -> "NumpyPreprocessor":
-        """From ``Preprocessor.as_dict()`` (what the model metadata holds)."""
-        crop = tuple(d["crop"]) if d.get("crop") is not None else None
-        return cls(tuple(d["resize"]), crop, tuple(d["mean"]), tuple(d["std"]), method)
+        """From ``Preprocessor.as_dict()`` (what the model metadata holds), checked by
+        :func:`anomaly_hooks.modelmeta.check_preprocess` (sizes, finite mean, std > 0)."""
+        pre = check_preprocess(d)
+        return cls(pre["resize"], pre["crop"], pre["mean"], pre["std"], method)
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """``[H, W, 3]`` float32 in [0, 1] -> normalised ``[3, h, w]`` float32."""
