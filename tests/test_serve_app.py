@@ -177,6 +177,16 @@ def test_bearer_token_auth(models, tmp_path):
         assert client.get("/", headers={"Authorization": f"Basic {bad_basic}"}).status_code == 401
 
 
+def test_a_request_head_over_16_kib_is_431(api):
+    """Thousands of headers, or one huge, never reach the routes (a head that arrives in
+    pieces is refused by the server's HTTP parser: tests/test_serve_attacks.py)."""
+    client, _ = api
+    r = client.get("/healthz", headers={f"X-{i}": "v" * 100 for i in range(200)})
+    assert_error(r, 431, "headers_too_large")
+    assert r.headers["connection"] == "close"
+    assert client.get("/healthz", headers={"X-A": "v" * 8000}).status_code == 200
+
+
 # ---- the framework's errors -----------------------------------------------------------------
 def test_unknown_route_and_method(api):
     client, _ = api

@@ -12,7 +12,11 @@ from anomaly_hooks.serve.settings import ServeSettings
 @pytest.mark.parametrize("kw, message", [
     ({"max_batch": 0}, "max-batch"), ({"max_queue": 4, "max_batch": 8}, "max-queue"),
     ({"keep_images": "some"}, "keep-images"), ({"token": "short"}, "8 characters"),
-    ({"retention_count": 0}, "retention-count"), ({"models_dir": "/no/such/folder"}, "models-dir")])
+    ({"retention_count": 0}, "retention-count"), ({"models_dir": "/no/such/folder"}, "models-dir"),
+    ({"header_timeout_s": 0}, "header-timeout"), ({"idle_timeout_s": float("nan")}, "idle-timeout"),
+    ({"header_timeout_s": float("inf")}, "header-timeout"),
+    ({"request_timeout_s": -1}, "request-timeout"), ({"max_connections": -1}, "max-connections"),
+    ({"max_connections_per_client": -2}, "max-connections-per-client")])
 def test_settings_refuse_bad_values(kw, message):
     with pytest.raises(ValueError, match=message):
         ServeSettings(model="m", **kw).validate()
@@ -34,3 +38,17 @@ def test_models_dir_option(tmp_path):
     assert settings_from_args(args).models_dir == str(tmp_path)
     args = parser.parse_args(["--model", "m.safetensors"])
     assert settings_from_args(args).models_dir is None
+
+
+def test_connection_options():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--header-timeout", "2.5", "--idle-timeout", "1",
+                              "--max-connections", "0", "--max-connections-per-client", "8"])
+    s = settings_from_args(args)
+    assert (s.header_timeout_s, s.idle_timeout_s, s.max_connections,
+            s.max_connections_per_client) == (2.5, 1.0, 0, 8)
+    d = ServeSettings(model="m")
+    assert (d.header_timeout_s, d.idle_timeout_s, d.max_connections,
+            d.max_connections_per_client) == (10.0, 5.0, 1024, 64)
+

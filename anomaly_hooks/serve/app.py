@@ -23,6 +23,7 @@ from anomaly_hooks.serve.middleware import (
     DOCS_ASSETS,
     AuthMiddleware,
     BodyLimitMiddleware,
+    HeadLimitMiddleware,
     RequestMetricsMiddleware,
 )
 from anomaly_hooks.serve.results import ResultStore
@@ -59,6 +60,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     # last added = outermost
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     app.add_middleware(AuthMiddleware, token=settings.token)
+    app.add_middleware(HeadLimitMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics_getter=lambda: service.metrics)
     app.add_exception_handler(ServeError, _serve_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

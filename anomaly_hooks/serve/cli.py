@@ -49,7 +49,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pixels", type=int, default=d["max_pixels"],
                    help=f"pixel limit per image (default {d['max_pixels']:,})")
     g.add_argument("--request-timeout", type=float, default=d["request_timeout_s"],
-                   help=f"seconds (default {d['request_timeout_s']:g})")
+                   help="seconds a request may take once its head is read, its body included "
+                   f"(default {d['request_timeout_s']:g})")
+    c = p.add_argument_group("connections")
+    c.add_argument("--header-timeout", type=float, default=d["header_timeout_s"],
+                   help="seconds a connection has to send a complete request head, counted "
+                   "from when it starts waiting for one; slow bytes do not extend it (default "
+                   f"{d['header_timeout_s']:g})")
+    c.add_argument("--idle-timeout", type=float, default=d["idle_timeout_s"],
+                   help="seconds a connection waiting for a request may send nothing, a new "
+                   f"one or a kept-alive one (default {d['idle_timeout_s']:g})")
+    c.add_argument("--max-connections", type=int, default=d["max_connections"],
+                   help="open connections at most; when reached, the one that has waited "
+                   "longest for its request is closed to make room (0: no cap; default "
+                   f"{d['max_connections']})")
+    c.add_argument("--max-connections-per-client", type=int,
+                   default=d["max_connections_per_client"],
+                   help="open connections per client address (an IPv6 /64 counts as one), "
+                   "same rule; behind a reverse proxy every client has the proxy's address: "
+                   f"raise it or give 0 (no cap) (default {d['max_connections_per_client']})")
     r = p.add_argument_group("results log")
     r.add_argument("--results-dir", default=d["results_dir"],
                    help="folder of the results log (results.sqlite) and kept pictures "
@@ -97,6 +115,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, decode_workers=args.decode_workers,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
         max_pixels=args.max_pixels, request_timeout_s=args.request_timeout,
+        header_timeout_s=args.header_timeout, idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
         keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
@@ -110,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import multipart  # noqa: F401  (python-multipart)
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"error: the serve command needs the [serve] extra (missing {exc.name}): "
               "pip install 'anomaly_hooks[serve]'", file=sys.stderr)
@@ -131,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
                     "the service; set --token or %s", settings.host, TOKEN_ENV)
 
     from anomaly_hooks.serve.app import create_app
+    from anomaly_hooks.serve.server import build_server, fit_open_files
 
     fatal: list = []
     server_box: list = []
@@ -140,13 +162,9 @@ def run(args: argparse.Namespace) -> int:
         if server_box:
             server_box[0].should_exit = True
 
+    fit_open_files(settings)
     app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=args.log_level, access_log=args.log_level == "debug",
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
-                            limit_concurrency=max(256, 4 * settings.max_queue),
-                            server_header=False)
-    server = uvicorn.Server(config)
+    server = build_server(app, settings, args.log_level)
     server_box.append(server)
     log.info("loading %s; the page will be at http://%s:%d/", settings.model,
              settings.host if ":" not in settings.host else f"[{settings.host}]", settings.port)

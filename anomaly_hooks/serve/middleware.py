@@ -1,4 +1,5 @@
-"""ASGI middleware: request metrics (outermost), bearer-token auth, upload size limit."""
+"""ASGI middleware: request metrics (outermost), request-head size limit, bearer-token auth,
+upload size limit."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +12,9 @@ from typing import Any, Callable, Optional
 from anomaly_hooks.serve.errors import ServeError
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# the request line and headers together; the server's HTTP parser refuses a longer head that
+# arrives in pieces (400), this middleware one that arrived whole (431)
+MAX_HEAD_BYTES = 16 * 1024
 DOCS_ASSETS = "/docs/assets"  # the API docs' scripts and styles
 # what a browser opens: their 401 asks for Basic credentials (the token as the password)
 PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect"})
@@ -73,6 +77,30 @@ class RequestMetricsMiddleware:
                 label = endpoint_label(scope.get("path", ""))
                 metrics.requests.labels(label, str(status[0])).inc()
                 metrics.latency.labels(label).observe(time.perf_counter() - start)
+
+
+class HeadLimitMiddleware:
+    """431 ``headers_too_large`` for a request whose line and headers exceed ``limit`` bytes:
+    thousands of headers or a huge one never reach the routes."""
+
+    def __init__(self, app: Any, limit: int = MAX_HEAD_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and head_bytes(scope) > self.limit:
+            return await send_json(send, 431, {
+                "code": "headers_too_large", "status": 431,
+                "message": f"the request line and headers take more than {self.limit:,} "
+                           "bytes"}, {"Connection": "close"})
+        return await self.app(scope, receive, send)
+
+
+def head_bytes(scope: dict) -> int:
+    """The size of a request's line and headers as sent (``name: value`` lines)."""
+    line = (len(scope.get("method", "")) + len(scope.get("raw_path") or b"")
+            + len(scope.get("query_string") or b"") + 12)
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
 
 
 class AuthMiddleware:

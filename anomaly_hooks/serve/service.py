@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 
 from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
+from anomaly_hooks.serve.connections import ConnectionGuard
 from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
@@ -78,12 +79,18 @@ class Service:
         self.recorder: Optional[Recorder] = None
         self.on_fatal = on_fatal
         self.admission = Admission(settings.max_queue)
+        # consulted by the server's HTTP protocol (serve/server.py); unused in process
+        self.connections = ConnectionGuard(
+            header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
+            max_connections=settings.max_connections,
+            max_per_client=settings.max_connections_per_client)
         self.batcher: Optional[Batcher] = None
         self.metrics = ServiceMetrics(
             queue_depth=lambda: self.batcher.depth if self.batcher else 0,
             in_flight=lambda: self.admission.used,
             engine=lambda: self.engine,
-            drift_status=lambda: self.monitor.status() if self.monitor else None)
+            drift_status=lambda: self.monitor.status() if self.monitor else None,
+            connections=self.connections.stats)
         self._reloading = False
         self._last_trim = 0.0
         self._tasks: List[asyncio.Task] = []
