@@ -2,8 +2,10 @@
 upload size limit."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
 import json
 import time
@@ -153,15 +155,16 @@ class BodyLimitMiddleware:
     reading (the endpoint then gets a 413 ServeError from ``receive``).
 
     Before answering, up to ``drain_cap`` further bytes of the refused body are read and
-    discarded, so that an HTTP client still sending its body can read the 413 (otherwise most
-    clients see a broken connection instead of the answer); beyond that the connection is
-    closed."""
+    discarded, for at most ``drain_timeout_s``, so that an HTTP client still sending its body
+    can read the 413 (otherwise most clients see a broken connection instead of the answer);
+    beyond that the connection is closed."""
 
     def __init__(self, app: Any, limit_for: Callable[[str], int],
-                 drain_cap: int = 64 * 1024 * 1024) -> None:
+                 drain_cap: int = 64 * 1024 * 1024, drain_timeout_s: float = 10.0) -> None:
         self.app = app
         self.limit_for = limit_for
         self.drain_cap = drain_cap
+        self.drain_timeout_s = drain_timeout_s
 
     async def _drain(self, receive: Callable, already: int, limit: int) -> None:
         received = already
@@ -187,7 +190,10 @@ class BodyLimitMiddleware:
                                        {"Connection": "close"})
             if size > limit:
                 if size <= limit + self.drain_cap:
-                    await self._drain(receive, 0, size)
+                    # bounded in time too: a client may announce a body it never sends
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._drain(receive, 0, size),
+                                               self.drain_timeout_s)
                 return await send_json(send, 413, too_large(size, limit).as_dict(),
                                        {"Connection": "close"})
         received = 0

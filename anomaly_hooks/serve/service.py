@@ -4,8 +4,10 @@ path of one image through them (the HTTP routes in :mod:`.routes` are thin handl
 Request path of ``POST /v1/predict`` (every stage bounded):
 
 1. admission: at most ``max_queue`` images anywhere in the path, else 503 + Retry-After (before
-   the body is read);
-2. the body (raw or multipart), at most ``max_upload_bytes`` (413 otherwise);
+   the body is read; a batch request holds one slot while its body is read, then one per
+   image);
+2. the body (raw or multipart), at most ``max_upload_bytes`` (413 otherwise; multipart parts
+   bounded by :mod:`.forms`);
 3. decoding + preprocessing in the decode pool (``decode_workers`` threads; 400/413/415 for bad
    uploads): only these threads ever hold a full-size decoded image; what waits afterwards is the
    network input and a bounded preview;
@@ -425,11 +427,45 @@ class Service:
         try:
             return await asyncio.wait_for(coro, self.settings.request_timeout_s)
         except asyncio.TimeoutError:
-            raise ServeError(503, "timeout", f"the request took longer than "
-                             f"{self.settings.request_timeout_s:g} s (the server's "
-                             "--request-timeout); the server is busy, retry later",
-                             {"Retry-After": str(self.batcher.retry_after()
-                                                 if self.batcher else 5)}) from None
+            raise self.timeout_error() from None
+
+    def timeout_error(self) -> ServeError:
+        """503 ``timeout``: the request took longer than the request timeout."""
+        return ServeError(503, "timeout", f"the request took longer than "
+                          f"{self.settings.request_timeout_s:g} s (the server's "
+                          "--request-timeout); the server is busy, retry later",
+                          # closed: the rest of a slow body is not waited for
+                          {"Retry-After": str(self.batcher.retry_after()
+                                              if self.batcher else 5),
+                           "Connection": "close"})
+
+    async def each_within(self, coros: List[Awaitable[Any]], timeout: float) -> List[Any]:
+        """Run ``coros`` together for at most ``timeout`` seconds. Each one's outcome, in
+        order: its result, or its :class:`ServeError` (another exception: a 500 one, logged),
+        or :meth:`timeout_error` if it was not done in time -- one already committing its
+        record finishes with it (:func:`until_done`): a failed image leaves no row, a recorded
+        one is answered."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
+        finally:  # also when the request itself is cancelled
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        return [self._outcome(task) for task in tasks]
+
+    def _outcome(self, task: "asyncio.Future[Any]") -> Any:
+        if task.cancelled():
+            return self.timeout_error()
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        if isinstance(exc, ServeError):
+            return exc
+        log.error("an image of a batch failed", exc_info=exc)
+        return ServeError(500, "internal_error", f"the image could not be scored "
+                          f"({error_text(exc)}); nothing recorded")
 
     @contextlib.contextmanager
     def admit(self, n: int) -> Iterator[None]:
