@@ -29,7 +29,7 @@ from anomaly_hooks.serve.middleware import (
 from anomaly_hooks.serve.results import ResultStore
 from anomaly_hooks.serve.routes import ROUTERS
 from anomaly_hooks.serve.routes.page import STATIC
-from anomaly_hooks.serve.service import Service
+from anomaly_hooks.serve.service import Service, error_text
 from anomaly_hooks.serve.settings import ServeSettings
 
 MULTIPART_SLACK = 64 * 1024  # multipart framing around the image bytes
@@ -65,6 +65,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     app.add_exception_handler(ServeError, _serve_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     for router in ROUTERS:
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -105,3 +106,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"code": code_for_status(exc.status_code), "status": exc.status_code,
                          "message": str(exc.detail)}, status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception is a fault of the server: 500 ``internal_error`` in the service's
+    JSON body, never the framework's plain text (the traceback goes to the log)."""
+    return JSONResponse({"code": "internal_error", "status": 500,
+                         "message": f"an unexpected error on the server: {error_text(exc)}"},
+                        status_code=500)

@@ -12,10 +12,14 @@ Request path of ``POST /v1/predict`` (every stage bounded):
    uploads): only these threads ever hold a full-size decoded image; what waits afterwards is the
    network input and a bounded preview;
 4. the batcher gathers concurrent images into one backbone batch, run in the model thread;
-5. verdict, pixel count and pictures in the decode pool;
+5. verdict, pixel count and pictures in the decode pool; a verdict with a non-finite number is
+   a fault of the model (500), and nothing of it is recorded;
 6. the record is committed to the results log (group commit) *before* the response is sent.
 
-The whole path runs under ``request_timeout_s`` (503 ``timeout``).
+The whole path runs under ``request_timeout_s`` (503 ``timeout``), up to the commit: a record
+handed to the writer is answered, so a failed request never leaves a row. Before any of this,
+the server's HTTP protocol (:mod:`.connections`) bounds how long a connection may take to send
+its request head, and how many connections a client holds.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -33,6 +38,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
 
 from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
@@ -322,12 +329,20 @@ class Service:
             self.aux.submit(release_free_memory)
         monitor, built_for = self._monitoring
         # a batch still scored by the model before a reload stays out of the new one's window
-        if monitor is not None and (built_for is None or built_for is engine):
-            tensors = [j.tensor for j in jobs]
-            stamp = time.time()
-            if not monitor.offer(
-                    lambda: observed_batch(engine, tensors, scores, stamp, features)):
-                self.metrics.drift_dropped.inc()
+        if monitor is None or (built_for is not None and built_for is not engine):
+            return
+        # an image without a finite score got no verdict (500): it stays out of the window,
+        # where one NaN would spoil every statistic until it leaves
+        keep = np.isfinite(np.asarray(scores, dtype=np.float64))
+        if not keep.any():
+            return
+        tensors = [j.tensor for j, k in zip(jobs, keep) if k]
+        scores = np.asarray(scores)[keep]
+        if features is not None and not keep.all():
+            features = {name: values[keep] for name, values in features.items()}
+        stamp = time.time()
+        if not monitor.offer(lambda: observed_batch(engine, tensors, scores, stamp, features)):
+            self.metrics.drift_dropped.inc()
 
     # -- predictions -----------------------------------------------------------------------
     async def predict_bytes(self, data: bytes, *, part_id: Optional[str], source: Optional[str],
@@ -345,6 +360,7 @@ class Service:
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
         verdict = outcome.verdict
+        check_finite(verdict, engine)
         self.metrics.observe_prediction(verdict.normalized_score, verdict.is_anomalous)
         marks["post"] = time.perf_counter()
         record = Record(time=time.time(), request_id=uuid.uuid4().hex, verdict=verdict,
@@ -376,6 +392,10 @@ class Service:
         except ServeError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
+        # broad: the reader refuses bad uploads with a ServeError; anything else is a fault
+        # of the model's preprocessing, answered as such (a batch's other images go on)
+        except Exception as exc:  # noqa: BLE001
+            raise model_fault("preprocessing", exc, engine) from None
 
     def _keep(self) -> str:
         """Which pictures the results log keeps (none without a folder for them)."""
@@ -386,10 +406,15 @@ class Service:
         """Verdict and the pictures the response or the results log needs (decode pool)."""
         s = self.settings
         keep = self._keep()
-        return await self.loop.run_in_executor(self.pool, functools.partial(
-            engine.finish, score, heat, item, overlay=heatmap != "none" or keep == "all",
-            keep_anomalous=keep == "anomalous",
-            thumb_side=s.thumb_side if (s.thumbnails and self.files is not None) else 0))
+        try:
+            return await self.loop.run_in_executor(self.pool, functools.partial(
+                engine.finish, score, heat, item, overlay=heatmap != "none" or keep == "all",
+                keep_anomalous=keep == "anomalous",
+                thumb_side=s.thumb_side if (s.thumbnails and self.files is not None) else 0))
+        # broad: the verdict and pictures come from the model's threshold and heatmap; what
+        # they make fail (a zero scale divides by zero) is the model's fault
+        except Exception as exc:  # noqa: BLE001
+            raise model_fault("the verdict", exc, engine) from None
 
     def _kept_pictures(self, outcome: Outcome, heatmap: str) -> Dict[str, Optional[bytes]]:
         """The pictures to keep with the record (kind -> bytes, or None)."""
@@ -410,8 +435,9 @@ class Service:
                 record.overlay_path = paths.get("overlay")
                 record.mask_path = paths.get("mask")
                 record.thumb_path = paths.get("thumb")
-            # shielded: a request that times out now still gets its record committed
-            record.id = await asyncio.shield(asyncio.wrap_future(self.recorder.submit(record)))
+            # the point of no return: a record handed to the writer will be committed, so the
+            # request answers with it, whatever its timeout says meanwhile
+            record.id = await until_done(asyncio.wrap_future(self.recorder.submit(record)))
         except asyncio.CancelledError:
             raise
         # broad: a store plug-in may raise anything; the client must learn that its
@@ -476,6 +502,39 @@ class Service:
             yield
         finally:
             self.admission.release(n)
+
+
+async def until_done(fut: "asyncio.Future[Any]") -> Any:
+    """``fut``'s result, awaited to the end even when the awaiting task is cancelled meanwhile
+    (the cancellation is then dropped: the task goes on with the result)."""
+    while True:
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+
+
+def check_finite(verdict: Any, engine: Engine) -> None:
+    """A verdict with a non-finite score, normalised score or threshold is no verdict (a NaN
+    score would read as "not anomalous"): 500 ``internal_error``, and nothing is recorded."""
+    bad = [f"{name}={value}" for name in ("score", "normalized_score", "threshold")
+           if not math.isfinite(value := getattr(verdict, name))]
+    if bad:
+        raise ServeError(500, "internal_error",
+                         f"the model {engine.model_id} gave {', '.join(bad)} for this image: "
+                         "no verdict, nothing recorded; check the model file (refit or restore "
+                         "it)")
+
+
+def model_fault(stage: str, exc: BaseException, engine: Engine) -> ServeError:
+    """500 ``internal_error`` for an unexpected failure of the model's ``stage``."""
+    log.error("%s failed on model %s: %s", stage, engine.model_id, error_text(exc))
+    return ServeError(500, "internal_error", f"{stage} failed on the model {engine.model_id} "
+                      f"({type(exc).__name__}: {exc}); nothing recorded")
 
 
 def _timing(marks: Dict[str, float], read_ms: float, info: BatchInfo) -> Dict[str, Any]:
