@@ -52,3 +52,24 @@ def test_connection_options():
     assert (d.header_timeout_s, d.idle_timeout_s, d.max_connections,
             d.max_connections_per_client) == (10.0, 5.0, 1024, 64)
 
+
+@pytest.mark.parametrize("case", ["not_a_database", "folder_is_a_file", "folder_is_a_database"])
+def test_serve_refuses_a_results_log_it_cannot_open_in_one_line(case, tmp_path, capsys, fitted):
+    """Before the server starts: one ``error:`` line naming the path, exit 2."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from anomaly_hooks.cli import main
+
+    model = fitted.save(tmp_path / "m.safetensors")
+    results = tmp_path / "results"
+    if case == "not_a_database":
+        results.mkdir()
+        (results / "results.sqlite").write_bytes(b"no SQLite database here\n" * 200)
+    elif case == "folder_is_a_file":
+        results.write_text("a file")
+    else:
+        (results / "results.sqlite").mkdir(parents=True)
+    code = main(["serve", "--model", str(model), "--results-dir", str(results)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert str(results) in errors[0]

@@ -9,10 +9,11 @@ import argparse
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError
-from anomaly_hooks.serve.settings import KEEP_CHOICES, TOKEN_ENV, ServeSettings
+from anomaly_hooks.serve.settings import KEEP_CHOICES, RESULTS_FILE, TOKEN_ENV, ServeSettings
 
 DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -129,27 +130,17 @@ def run(args: argparse.Namespace) -> int:
     """Start the server; returns the exit code (2 when the model cannot be served)."""
     try:
         import fastapi  # noqa: F401
-        import multipart  # noqa: F401  (python-multipart)
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
+
+        _import_multipart()
     except ImportError as exc:
         print(f"error: the serve command needs the [serve] extra (missing {exc.name}): "
               "pip install 'anomaly_hooks[serve]'", file=sys.stderr)
         return 2
     settings = settings_from_args(args)
-    from anomaly_hooks.serve.modelpaths import check_model_file
-    from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-
-    check_model_file(settings.model)
-    if monitor_enabled(settings.monitor):
-        load_factory(settings.monitor)  # fail now, not after the model has loaded
-    log = logging.getLogger("anomaly_hooks.serve")
-    log.setLevel(getattr(logging, args.log_level.upper()))
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    if settings.host not in LOOPBACK and not settings.token:
-        log.warning("binding to %s WITHOUT a token: anyone who can reach this address can use "
-                    "the service; set --token or %s", settings.host, TOKEN_ENV)
+    preflight(settings)
+    log = _logging(settings, args.log_level)
 
     from anomaly_hooks.serve.app import create_app
     from anomaly_hooks.serve.server import build_server, fit_open_files
@@ -175,6 +166,41 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0
+
+
+def _import_multipart() -> None:
+    """python-multipart, by its name since 0.0.13 (the old one warns) or the old one."""
+    try:
+        import python_multipart  # noqa: F401
+    except ImportError:
+        import multipart  # noqa: F401
+
+
+def preflight(settings: ServeSettings) -> None:
+    """Refuse now, before the server starts, what would stop it later: the model path, the
+    drift-monitor factory, the results log (its folder a file, its file not a database...).
+    Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
+    from anomaly_hooks.serve.modelpaths import check_model_file
+    from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
+    from anomaly_hooks.serve.results import SQLiteResultStore
+
+    check_model_file(settings.model)
+    if monitor_enabled(settings.monitor):
+        load_factory(settings.monitor)
+    if settings.results_dir:
+        SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE).close()
+
+
+def _logging(settings: ServeSettings, level: str) -> logging.Logger:
+    """The service's logger at ``level``; warns about a public address without a token."""
+    log = logging.getLogger("anomaly_hooks.serve")
+    log.setLevel(getattr(logging, level.upper()))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    if settings.host not in LOOPBACK and not settings.token:
+        log.warning("binding to %s WITHOUT a token: anyone who can reach this address can use "
+                    "the service; set --token or %s", settings.host, TOKEN_ENV)
+    return log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -189,22 +189,42 @@ class SQLiteResultStore(ResultStore):
     """The default store: one SQLite file in WAL mode (readers never block the writer)."""
 
     def __init__(self, path: os.PathLike | str, synchronous: str = "FULL") -> None:
+        """Open (or create) the log at ``path``; a path that cannot hold one (its folder is a
+        file, the file is not a SQLite database, ...) is a :class:`ConfigError` saying so."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._synchronous = synchronous
         self._lock = threading.Lock()
-        self._write = self._connect()
-        with self._lock:
-            mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode}); put the "
-                                   "results log on a local file system")
-            version = self._write.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path}: results log of a newer version ({version})")
-            self._write.executescript(SCHEMA)
-            self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._local = threading.local()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # FileExistsError: a file where the folder should be, ...
+            raise ConfigError(f"results folder {self.path.parent}: "
+                              f"{_os_reason(exc)}") from None
+        try:
+            self._write = self._connect()
+        except sqlite3.DatabaseError as exc:  # a folder of that name, no permission, ...
+            raise self._unusable(exc) from None
+        try:
+            with self._lock:
+                self._init_schema()
+        except (sqlite3.DatabaseError, ConfigError) as exc:  # "file is not a database", ...
+            self._write.close()
+            raise self._unusable(exc) from None
+
+    def _unusable(self, exc: Exception) -> ConfigError:
+        return ConfigError(f"results log {self.path}: {exc}; move it away or give another "
+                           "--results-dir")
+
+    def _init_schema(self) -> None:
+        mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError(f"SQLite refused WAL mode (got {mode}); put the results log on "
+                              "a local file system")
+        version = self._write.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise ConfigError(f"a results log of a newer version ({version})")
+        self._write.executescript(SCHEMA)
+        self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
@@ -311,6 +331,13 @@ class SQLiteResultStore(ResultStore):
             except sqlite3.Error:
                 pass
             self._write.close()
+
+
+def _os_reason(exc: OSError) -> str:
+    """What an ``OSError`` of a path says, without the path (the message names it)."""
+    if isinstance(exc, FileExistsError):
+        return "a file of that name is in the way (it must be a folder)"
+    return exc.strerror or str(exc)
 
 
 def _to_row(record: Record) -> List[Any]:

@@ -6,6 +6,8 @@
   request with a 503 once that many connections are open, idle ones included;
 * request heads arriving in pieces of at most :data:`MAX_HEAD_BYTES` (a longer one: 400; one
   that arrives whole is refused by the app's middleware: 431);
+* a shutdown that first tells the service to stop long work (a model reload hashing a big
+  file), so that uvicorn's graceful wait for running requests is not spent waiting for it.
 
 Only the CLI imports this module (it imports uvicorn, of the ``[serve]`` extra).
 """
@@ -15,7 +17,7 @@ import asyncio
 import functools
 import json
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -119,7 +121,19 @@ def protocol_factory(guard: ConnectionGuard) -> Callable[..., GuardedH11Protocol
     return functools.partial(GuardedH11Protocol, guard=guard)
 
 
-def build_server(app: Any, settings: Any, log_level: str) -> uvicorn.Server:
+class ServiceServer(uvicorn.Server):
+    """uvicorn's server, calling ``before_shutdown()`` as soon as a shutdown begins."""
+
+    def __init__(self, config: uvicorn.Config, before_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._before_shutdown = before_shutdown
+
+    async def shutdown(self, sockets: Optional[List[Any]] = None) -> None:
+        self._before_shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+def build_server(app: Any, settings: Any, log_level: str) -> ServiceServer:
     """The uvicorn server of ``app`` (whose ``state.service`` is the running
     :class:`~anomaly_hooks.serve.service.Service`) with the connection limits of ``settings``."""
     service = app.state.service
@@ -130,7 +144,7 @@ def build_server(app: Any, settings: Any, log_level: str) -> uvicorn.Server:
         timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
-    return uvicorn.Server(config)
+    return ServiceServer(config, before_shutdown=service.begin_shutdown)
 
 
 def fit_open_files(settings: Any) -> None:

@@ -44,7 +44,7 @@ import numpy as np
 from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
-from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage
+from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage, load_cancelled
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder
@@ -57,7 +57,7 @@ from anomaly_hooks.serve.results import (
     SQLiteResultStore,
     iso_time,
 )
-from anomaly_hooks.serve.settings import ServeSettings
+from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -101,6 +101,8 @@ class Service:
             drift_status=lambda: self.monitor.status() if self.monitor else None,
             connections=self.connections.stats)
         self._reloading = False
+        # set when the server begins to stop: model loads (hashing a big file) stop at once
+        self._stopping = threading.Event()
         self._last_trim = 0.0
         self._tasks: List[asyncio.Task] = []
         self._sighup = False
@@ -125,7 +127,7 @@ class Service:
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
         if self._store_given is not None or s.results_dir:
             root = Path(s.results_dir or ".")
-            self.store = self._store_given or SQLiteResultStore(root / "results.sqlite")
+            self.store = self._store_given or SQLiteResultStore(root / RESULTS_FILE)
             self.files = ImageFiles(root) if s.results_dir else None
             self.recorder = Recorder(self.store)
         wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
@@ -143,8 +145,15 @@ class Service:
             except (NotImplementedError, RuntimeError, ValueError, AttributeError):
                 log.info("SIGHUP reload not available here")
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: model loads in progress stop now (a reload answers 503
+        ``shutting_down``), so that neither the server's graceful wait for running requests
+        nor the process's exit waits for one. Called first thing by the server's shutdown."""
+        self._stopping.set()
+
     async def stop(self) -> None:
         """Stop the background tasks and the batcher, flush the results log, free the pools."""
+        self.begin_shutdown()
         if self._sighup:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 self.loop.remove_signal_handler(signal.SIGHUP)
@@ -170,9 +179,10 @@ class Service:
         # broad catches: whatever stops the model (or its monitor) from loading must reach
         # /readyz and on_fatal; a narrower catch would leave the server "loading" for ever
         try:
-            engine = await self.loop.run_in_executor(
-                self.aux, functools.partial(Engine.load, s.model, s.device))
+            engine = await self._load(s.model)
         except Exception as exc:  # noqa: BLE001
+            if self._stopping.is_set():
+                return None
             return self._fatal(error_text(exc))
         try:
             monitor = (MonitorRunner(self._monitor_object) if self._monitor_object is not None
@@ -235,6 +245,8 @@ class Service:
     async def reload(self, path: Optional[str] = None) -> Dict[str, Any]:
         """Load ``path`` (default: the current model path) beside the serving model, warm it up,
         then swap. In-flight requests finish on the model that preprocessed them."""
+        if self._stopping.is_set():
+            raise load_cancelled()
         if self._reloading:
             raise ServeError(409, "reload_in_progress", "a model reload is already running")
         self._reloading = True
@@ -260,17 +272,23 @@ class Service:
                            ) -> Tuple[Engine, Optional[MonitorRunner]]:
         """The new engine and its monitor, or the refusal (422) to answer."""
         try:
-            new = await self.loop.run_in_executor(
-                self.aux, functools.partial(Engine.load, target, self.settings.device))
+            new = await self._load(target)
         # broad: a refused file must never take the serving model down; whatever a file
         # makes the loader raise, the answer is "refused" and the old model serves on
         except Exception as exc:  # noqa: BLE001
+            if self._stopping.is_set():
+                raise load_cancelled() from None
             raise self._refused(target, error_text(exc), old) from None
         try:
             return new, await self._monitor_for(old, new)
         except Exception as exc:  # noqa: BLE001  (a monitor factory is the user's code)
             raise self._refused(target, f"its drift monitor cannot be built: "
                                 f"{error_text(exc)}", old) from None
+
+    async def _load(self, path: str) -> Engine:
+        """:meth:`Engine.load` in the aux pool, stopped by :meth:`begin_shutdown`."""
+        return await self.loop.run_in_executor(self.aux, functools.partial(
+            Engine.load, path, self.settings.device, cancel=self._stopping))
 
     def _refused(self, target: str, msg: str, old: Optional[Engine]) -> ServeError:
         """Record and log a refused reload; the error to answer (the old model serves on)."""

@@ -9,6 +9,7 @@ from anomaly_hooks.errors import ConfigError
 
 TOKEN_ENV = "ANOMALY_HOOKS_TOKEN"
 KEEP_CHOICES = ("none", "anomalous", "all")
+RESULTS_FILE = "results.sqlite"  # the results log, in --results-dir
 
 
 @dataclass
