@@ -334,6 +334,8 @@ class Service:
                 await self.reload()
             except ServeError as exc:
                 log.error("SIGHUP reload: %s", exc.message)
+        # finished ones go: a SIGHUP storm must not grow the list for ever
+        self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(self.loop.create_task(run(), name="sighup-reload"))
 
     # -- batches ---------------------------------------------------------------------------
