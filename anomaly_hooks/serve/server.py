@@ -141,6 +141,8 @@ def build_server(app: Any, settings: Any, log_level: str) -> ServiceServer:
         app, host=settings.host, port=settings.port, log_level=log_level,
         access_log=log_level == "debug", server_header=False,
         http=protocol_factory(service.connections),  # type: ignore[arg-type]
+        # no WebSocket routes: an upgrade would leave the guarded protocol, and its timers
+        ws="none",
         timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
