@@ -85,7 +85,8 @@ class Server:
     """``python -m anomaly_hooks.serve`` on a free loopback port, started at construction, its
     results and log in ``workdir``."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, extra: List[str]) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, extra: List[str],
+                 root: Path = ROOT) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.results = workdir / "results"
@@ -93,8 +94,11 @@ class Server:
         cmd = [sys.executable, "-m", "anomaly_hooks.serve", "--model", args.model, "--host", HOST,
                "--port", str(self.port), "--results-dir", str(self.results),
                "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
-               "--max-queue", str(max(64, 2 * args.clients)), "--log-level", "warning", *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+               "--max-queue", str(max(64, 2 * args.clients)), "--log-level", "warning",
+               # every client is on this address: the per-client cap (64) must hold them all
+               *(["--max-connections-per-client", str(args.clients + 8)]
+                 if args.clients + 8 > 64 else []), *extra]
+        env = {**os.environ, "PYTHONPATH": str(root)}  # the checkout whose code serves
         env.pop("ANOMALY_HOOKS_TOKEN", None)
         self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=open(self.log_path, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)

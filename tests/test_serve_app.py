@@ -177,9 +177,72 @@ def test_bearer_token_auth(models, tmp_path):
         assert client.get("/", headers={"Authorization": f"Basic {bad_basic}"}).status_code == 401
 
 
+def test_a_request_head_over_16_kib_is_431(api):
+    """Thousands of headers, or one huge, never reach the routes (a head that arrives in
+    pieces is refused by the server's HTTP parser: tests/test_serve_attacks.py)."""
+    client, _ = api
+    r = client.get("/healthz", headers={f"X-{i}": "v" * 100 for i in range(200)})
+    assert_error(r, 431, "headers_too_large")
+    assert r.headers["connection"] == "close"
+    assert client.get("/healthz", headers={"X-A": "v" * 8000}).status_code == 200
+
+
 # ---- the framework's errors -----------------------------------------------------------------
 def test_unknown_route_and_method(api):
     client, _ = api
     assert_error(client.get("/v2/nothing"), 404, "not_found")
     assert_error(client.get("/v1/predict"), 405, "method_not_allowed")
     assert_error(client.delete("/v1/results/1"), 405, "method_not_allowed")
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+# (method, url, headers): none may see what the token guards
+BYPASS_PROBES = [
+    ("GET", "/v1/model", {}), ("GET", "/v1/model", {"Authorization": "Bearer"}),
+    ("GET", "/v1/model", {"Authorization": "Bearer "}),
+    ("GET", "/v1/model", {"Authorization": "Bearer    "}),
+    ("GET", "/v1/model", {"Authorization": "Bearer wrong-token-123"}),
+    ("GET", "/v1/model", {"Authorization": f"Bearer {TOKEN[:-1]}"}),
+    ("GET", "/v1/model", {"Authorization": f"Bearer {TOKEN}x"}),
+    ("GET", "/v1/model", {"Authorization": f"Bearer {TOKEN.upper()}"}),
+    ("GET", "/v1/model", {"Authorization": f"Bearer\t{TOKEN}"}),
+    ("GET", "/v1/model", {"Authorization": TOKEN}),
+    ("GET", "/v1/model", {"Authorization": f"Token {TOKEN}"}),
+    ("GET", "/v1/model", {"Authorization": f"Digest {TOKEN}"}),
+    ("GET", "/v1/model", {"Authorization": f"Basic {_b64(TOKEN)}"}),
+    ("GET", "/v1/model", {"Authorization": f"Basic {_b64(TOKEN + ':')}"}),
+    ("GET", "/v1/model", {"Authorization": f"Basic {_b64(':wrong')}"}),
+    ("GET", "/v1/model", {"Authorization": "Basic not-base64!!"}),
+    ("GET", "/v1/model", {"Authorization": f"Basic {_b64('operator:' + TOKEN)[:-2]}"}),
+    ("GET", "/v1/model", {"X-Api-Key": TOKEN}), ("GET", "/v1/model", {"Cookie": f"token={TOKEN}"}),
+    ("GET", f"/v1/model?token={TOKEN}", {}), ("GET", f"/v1/model?access_token={TOKEN}", {}),
+    ("GET", "/v1/model", {"X-Forwarded-For": "127.0.0.1", "Host": "localhost"}),
+    ("GET", "/v1/model/", {}), ("GET", "//v1/model", {}), ("GET", "/V1/MODEL", {}),
+    ("GET", "/healthz%2F..%2Fv1%2Fmodel", {}), ("GET", "/healthz;/v1/model", {}),
+    ("GET", "/readyz/../v1/model", {}), ("GET", "/v1/model%00", {}), ("GET", "/%76%31/model", {}),
+    ("GET", "/v1/model%20", {}), ("HEAD", "/v1/model", {}), ("OPTIONS", "/v1/model", {}),
+    ("TRACE", "/v1/model", {}), ("OPTIONS", "/v1/admin/reload", {}),
+    ("POST", "/v1/admin/reload", {"Authorization": "Bearer wrong-token-123"}),
+    ("GET", "/v1/results.csv", {"Authorization": f"Basic {_b64('admin:admin')}"}),
+]
+
+
+@pytest.mark.parametrize("method, url, headers", BYPASS_PROBES)
+def test_auth_bypass_probes_see_nothing(token_api, method, url, headers):
+    """Wrong, truncated, differently cased or misplaced tokens, other schemes, path and
+    method tricks: 401 (or the 404/405 of no such route), never what the token guards."""
+    client, _ = token_api
+    r = client.request(method, url, headers=headers)
+    assert r.status_code in (401, 404, 405), (r.status_code, r.text)
+    assert "model_id" not in r.text and "file_sha256" not in r.text
+
+
+@pytest.fixture(scope="module")
+def token_api(models, tmp_path_factory):
+    with serving(models["good"], tmp_path_factory.mktemp("serve_token"),
+                 token=TOKEN) as (client, service):
+        client.headers.pop("Authorization")
+        yield client, service

@@ -147,3 +147,32 @@ def test_record_json_flattens_the_verdict_and_hides_paths():
     assert out["overlay_url"] == "/v1/results/5/overlay.png" and out["mask_url"] is None
     assert not any(k.endswith("_path") for k in out)
     assert out["time_iso"] == "1970-01-01T00:16:40.000Z"
+
+
+def test_one_refused_record_does_not_fail_its_group(tmp_path):
+    """The store refuses one record of a group commit: that record's request fails, the
+    others committed in the same group succeed."""
+    import threading
+
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    add = store.add
+
+    def picky(records):
+        if any(r.part_id == "bad" for r in records):
+            raise ValueError("refused")
+        return add(records)
+
+    store.add = picky
+    recorder = Recorder(store)
+    gate = threading.Event()
+    try:
+        recorder.call(gate.wait, 10)  # the writer waits: the three queue up as one group
+        futures = [recorder.submit(_record(i, 1000.0 + i, part_id=p))
+                   for i, p in enumerate(("a", "bad", "c"))]
+        gate.set()
+        with pytest.raises(ValueError, match="refused"):
+            futures[1].result(10)
+        assert futures[0].result(10) > 0 and futures[2].result(10) > 0
+    finally:
+        recorder.close()
+    assert sorted(r.part_id for r in store.query()) == ["a", "c"]

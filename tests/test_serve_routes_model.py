@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from serve_helpers import (  # noqa: E402
     serving,
 )
 
+from anomaly_hooks.serve.errors import ServeError  # noqa: E402
 from anomaly_hooks.serve.routes.model import MAX_JSON_DEPTH, nested_deeper_than  # noqa: E402
 
 models = serve_helpers.models
@@ -222,3 +224,110 @@ def test_reload_lets_in_flight_requests_finish_on_the_old_model(models, tmp_path
             assert [x.status_code for x in old] == [200] * 4
             assert {x.json()["model"]["id"] for x in old} == {old_id}
             assert after.result(60).json()["model"]["id"] == new_id
+
+
+# ---- hostile reload targets -----------------------------------------------------------------
+def _forged(path, size: int, like) -> None:
+    """A sparse file of ``size`` bytes whose header (``like``'s metadata) declares one tensor
+    filling it: what only hashing its data could refuse."""
+    from anomaly_hooks.modelfile import read_header
+
+    n = size - 8 - 4096
+    header = {"__metadata__": read_header(like)["__metadata__"],
+              "t": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
+    raw = json.dumps(header).encode().ljust(4096)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        fh.truncate(size)
+
+
+def test_hostile_reload_targets_are_refused_before_their_data_is_read(models, tmp_path,
+                                                                      monkeypatch):
+    """Each from its size and header alone (nothing hashed), at once, the old model serving:
+    a 30 GB sparse file, an empty one, a truncated and a padded model, a header whose
+    offsets are no numbers, one that declares more than this machine's memory, and a /proc
+    file (which reports 0 bytes whatever a read gives)."""
+    from anomaly_hooks.serve import engine as engine_module
+    from anomaly_hooks.serve.modelpaths import physical_memory
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    raw = models["good"].read_bytes()
+    with open(folder / "sparse.safetensors", "wb") as fh:
+        fh.truncate(30 << 30)
+    (folder / "empty.safetensors").write_bytes(b"")
+    (folder / "truncated.safetensors").write_bytes(raw[:-100])
+    (folder / "padded.safetensors").write_bytes(raw + b"\x00" * 100)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"] = ["0", "x"]
+    lying = json.dumps(header).encode()
+    (folder / "offsets.safetensors").write_bytes(len(lying).to_bytes(8, "little") + lying
+                                                 + raw[8 + n:])
+    _forged(folder / "huge.safetensors", physical_memory() + (1 << 30), models["good"])
+    targets = {"sparse.safetensors": "bad header", "empty.safetensors": "0 bytes",
+               "truncated.safetensors": "its header describes",
+               "padded.safetensors": "its header describes",
+               "offsets.safetensors": "without valid data offsets",
+               "huge.safetensors": "more than this machine's memory"}
+    with serving(models["good"], tmp_path, token=TOKEN, models_dir=str(folder)) as (client,
+                                                                                    service):
+        serving_id = service.engine.model_id
+
+        def never(*args, **kwargs):
+            raise AssertionError("hashed")
+
+        monkeypatch.setattr(engine_module, "file_sha256", never)
+        for name, needle in targets.items():
+            t = time.monotonic()
+            r = client.post("/v1/admin/reload", json={"path": str(folder / name)})
+            assert needle in assert_error(r, 422, "reload_failed")["message"], name
+            assert time.monotonic() - t < 2, name
+            assert service.engine.model_id == serving_id
+    monkeypatch.undo()
+    with serving(models["good"], tmp_path, token=TOKEN, models_dir="/proc/self") as (client, _):
+        r = client.post("/v1/admin/reload", params={"path": "/proc/self/pagemap"})
+        assert "0 bytes" in assert_error(r, 422, "reload_failed")["message"]
+
+
+def test_hashing_stops_when_the_server_begins_to_stop(tmp_path):
+    """The model file's hashing checks the stop flag every chunk: a 4 GB file stops within
+    a fraction of a second of the flag."""
+    from anomaly_hooks.serve.engine import file_sha256
+
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(4 << 30)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    t = time.monotonic()
+    with pytest.raises(ServeError, match="shutting down"):
+        file_sha256(big, cancel=stop)
+    assert time.monotonic() - t < 1.5
+
+
+def test_a_reload_in_progress_answers_503_when_the_server_stops(models, tmp_path, monkeypatch):
+    """begin_shutdown (the server's first step on SIGTERM) stops a reload at once: 503
+    ``shutting_down``, the old model untouched; reloads after it are refused the same way."""
+    from anomaly_hooks.serve import engine as engine_module
+
+    started = threading.Event()
+
+    def slow_sha256(path, chunk=4 << 20, cancel=None):
+        started.set()
+        while not cancel.wait(0.01):
+            pass
+        raise engine_module.load_cancelled()
+
+    with serving(models["good"], tmp_path, token=TOKEN) as (client, service):
+        monkeypatch.setattr(engine_module, "file_sha256", slow_sha256)
+        with ThreadPoolExecutor(1) as pool:
+            reload = pool.submit(client.post, "/v1/admin/reload")
+            assert started.wait(30)
+            t = time.monotonic()
+            service.begin_shutdown()
+            assert_error(reload.result(30), 503, "shutting_down")
+            assert time.monotonic() - t < 2
+        assert_error(client.post("/v1/admin/reload"), 503, "shutting_down")
+        assert client.get("/readyz").status_code == 200

@@ -105,3 +105,76 @@ def test_largest_ids_are_valid_queries(api):
     page = client.get(f"/v1/results?before_id={MAX_ID}&limit=1000").json()
     assert page["count"] >= 1
     assert client.get(f"/v1/results.csv?limit={MAX_ID}").status_code == 200
+
+
+# ---- rows and paths the service did not write -----------------------------------------------
+def _forge(service, **values) -> int:
+    """A row written into the results log behind the service's back; its id."""
+    import sqlite3
+
+    row = {"time": 1.7e9, "request_id": "forged", "score": 1.0, "normalized_score": 0.5,
+           "is_anomalous": 0, "threshold": 2.0, "model_id": "m", "model_checksum": "c",
+           **values}
+    con = sqlite3.connect(service.store.path)
+    with con:
+        cur = con.execute(f"INSERT INTO results ({', '.join(row)}) "
+                          f"VALUES ({', '.join('?' for _ in row)})", list(row.values()))
+    con.close()
+    return int(cur.lastrowid)
+
+
+@pytest.mark.parametrize("values", [
+    {"score": float("inf"), "threshold": float("-inf"), "latency_ms": float("inf")},
+    {"time": float("inf")}, {"time": 1e300}, {"time": "yesterday"},
+    {"score": "high", "normalized_score": b"\x00", "is_anomalous": "yes"},
+    {"width": 1.5, "height": "wide", "anomalous_pixels": float("inf")},
+    {"request_id": 12345, "model_id": b"\xff\xfe", "part_id": 7, "source": b"bytes"}])
+def test_no_row_breaks_a_route(api, values):
+    """Whatever a row holds (written by hand, or by another program), every route that lists
+    it answers 200: a non-finite or mistyped number as null."""
+    client, service = api
+    rid = _forge(service, **values)
+    for url in (f"/v1/results/{rid}", f"/v1/results?before_id={rid + 1}&limit=1",
+                "/v1/results.csv?limit=5"):
+        r = client.get(url)
+        assert r.status_code == 200, (url, r.text)
+    record = client.get(f"/v1/results/{rid}").json()
+    if "score" in values and not isinstance(values["score"], float):
+        assert record["score"] is None
+    if values.get("time") == float("inf"):
+        assert record["time"] is None and record["time_iso"] is None
+
+
+@pytest.mark.parametrize("path", [
+    "../../../../../../etc/passwd", "/etc/passwd", "images/../../outside.png",
+    "images/link.png", "images/\x00.png", "images/" + "x" * 5000 + ".png", ""])
+def test_stored_picture_paths_cannot_leave_the_results_folder(api, path, tmp_path):
+    """A row whose picture path points outside the results folder (by ``..``, an absolute
+    path, a symbolic link out of it) or is no path at all: 404, never the file."""
+    client, service = api
+    root = service.files.root
+    outside = root.parent / "outside.png"
+    outside.write_bytes(b"\x89PNG secret")
+    link = root / "images" / "link.png"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(outside)
+    rid = _forge(service, overlay_path=path)
+    r = client.get(f"/v1/results/{rid}/overlay.png")
+    if path:
+        assert_error(r, 404, "not_found")
+    else:
+        assert r.status_code == 404
+    assert b"secret" not in r.content
+
+
+@pytest.mark.parametrize("picture", [
+    "..%2F..%2F..%2Fetc%2Fpasswd", "%2e%2e", "overlay.png%00", "overlay.png%2F..%2F..",
+    "%2e%2e%2fresults.sqlite", "thumb.jpg%2F..%2F..%2Fresults.sqlite", "OVERLAY.PNG"])
+def test_picture_names_are_the_three_kinds_only(api, picture):
+    """Percent-encoded, the dots and slashes reach the server as they are (an HTTP client
+    folds plain ``..`` segments itself): a picture name is one of three, or 404."""
+    client, _ = api
+    r = client.get(f"/v1/results/1/{picture}")
+    assert r.status_code == 404 and r.json()["code"] == "not_found", (picture, r.text)
+    assert b"SQLite" not in r.content

@@ -12,7 +12,11 @@ from anomaly_hooks.serve.settings import ServeSettings
 @pytest.mark.parametrize("kw, message", [
     ({"max_batch": 0}, "max-batch"), ({"max_queue": 4, "max_batch": 8}, "max-queue"),
     ({"keep_images": "some"}, "keep-images"), ({"token": "short"}, "8 characters"),
-    ({"retention_count": 0}, "retention-count"), ({"models_dir": "/no/such/folder"}, "models-dir")])
+    ({"retention_count": 0}, "retention-count"), ({"models_dir": "/no/such/folder"}, "models-dir"),
+    ({"header_timeout_s": 0}, "header-timeout"), ({"idle_timeout_s": float("nan")}, "idle-timeout"),
+    ({"header_timeout_s": float("inf")}, "header-timeout"),
+    ({"request_timeout_s": -1}, "request-timeout"), ({"max_connections": -1}, "max-connections"),
+    ({"max_connections_per_client": -2}, "max-connections-per-client")])
 def test_settings_refuse_bad_values(kw, message):
     with pytest.raises(ValueError, match=message):
         ServeSettings(model="m", **kw).validate()
@@ -34,3 +38,38 @@ def test_models_dir_option(tmp_path):
     assert settings_from_args(args).models_dir == str(tmp_path)
     args = parser.parse_args(["--model", "m.safetensors"])
     assert settings_from_args(args).models_dir is None
+
+
+def test_connection_options():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--header-timeout", "2.5", "--idle-timeout", "1",
+                              "--max-connections", "0", "--max-connections-per-client", "8"])
+    s = settings_from_args(args)
+    assert (s.header_timeout_s, s.idle_timeout_s, s.max_connections,
+            s.max_connections_per_client) == (2.5, 1.0, 0, 8)
+    d = ServeSettings(model="m")
+    assert (d.header_timeout_s, d.idle_timeout_s, d.max_connections,
+            d.max_connections_per_client) == (10.0, 5.0, 1024, 64)
+
+
+@pytest.mark.parametrize("case", ["not_a_database", "folder_is_a_file", "folder_is_a_database"])
+def test_serve_refuses_a_results_log_it_cannot_open_in_one_line(case, tmp_path, capsys, fitted):
+    """Before the server starts: one ``error:`` line naming the path, exit 2."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from anomaly_hooks.cli import main
+
+    model = fitted.save(tmp_path / "m.safetensors")
+    results = tmp_path / "results"
+    if case == "not_a_database":
+        results.mkdir()
+        (results / "results.sqlite").write_bytes(b"no SQLite database here\n" * 200)
+    elif case == "folder_is_a_file":
+        results.write_text("a file")
+    else:
+        (results / "results.sqlite").mkdir(parents=True)
+    code = main(["serve", "--model", str(model), "--results-dir", str(results)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert str(results) in errors[0]

@@ -8,8 +8,10 @@ Importing this package does not import FastAPI or torch; :func:`create_app` does
 Modules: :mod:`.app` (``create_app``), :mod:`.service` (the running service),
 :mod:`.routes` (one router per area), :mod:`.schemas` (the JSON bodies), :mod:`.dependencies`,
 :mod:`.middleware`, :mod:`.engine` (one loaded model), :mod:`.batcher`, :mod:`.results` (the
-results log), :mod:`.uploads`, :mod:`.pictures`, :mod:`.modelpaths`, :mod:`.monitoring`,
-:mod:`.metrics`, :mod:`.errors`, :mod:`.settings`, :mod:`.cli`.
+results log), :mod:`.uploads`, :mod:`.forms` (bounded multipart bodies), :mod:`.pictures`,
+:mod:`.modelpaths`, :mod:`.monitoring`, :mod:`.metrics`, :mod:`.errors`, :mod:`.settings`,
+:mod:`.connections` (connection limits), :mod:`.server` (the uvicorn server of the CLI),
+:mod:`.cli`.
 """
 from __future__ import annotations
 

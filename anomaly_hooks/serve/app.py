@@ -23,12 +23,13 @@ from anomaly_hooks.serve.middleware import (
     DOCS_ASSETS,
     AuthMiddleware,
     BodyLimitMiddleware,
+    HeadLimitMiddleware,
     RequestMetricsMiddleware,
 )
 from anomaly_hooks.serve.results import ResultStore
 from anomaly_hooks.serve.routes import ROUTERS
 from anomaly_hooks.serve.routes.page import STATIC
-from anomaly_hooks.serve.service import Service
+from anomaly_hooks.serve.service import Service, error_text
 from anomaly_hooks.serve.settings import ServeSettings
 
 MULTIPART_SLACK = 64 * 1024  # multipart framing around the image bytes
@@ -59,10 +60,12 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     # last added = outermost
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     app.add_middleware(AuthMiddleware, token=settings.token)
+    app.add_middleware(HeadLimitMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics_getter=lambda: service.metrics)
     app.add_exception_handler(ServeError, _serve_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     for router in ROUTERS:
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -103,3 +106,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"code": code_for_status(exc.status_code), "status": exc.status_code,
                          "message": str(exc.detail)}, status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception is a fault of the server: 500 ``internal_error`` in the service's
+    JSON body, never the framework's plain text (the traceback goes to the log)."""
+    return JSONResponse({"code": "internal_error", "status": 500,
+                         "message": f"an unexpected error on the server: {error_text(exc)}"},
+                        status_code=500)

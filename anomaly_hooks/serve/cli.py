@@ -9,10 +9,11 @@ import argparse
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError
-from anomaly_hooks.serve.settings import KEEP_CHOICES, TOKEN_ENV, ServeSettings
+from anomaly_hooks.serve.settings import KEEP_CHOICES, RESULTS_FILE, TOKEN_ENV, ServeSettings
 
 DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -49,7 +50,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pixels", type=int, default=d["max_pixels"],
                    help=f"pixel limit per image (default {d['max_pixels']:,})")
     g.add_argument("--request-timeout", type=float, default=d["request_timeout_s"],
-                   help=f"seconds (default {d['request_timeout_s']:g})")
+                   help="seconds a request may take once its head is read, its body included "
+                   f"(default {d['request_timeout_s']:g})")
+    c = p.add_argument_group("connections")
+    c.add_argument("--header-timeout", type=float, default=d["header_timeout_s"],
+                   help="seconds a connection has to send a complete request head, counted "
+                   "from when it starts waiting for one; slow bytes do not extend it (default "
+                   f"{d['header_timeout_s']:g})")
+    c.add_argument("--idle-timeout", type=float, default=d["idle_timeout_s"],
+                   help="seconds a connection waiting for a request may send nothing, a new "
+                   f"one or a kept-alive one (default {d['idle_timeout_s']:g})")
+    c.add_argument("--max-connections", type=int, default=d["max_connections"],
+                   help="open connections at most; when reached, the one that has waited "
+                   "longest for its request is closed to make room (0: no cap; default "
+                   f"{d['max_connections']})")
+    c.add_argument("--max-connections-per-client", type=int,
+                   default=d["max_connections_per_client"],
+                   help="open connections per client address (an IPv6 /64 counts as one), "
+                   "same rule; behind a reverse proxy every client has the proxy's address: "
+                   f"raise it or give 0 (no cap) (default {d['max_connections_per_client']})")
     r = p.add_argument_group("results log")
     r.add_argument("--results-dir", default=d["results_dir"],
                    help="folder of the results log (results.sqlite) and kept pictures "
@@ -97,6 +116,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, decode_workers=args.decode_workers,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
         max_pixels=args.max_pixels, request_timeout_s=args.request_timeout,
+        header_timeout_s=args.header_timeout, idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
         keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
@@ -108,29 +130,20 @@ def run(args: argparse.Namespace) -> int:
     """Start the server; returns the exit code (2 when the model cannot be served)."""
     try:
         import fastapi  # noqa: F401
-        import multipart  # noqa: F401  (python-multipart)
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
+
+        _import_multipart()
     except ImportError as exc:
         print(f"error: the serve command needs the [serve] extra (missing {exc.name}): "
               "pip install 'anomaly_hooks[serve]'", file=sys.stderr)
         return 2
     settings = settings_from_args(args)
-    from anomaly_hooks.serve.modelpaths import check_model_file
-    from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-
-    check_model_file(settings.model)
-    if monitor_enabled(settings.monitor):
-        load_factory(settings.monitor)  # fail now, not after the model has loaded
-    log = logging.getLogger("anomaly_hooks.serve")
-    log.setLevel(getattr(logging, args.log_level.upper()))
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    if settings.host not in LOOPBACK and not settings.token:
-        log.warning("binding to %s WITHOUT a token: anyone who can reach this address can use "
-                    "the service; set --token or %s", settings.host, TOKEN_ENV)
+    preflight(settings)
+    log = _logging(settings, args.log_level)
 
     from anomaly_hooks.serve.app import create_app
+    from anomaly_hooks.serve.server import build_server, fit_open_files
 
     fatal: list = []
     server_box: list = []
@@ -140,13 +153,9 @@ def run(args: argparse.Namespace) -> int:
         if server_box:
             server_box[0].should_exit = True
 
+    fit_open_files(settings)
     app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=args.log_level, access_log=args.log_level == "debug",
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
-                            limit_concurrency=max(256, 4 * settings.max_queue),
-                            server_header=False)
-    server = uvicorn.Server(config)
+    server = build_server(app, settings, args.log_level)
     server_box.append(server)
     log.info("loading %s; the page will be at http://%s:%d/", settings.model,
              settings.host if ":" not in settings.host else f"[{settings.host}]", settings.port)
@@ -157,6 +166,41 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0
+
+
+def _import_multipart() -> None:
+    """python-multipart, by its name since 0.0.13 (the old one warns) or the old one."""
+    try:
+        import python_multipart  # noqa: F401
+    except ImportError:
+        import multipart  # noqa: F401
+
+
+def preflight(settings: ServeSettings) -> None:
+    """Refuse now, before the server starts, what would stop it later: the model path, the
+    drift-monitor factory, the results log (its folder a file, its file not a database...).
+    Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
+    from anomaly_hooks.serve.modelpaths import check_model_file
+    from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
+    from anomaly_hooks.serve.results import SQLiteResultStore
+
+    check_model_file(settings.model)
+    if monitor_enabled(settings.monitor):
+        load_factory(settings.monitor)
+    if settings.results_dir:
+        SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE).close()
+
+
+def _logging(settings: ServeSettings, level: str) -> logging.Logger:
+    """The service's logger at ``level``; warns about a public address without a token."""
+    log = logging.getLogger("anomaly_hooks.serve")
+    log.setLevel(getattr(logging, level.upper()))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    if settings.host not in LOOPBACK and not settings.token:
+        log.warning("binding to %s WITHOUT a token: anyone who can reach this address can use "
+                    "the service; set --token or %s", settings.host, TOKEN_ENV)
+    return log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

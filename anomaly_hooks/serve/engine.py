@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,22 +26,38 @@ import numpy as np
 
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
-from anomaly_hooks.serve.modelpaths import check_model_file
+from anomaly_hooks.serve.errors import ServeError
+from anomaly_hooks.serve.modelpaths import check_model_extent, check_model_file
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
 
 log = logging.getLogger("anomaly_hooks.serve")
 
 
-def file_sha256(path: Path, chunk: int = 4 << 20) -> str:
+def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
+                ) -> str:
+    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
+    set."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
+            _check_cancel(cancel)
             block = fh.read(chunk)
             if not block:
                 break
             digest.update(block)
     return digest.hexdigest()
+
+
+def load_cancelled() -> ServeError:
+    """The error of a model load stopped because the server is shutting down."""
+    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
+                      "stopped")
+
+
+def _check_cancel(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise load_cancelled()
 
 
 def _signature(path: Path) -> Tuple[int, int, int]:
@@ -82,9 +99,14 @@ class Engine:
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str, device: Optional[str] = None, warmup: bool = True) -> "Engine":
-        """Read, verify and warm up a model file (raises the library's errors when refused;
-        a path that is not a regular file is refused before it is read)."""
+    def load(cls, path: str, device: Optional[str] = None, warmup: bool = True,
+             cancel: Optional[threading.Event] = None) -> "Engine":
+        """Read, verify and warm up a model file (raises the library's errors when refused).
+
+        What can be refused cheaply is, before the file's data is read: a path that is not a
+        regular file (stat), a file whose size is not what its header declares (the header
+        alone). ``cancel``: when set (the server is stopping), the load stops with a 503
+        ``shutting_down`` :class:`ServeError` between steps and within the hashing."""
         from anomaly_hooks.detector import Detector
         from anomaly_hooks.errors import ModelFileError
 
@@ -92,8 +114,11 @@ class Engine:
         p = Path(path)
         check_model_file(p)
         before = _signature(p)
-        sha = file_sha256(p)
+        check_model_extent(p)
+        sha = file_sha256(p, cancel=cancel)
+        _check_cancel(cancel)
         det = Detector.load(p, device=device)
+        _check_cancel(cancel)
         if _signature(p) != before:
             raise ModelFileError(f"{p}: the file changed while it was being loaded; try again "
                                  "once it is completely written (write to a temporary name, "

@@ -25,6 +25,7 @@ CODES = (
     (413, "too_many_pixels", "the image exceeds the pixel limit (decompression-bomb guard)"),
     (413, "too_many_images", "more images in one batch request than allowed"),
     (415, "unsupported_media_type", "not PNG, JPEG, TIFF, BMP or WebP"),
+    (431, "headers_too_large", "the request line and headers exceed 16 KiB"),
     (422, "invalid_parameter", "a path, query, form or body parameter is invalid"),
     (422, "reload_failed", "the new model file was refused; the old model keeps serving"),
     (500, "internal_error", "a fault of the server, never of the input"),
@@ -32,6 +33,8 @@ CODES = (
     (503, "overloaded", "the bounded queue is full; Retry-After"),
     (503, "timeout", "the request took longer than the request timeout; Retry-After"),
     (503, "shutting_down", "the server is stopping"),
+    (503, "too_many_connections", "this client (or the server) holds as many connections as "
+     "it may, all busy; Retry-After"),
 )
 
 

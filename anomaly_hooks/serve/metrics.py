@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from anomaly_hooks.serve.connections import CLOSE_REASONS
 from anomaly_hooks.serve.monitoring import numeric_leaves
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
@@ -31,7 +32,8 @@ class _CallbackCollector:
 
 class ServiceMetrics:
     def __init__(self, *, queue_depth: Callable[[], float], in_flight: Callable[[], float],
-                 engine: Callable[[], Any], drift_status: Callable[[], Optional[dict]]) -> None:
+                 engine: Callable[[], Any], drift_status: Callable[[], Optional[dict]],
+                 connections: Optional[Callable[[], Dict[str, int]]] = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("anomaly_hooks_http_requests_total",
                                 "HTTP requests by endpoint and status code",
@@ -73,12 +75,33 @@ class ServiceMetrics:
         self._drift = drift_status
         r.register(_CallbackCollector(self._collect_model))
         r.register(_CallbackCollector(self._collect_drift))
+        self._connections = connections
+        r.register(_CallbackCollector(self._collect_connections))
 
     def observe_prediction(self, normalized_score: float, is_anomalous: bool) -> None:
         self.predictions.labels("anomalous" if is_anomalous else "normal").inc()
         self.scores.observe(normalized_score)
         self._recent.append(1.0 if is_anomalous else 0.0)
         self.anomalous_rate.set(sum(self._recent) / len(self._recent))
+
+    def _collect_connections(self):
+        """Open and waiting connections; those the server closed, by reason (a real server
+        only: the in-process app has no connections)."""
+        stats = self._connections() if self._connections is not None else None
+        if stats is None:
+            return
+        for key, text in (("open", "open HTTP connections"),
+                          ("waiting", "connections waiting for a request head")):
+            gauge = GaugeMetricFamily(f"anomaly_hooks_connections_{key}", text)
+            gauge.add_metric([], float(stats[key]))
+            yield gauge
+        closed = CounterMetricFamily("anomaly_hooks_connections_closed",
+                                     "connections the server closed or refused, by reason "
+                                     "(header_timeout, idle_timeout, evicted, refused)",
+                                     labels=["reason"])
+        for reason in CLOSE_REASONS:
+            closed.add_metric([reason], float(stats[reason]))
+        yield closed
 
     def _collect_model(self):
         engine = self._engine()

@@ -1,8 +1,11 @@
-"""ASGI middleware: request metrics (outermost), bearer-token auth, upload size limit."""
+"""ASGI middleware: request metrics (outermost), request-head size limit, bearer-token auth,
+upload size limit."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
 import json
 import time
@@ -11,6 +14,9 @@ from typing import Any, Callable, Optional
 from anomaly_hooks.serve.errors import ServeError
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# the request line and headers together; the server's HTTP parser refuses a longer head that
+# arrives in pieces (400), this middleware one that arrived whole (431)
+MAX_HEAD_BYTES = 16 * 1024
 DOCS_ASSETS = "/docs/assets"  # the API docs' scripts and styles
 # what a browser opens: their 401 asks for Basic credentials (the token as the password)
 PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect"})
@@ -75,6 +81,30 @@ class RequestMetricsMiddleware:
                 metrics.latency.labels(label).observe(time.perf_counter() - start)
 
 
+class HeadLimitMiddleware:
+    """431 ``headers_too_large`` for a request whose line and headers exceed ``limit`` bytes:
+    thousands of headers or a huge one never reach the routes."""
+
+    def __init__(self, app: Any, limit: int = MAX_HEAD_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and head_bytes(scope) > self.limit:
+            return await send_json(send, 431, {
+                "code": "headers_too_large", "status": 431,
+                "message": f"the request line and headers take more than {self.limit:,} "
+                           "bytes"}, {"Connection": "close"})
+        return await self.app(scope, receive, send)
+
+
+def head_bytes(scope: dict) -> int:
+    """The size of a request's line and headers as sent (``name: value`` lines)."""
+    line = (len(scope.get("method", "")) + len(scope.get("raw_path") or b"")
+            + len(scope.get("query_string") or b"") + 12)
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+
+
 class AuthMiddleware:
     """Bearer token on everything but the health probes (the page and the API docs included).
 
@@ -125,15 +155,16 @@ class BodyLimitMiddleware:
     reading (the endpoint then gets a 413 ServeError from ``receive``).
 
     Before answering, up to ``drain_cap`` further bytes of the refused body are read and
-    discarded, so that an HTTP client still sending its body can read the 413 (otherwise most
-    clients see a broken connection instead of the answer); beyond that the connection is
-    closed."""
+    discarded, for at most ``drain_timeout_s``, so that an HTTP client still sending its body
+    can read the 413 (otherwise most clients see a broken connection instead of the answer);
+    beyond that the connection is closed."""
 
     def __init__(self, app: Any, limit_for: Callable[[str], int],
-                 drain_cap: int = 64 * 1024 * 1024) -> None:
+                 drain_cap: int = 64 * 1024 * 1024, drain_timeout_s: float = 10.0) -> None:
         self.app = app
         self.limit_for = limit_for
         self.drain_cap = drain_cap
+        self.drain_timeout_s = drain_timeout_s
 
     async def _drain(self, receive: Callable, already: int, limit: int) -> None:
         received = already
@@ -159,7 +190,10 @@ class BodyLimitMiddleware:
                                        {"Connection": "close"})
             if size > limit:
                 if size <= limit + self.drain_cap:
-                    await self._drain(receive, 0, size)
+                    # bounded in time too: a client may announce a body it never sends
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._drain(receive, 0, size),
+                                               self.drain_timeout_s)
                 return await send_json(send, 413, too_large(size, limit).as_dict(),
                                        {"Connection": "close"})
         received = 0

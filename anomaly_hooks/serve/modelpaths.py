@@ -4,6 +4,10 @@
   ``/dev/zero``, a FIFO, a symbolic link loop, a missing file) is refused with what it is, from
   ``os.stat`` alone, before a byte is read or hashed (reading ``/dev/zero`` never ends, opening a
   FIFO waits for a writer).
+* :func:`check_model_extent`: the file's header (bounded, read alone) says where its data ends;
+  a file of another size is refused before its data is read or hashed (a truncated or padded
+  file, a huge sparse file that is no model, a ``/proc`` or ``/sys`` file: those report a size
+  that a read does not give, mostly 0), and so is one larger than the machine's memory.
 * :func:`inside_folder`: the admin reload route loads files from one folder only (the serving
   model's, or ``--models-dir``); symbolic links and ``..`` are resolved first, so neither can
   lead out of it.
@@ -13,6 +17,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
+from typing import Any, Optional
 
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.images import display
@@ -46,6 +52,51 @@ def check_model_file(path: str | os.PathLike) -> None:
         return
     kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
     raise ModelFileError(f"{label}: {kind}, not a model file")
+
+
+def check_model_extent(path: str | os.PathLike) -> int:
+    """The size of the model file at ``path`` (a regular file: :func:`check_model_file`),
+    checked against the end of the tensor data its header declares; raise
+    :class:`ModelFileError` when they differ. Reads the header only."""
+    from anomaly_hooks.modelfile import read_header
+
+    label = display(path)
+    size = os.stat(path).st_size
+    if size < 8:
+        raise ModelFileError(f"{label}: {size} bytes, too short to be a model file (files of "
+                             "/proc and /sys report 0 bytes whatever they hold)")
+    header = read_header(Path(path))  # refuses what is not a model file, bounded read
+    with open(path, "rb") as fh:
+        header_bytes = int.from_bytes(fh.read(8), "little")  # safetensors: u64 LE, then JSON
+    end = 8 + header_bytes + max((_data_end(entry, label) for key, entry in header.items()
+                                  if key != "__metadata__"), default=0)
+    if end != size:
+        raise ModelFileError(f"{label}: {size:,} bytes, but its header describes {end:,}: a "
+                             "truncated, padded or damaged model file, or not one")
+    memory = physical_memory()
+    if memory is not None and size > memory:
+        raise ModelFileError(f"{label}: {size:,} bytes, more than this machine's memory "
+                             f"({memory:,} bytes); a model is loaded into memory whole")
+    return size
+
+
+def physical_memory() -> Optional[int]:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _data_end(entry: Any, label: str) -> int:
+    """Where one tensor's data ends (its header entry's second data offset)."""
+    try:
+        end = entry["data_offsets"][1]
+    except (TypeError, KeyError, IndexError):
+        end = None
+    if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+        raise ModelFileError(f"{label}: damaged header (a tensor without valid data offsets)")
+    return end
 
 
 def inside_folder(path: str, folder: str) -> str:

@@ -19,6 +19,7 @@ import abc
 import csv
 import io
 import logging
+import math
 import os
 import queue
 import sqlite3
@@ -57,8 +58,9 @@ class Record:
 
     def flat(self) -> Dict[str, Any]:
         """The record as one flat mapping: the verdict's fields beside the others (its JSON,
-        CSV and SQL rows; non-finite floats as None)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "verdict"}
+        CSV and SQL rows; every non-finite float as None)."""
+        out = {f.name: _finite_or_none(getattr(self, f.name)) for f in fields(self)
+               if f.name != "verdict"}
         return {**self.verdict.as_dict(), **out}
 
     def picture_urls(self) -> Dict[str, Optional[str]]:
@@ -73,7 +75,7 @@ class Record:
         out = self.flat()
         for kind in PICTURES:
             del out[f"{kind}_path"]
-        return {**out, "time_iso": iso_time(self.time), **self.picture_urls()}
+        return {**out, "time_iso": iso_time_or_none(self.time), **self.picture_urls()}
 
 
 # the other fields, then the verdict's: the SQL columns (the table's names, in any order)
@@ -90,6 +92,21 @@ MAX_ID = 2**63 - 1
 def iso_time(ts: float) -> str:
     """Unix seconds as ISO 8601 UTC with milliseconds (``2026-11-23T10:00:00.000Z``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def iso_time_or_none(ts: Any) -> Optional[str]:
+    """:func:`iso_time`, or None for what is no time (NaN, infinite, out of range: a damaged
+    row of the log must not break the route that lists it)."""
+    try:
+        return iso_time(float(ts))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 class ResultStore(abc.ABC):
@@ -172,22 +189,42 @@ class SQLiteResultStore(ResultStore):
     """The default store: one SQLite file in WAL mode (readers never block the writer)."""
 
     def __init__(self, path: os.PathLike | str, synchronous: str = "FULL") -> None:
+        """Open (or create) the log at ``path``; a path that cannot hold one (its folder is a
+        file, the file is not a SQLite database, ...) is a :class:`ConfigError` saying so."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._synchronous = synchronous
         self._lock = threading.Lock()
-        self._write = self._connect()
-        with self._lock:
-            mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode}); put the "
-                                   "results log on a local file system")
-            version = self._write.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path}: results log of a newer version ({version})")
-            self._write.executescript(SCHEMA)
-            self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._local = threading.local()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # FileExistsError: a file where the folder should be, ...
+            raise ConfigError(f"results folder {self.path.parent}: "
+                              f"{_os_reason(exc)}") from None
+        try:
+            self._write = self._connect()
+        except sqlite3.DatabaseError as exc:  # a folder of that name, no permission, ...
+            raise self._unusable(exc) from None
+        try:
+            with self._lock:
+                self._init_schema()
+        except (sqlite3.DatabaseError, ConfigError) as exc:  # "file is not a database", ...
+            self._write.close()
+            raise self._unusable(exc) from None
+
+    def _unusable(self, exc: Exception) -> ConfigError:
+        return ConfigError(f"results log {self.path}: {exc}; move it away or give another "
+                           "--results-dir")
+
+    def _init_schema(self) -> None:
+        mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError(f"SQLite refused WAL mode (got {mode}); put the results log on "
+                              "a local file system")
+        version = self._write.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise ConfigError(f"a results log of a newer version ({version})")
+        self._write.executescript(SCHEMA)
+        self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
@@ -296,6 +333,13 @@ class SQLiteResultStore(ResultStore):
             self._write.close()
 
 
+def _os_reason(exc: OSError) -> str:
+    """What an ``OSError`` of a path says, without the path (the message names it)."""
+    if isinstance(exc, FileExistsError):
+        return "a file of that name is in the way (it must be a folder)"
+    return exc.strerror or str(exc)
+
+
 def _to_row(record: Record) -> List[Any]:
     """The SQL values of :data:`COLUMNS` (a bool as 0/1)."""
     flat = record.flat()
@@ -303,11 +347,46 @@ def _to_row(record: Record) -> List[Any]:
 
 
 def _from_row(row: Sequence[Any]) -> Record:
-    """The record of a row ``(id, *COLUMNS)``."""
-    data = dict(zip(["id", *COLUMNS], row))
+    """The record of a row ``(id, *COLUMNS)``, each value of its column's type or None (SQLite
+    stores what it is given: a row written by hand may hold anything)."""
+    data = {name: _ROW_TYPES.get(name, _text)(value)
+            for name, value in zip(["id", *COLUMNS], row)}
     verdict = Verdict(**{k: data.pop(k) for k in VERDICT_FIELDS})
-    verdict.is_anomalous = bool(verdict.is_anomalous)
     return Record(verdict=verdict, **data)
+
+
+def _real(value: Any) -> Optional[float]:
+    """A finite float, or None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _integer(value: Any) -> Optional[int]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value) if math.isfinite(value) else None
+
+
+def _text(value: Any) -> Optional[str]:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _required_text(value: Any) -> str:
+    return _text(value) or ""
+
+
+_ROW_TYPES = {"id": _integer, "time": _real, "score": _real, "normalized_score": _real,
+              "threshold": _real, "latency_ms": _real, "width": _integer, "height": _integer,
+              "anomalous_pixels": _integer, "is_anomalous": lambda v: bool(_real(v)),
+              "request_id": _required_text, "model_id": _required_text,
+              "model_checksum": _required_text}
 
 
 def open_store(spec: str) -> ResultStore:
@@ -328,7 +407,7 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     n = 0
     for rec in records:
         row = rec.flat()
-        row["time_iso"] = iso_time(rec.time)
+        row["time_iso"] = iso_time_or_none(rec.time)
         row["is_anomalous"] = int(rec.verdict.is_anomalous)
         writer.writerow([csv_cell(row[c]) for c in CSV_COLUMNS])  # no formulas
         n += 1
@@ -366,8 +445,11 @@ class ImageFiles:
 
     def resolve(self, rel: str) -> Optional[Path]:
         """Absolute path of a stored picture (None if outside the root or missing)."""
-        path = (self.root / rel).resolve()
-        if self.root not in path.parents or not path.is_file():
+        try:
+            path = (self.root / rel).resolve()
+            if self.root not in path.parents or not path.is_file():
+                return None
+        except (OSError, ValueError):  # a NUL character, a link loop, a name too long...
             return None
         return path
 
@@ -429,15 +511,7 @@ class Recorder:
             records = [(r, f) for r, f in group if isinstance(r, Record)]
             calls = [(c, f) for c, f in group if not isinstance(c, Record)]
             if records:
-                try:
-                    ids = self.store.add([r for r, _ in records])
-                    self.commits += 1
-                    for (_, fut), rid in zip(records, ids):
-                        _resolve(fut, rid)
-                except BaseException as exc:  # disk full, locked, ...: each waiter learns it
-                    log.exception("results log write failed")
-                    for _, fut in records:
-                        _resolve(fut, error=exc)
+                self._commit(records)
             for (fn, args, kwargs), fut in calls:
                 try:
                     _resolve(fut, fn(*args, **kwargs))
@@ -445,6 +519,24 @@ class Recorder:
                 # whose future raises it
                 except BaseException as exc:  # noqa: BLE001
                     _resolve(fut, error=exc)
+
+    def _commit(self, records: List[Any]) -> None:
+        """Commit ``(record, future)`` pairs in one transaction. When it fails, each record is
+        tried alone: one record the store refuses fails its own request only."""
+        try:
+            ids = self.store.add([r for r, _ in records])
+        # broad: disk full, locked, a store plug-in's own error: each waiter learns it
+        except BaseException as exc:  # noqa: BLE001
+            if len(records) > 1:  # the transaction was rolled back: nothing is committed
+                for one in records:
+                    self._commit([one])
+                return
+            log.exception("results log write failed")
+            _resolve(records[0][1], error=exc)
+            return
+        self.commits += 1
+        for (_, fut), rid in zip(records, ids):
+            _resolve(fut, rid)
 
     def close(self, timeout: float = 30.0) -> None:
         self._queue.put(self._STOP)

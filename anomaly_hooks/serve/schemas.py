@@ -152,8 +152,8 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     """One prediction of the results log."""
 
     id: int
-    time: float = Field(description="Unix seconds (UTC)")
-    time_iso: str
+    time: Optional[float] = Field(description="Unix seconds (UTC); null only in a damaged row")
+    time_iso: Optional[str]
     request_id: str
     model_id: str
     model_checksum: str

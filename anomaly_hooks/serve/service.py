@@ -4,16 +4,22 @@ path of one image through them (the HTTP routes in :mod:`.routes` are thin handl
 Request path of ``POST /v1/predict`` (every stage bounded):
 
 1. admission: at most ``max_queue`` images anywhere in the path, else 503 + Retry-After (before
-   the body is read);
-2. the body (raw or multipart), at most ``max_upload_bytes`` (413 otherwise);
+   the body is read; a batch request holds one slot while its body is read, then one per
+   image);
+2. the body (raw or multipart), at most ``max_upload_bytes`` (413 otherwise; multipart parts
+   bounded by :mod:`.forms`);
 3. decoding + preprocessing in the decode pool (``decode_workers`` threads; 400/413/415 for bad
    uploads): only these threads ever hold a full-size decoded image; what waits afterwards is the
    network input and a bounded preview;
 4. the batcher gathers concurrent images into one backbone batch, run in the model thread;
-5. verdict, pixel count and pictures in the decode pool;
+5. verdict, pixel count and pictures in the decode pool; a verdict with a non-finite number is
+   a fault of the model (500), and nothing of it is recorded;
 6. the record is committed to the results log (group commit) *before* the response is sent.
 
-The whole path runs under ``request_timeout_s`` (503 ``timeout``).
+The whole path runs under ``request_timeout_s`` (503 ``timeout``), up to the commit: a record
+handed to the writer is answered, so a failed request never leaves a row. Before any of this,
+the server's HTTP protocol (:mod:`.connections`) bounds how long a connection may take to send
+its request head, and how many connections a client holds.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -32,9 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+
 from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
-from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage
+from anomaly_hooks.serve.connections import ConnectionGuard
+from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage, load_cancelled
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder
@@ -47,7 +57,7 @@ from anomaly_hooks.serve.results import (
     SQLiteResultStore,
     iso_time,
 )
-from anomaly_hooks.serve.settings import ServeSettings
+from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -78,13 +88,21 @@ class Service:
         self.recorder: Optional[Recorder] = None
         self.on_fatal = on_fatal
         self.admission = Admission(settings.max_queue)
+        # consulted by the server's HTTP protocol (serve/server.py); unused in process
+        self.connections = ConnectionGuard(
+            header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
+            max_connections=settings.max_connections,
+            max_per_client=settings.max_connections_per_client)
         self.batcher: Optional[Batcher] = None
         self.metrics = ServiceMetrics(
             queue_depth=lambda: self.batcher.depth if self.batcher else 0,
             in_flight=lambda: self.admission.used,
             engine=lambda: self.engine,
-            drift_status=lambda: self.monitor.status() if self.monitor else None)
+            drift_status=lambda: self.monitor.status() if self.monitor else None,
+            connections=self.connections.stats)
         self._reloading = False
+        # set when the server begins to stop: model loads (hashing a big file) stop at once
+        self._stopping = threading.Event()
         self._last_trim = 0.0
         self._tasks: List[asyncio.Task] = []
         self._sighup = False
@@ -109,7 +127,7 @@ class Service:
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
         if self._store_given is not None or s.results_dir:
             root = Path(s.results_dir or ".")
-            self.store = self._store_given or SQLiteResultStore(root / "results.sqlite")
+            self.store = self._store_given or SQLiteResultStore(root / RESULTS_FILE)
             self.files = ImageFiles(root) if s.results_dir else None
             self.recorder = Recorder(self.store)
         wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
@@ -127,8 +145,15 @@ class Service:
             except (NotImplementedError, RuntimeError, ValueError, AttributeError):
                 log.info("SIGHUP reload not available here")
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: model loads in progress stop now (a reload answers 503
+        ``shutting_down``), so that neither the server's graceful wait for running requests
+        nor the process's exit waits for one. Called first thing by the server's shutdown."""
+        self._stopping.set()
+
     async def stop(self) -> None:
         """Stop the background tasks and the batcher, flush the results log, free the pools."""
+        self.begin_shutdown()
         if self._sighup:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 self.loop.remove_signal_handler(signal.SIGHUP)
@@ -154,9 +179,10 @@ class Service:
         # broad catches: whatever stops the model (or its monitor) from loading must reach
         # /readyz and on_fatal; a narrower catch would leave the server "loading" for ever
         try:
-            engine = await self.loop.run_in_executor(
-                self.aux, functools.partial(Engine.load, s.model, s.device))
+            engine = await self._load(s.model)
         except Exception as exc:  # noqa: BLE001
+            if self._stopping.is_set():
+                return None
             return self._fatal(error_text(exc))
         try:
             monitor = (MonitorRunner(self._monitor_object) if self._monitor_object is not None
@@ -219,6 +245,8 @@ class Service:
     async def reload(self, path: Optional[str] = None) -> Dict[str, Any]:
         """Load ``path`` (default: the current model path) beside the serving model, warm it up,
         then swap. In-flight requests finish on the model that preprocessed them."""
+        if self._stopping.is_set():
+            raise load_cancelled()
         if self._reloading:
             raise ServeError(409, "reload_in_progress", "a model reload is already running")
         self._reloading = True
@@ -244,17 +272,23 @@ class Service:
                            ) -> Tuple[Engine, Optional[MonitorRunner]]:
         """The new engine and its monitor, or the refusal (422) to answer."""
         try:
-            new = await self.loop.run_in_executor(
-                self.aux, functools.partial(Engine.load, target, self.settings.device))
+            new = await self._load(target)
         # broad: a refused file must never take the serving model down; whatever a file
         # makes the loader raise, the answer is "refused" and the old model serves on
         except Exception as exc:  # noqa: BLE001
+            if self._stopping.is_set():
+                raise load_cancelled() from None
             raise self._refused(target, error_text(exc), old) from None
         try:
             return new, await self._monitor_for(old, new)
         except Exception as exc:  # noqa: BLE001  (a monitor factory is the user's code)
             raise self._refused(target, f"its drift monitor cannot be built: "
                                 f"{error_text(exc)}", old) from None
+
+    async def _load(self, path: str) -> Engine:
+        """:meth:`Engine.load` in the aux pool, stopped by :meth:`begin_shutdown`."""
+        return await self.loop.run_in_executor(self.aux, functools.partial(
+            Engine.load, path, self.settings.device, cancel=self._stopping))
 
     def _refused(self, target: str, msg: str, old: Optional[Engine]) -> ServeError:
         """Record and log a refused reload; the error to answer (the old model serves on)."""
@@ -300,6 +334,8 @@ class Service:
                 await self.reload()
             except ServeError as exc:
                 log.error("SIGHUP reload: %s", exc.message)
+        # finished ones go: a SIGHUP storm must not grow the list for ever
+        self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(self.loop.create_task(run(), name="sighup-reload"))
 
     # -- batches ---------------------------------------------------------------------------
@@ -313,12 +349,20 @@ class Service:
             self.aux.submit(release_free_memory)
         monitor, built_for = self._monitoring
         # a batch still scored by the model before a reload stays out of the new one's window
-        if monitor is not None and (built_for is None or built_for is engine):
-            tensors = [j.tensor for j in jobs]
-            stamp = time.time()
-            if not monitor.offer(
-                    lambda: observed_batch(engine, tensors, scores, stamp, features)):
-                self.metrics.drift_dropped.inc()
+        if monitor is None or (built_for is not None and built_for is not engine):
+            return
+        # an image without a finite score got no verdict (500): it stays out of the window,
+        # where one NaN would spoil every statistic until it leaves
+        keep = np.isfinite(np.asarray(scores, dtype=np.float64))
+        if not keep.any():
+            return
+        tensors = [j.tensor for j, k in zip(jobs, keep) if k]
+        scores = np.asarray(scores)[keep]
+        if features is not None and not keep.all():
+            features = {name: values[keep] for name, values in features.items()}
+        stamp = time.time()
+        if not monitor.offer(lambda: observed_batch(engine, tensors, scores, stamp, features)):
+            self.metrics.drift_dropped.inc()
 
     # -- predictions -----------------------------------------------------------------------
     async def predict_bytes(self, data: bytes, *, part_id: Optional[str], source: Optional[str],
@@ -336,6 +380,7 @@ class Service:
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
         verdict = outcome.verdict
+        check_finite(verdict, engine)
         self.metrics.observe_prediction(verdict.normalized_score, verdict.is_anomalous)
         marks["post"] = time.perf_counter()
         record = Record(time=time.time(), request_id=uuid.uuid4().hex, verdict=verdict,
@@ -367,6 +412,10 @@ class Service:
         except ServeError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
+        # broad: the reader refuses bad uploads with a ServeError; anything else is a fault
+        # of the model's preprocessing, answered as such (a batch's other images go on)
+        except Exception as exc:  # noqa: BLE001
+            raise model_fault("preprocessing", exc, engine) from None
 
     def _keep(self) -> str:
         """Which pictures the results log keeps (none without a folder for them)."""
@@ -377,10 +426,15 @@ class Service:
         """Verdict and the pictures the response or the results log needs (decode pool)."""
         s = self.settings
         keep = self._keep()
-        return await self.loop.run_in_executor(self.pool, functools.partial(
-            engine.finish, score, heat, item, overlay=heatmap != "none" or keep == "all",
-            keep_anomalous=keep == "anomalous",
-            thumb_side=s.thumb_side if (s.thumbnails and self.files is not None) else 0))
+        try:
+            return await self.loop.run_in_executor(self.pool, functools.partial(
+                engine.finish, score, heat, item, overlay=heatmap != "none" or keep == "all",
+                keep_anomalous=keep == "anomalous",
+                thumb_side=s.thumb_side if (s.thumbnails and self.files is not None) else 0))
+        # broad: the verdict and pictures come from the model's threshold and heatmap; what
+        # they make fail (a zero scale divides by zero) is the model's fault
+        except Exception as exc:  # noqa: BLE001
+            raise model_fault("the verdict", exc, engine) from None
 
     def _kept_pictures(self, outcome: Outcome, heatmap: str) -> Dict[str, Optional[bytes]]:
         """The pictures to keep with the record (kind -> bytes, or None)."""
@@ -401,8 +455,9 @@ class Service:
                 record.overlay_path = paths.get("overlay")
                 record.mask_path = paths.get("mask")
                 record.thumb_path = paths.get("thumb")
-            # shielded: a request that times out now still gets its record committed
-            record.id = await asyncio.shield(asyncio.wrap_future(self.recorder.submit(record)))
+            # the point of no return: a record handed to the writer will be committed, so the
+            # request answers with it, whatever its timeout says meanwhile
+            record.id = await until_done(asyncio.wrap_future(self.recorder.submit(record)))
         except asyncio.CancelledError:
             raise
         # broad: a store plug-in may raise anything; the client must learn that its
@@ -418,11 +473,45 @@ class Service:
         try:
             return await asyncio.wait_for(coro, self.settings.request_timeout_s)
         except asyncio.TimeoutError:
-            raise ServeError(503, "timeout", f"the request took longer than "
-                             f"{self.settings.request_timeout_s:g} s (the server's "
-                             "--request-timeout); the server is busy, retry later",
-                             {"Retry-After": str(self.batcher.retry_after()
-                                                 if self.batcher else 5)}) from None
+            raise self.timeout_error() from None
+
+    def timeout_error(self) -> ServeError:
+        """503 ``timeout``: the request took longer than the request timeout."""
+        return ServeError(503, "timeout", f"the request took longer than "
+                          f"{self.settings.request_timeout_s:g} s (the server's "
+                          "--request-timeout); the server is busy, retry later",
+                          # closed: the rest of a slow body is not waited for
+                          {"Retry-After": str(self.batcher.retry_after()
+                                              if self.batcher else 5),
+                           "Connection": "close"})
+
+    async def each_within(self, coros: List[Awaitable[Any]], timeout: float) -> List[Any]:
+        """Run ``coros`` together for at most ``timeout`` seconds. Each one's outcome, in
+        order: its result, or its :class:`ServeError` (another exception: a 500 one, logged),
+        or :meth:`timeout_error` if it was not done in time -- one already committing its
+        record finishes with it (:func:`until_done`): a failed image leaves no row, a recorded
+        one is answered."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
+        finally:  # also when the request itself is cancelled
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        return [self._outcome(task) for task in tasks]
+
+    def _outcome(self, task: "asyncio.Future[Any]") -> Any:
+        if task.cancelled():
+            return self.timeout_error()
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        if isinstance(exc, ServeError):
+            return exc
+        log.error("an image of a batch failed", exc_info=exc)
+        return ServeError(500, "internal_error", f"the image could not be scored "
+                          f"({error_text(exc)}); nothing recorded")
 
     @contextlib.contextmanager
     def admit(self, n: int) -> Iterator[None]:
@@ -433,6 +522,39 @@ class Service:
             yield
         finally:
             self.admission.release(n)
+
+
+async def until_done(fut: "asyncio.Future[Any]") -> Any:
+    """``fut``'s result, awaited to the end even when the awaiting task is cancelled meanwhile
+    (the cancellation is then dropped: the task goes on with the result)."""
+    while True:
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+
+
+def check_finite(verdict: Any, engine: Engine) -> None:
+    """A verdict with a non-finite score, normalised score or threshold is no verdict (a NaN
+    score would read as "not anomalous"): 500 ``internal_error``, and nothing is recorded."""
+    bad = [f"{name}={value}" for name in ("score", "normalized_score", "threshold")
+           if not math.isfinite(value := getattr(verdict, name))]
+    if bad:
+        raise ServeError(500, "internal_error",
+                         f"the model {engine.model_id} gave {', '.join(bad)} for this image: "
+                         "no verdict, nothing recorded; check the model file (refit or restore "
+                         "it)")
+
+
+def model_fault(stage: str, exc: BaseException, engine: Engine) -> ServeError:
+    """500 ``internal_error`` for an unexpected failure of the model's ``stage``."""
+    log.error("%s failed on model %s: %s", stage, engine.model_id, error_text(exc))
+    return ServeError(500, "internal_error", f"{stage} failed on the model {engine.model_id} "
+                      f"({type(exc).__name__}: {exc}); nothing recorded")
 
 
 def _timing(marks: Dict[str, float], read_ms: float, info: BatchInfo) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ from anomaly_hooks.errors import ConfigError
 
 TOKEN_ENV = "ANOMALY_HOOKS_TOKEN"
 KEEP_CHOICES = ("none", "anomalous", "all")
+RESULTS_FILE = "results.sqlite"  # the results log, in --results-dir
 
 
 @dataclass
@@ -29,6 +30,10 @@ class ServeSettings:
     max_batch_files: int = 32
     max_pixels: int = 25_000_000
     request_timeout_s: float = 120.0
+    header_timeout_s: float = 10.0         # a connection's request head must be complete by then
+    idle_timeout_s: float = 5.0            # a connection waiting for a request may be silent
+    max_connections: int = 1024            # open connections at most (0: no cap)
+    max_connections_per_client: int = 64   # per client address, an IPv6 /64 as one (0: no cap)
     results_dir: Optional[str] = "serve_results"   # None = no results log
     keep_images: str = "anomalous"         # pictures kept in the results log: none|anomalous|all
     thumbnails: bool = True                # a small overlay JPEG per result (the page's list)
@@ -54,8 +59,15 @@ class ServeSettings:
                                  f"{getattr(self, name)}")
         if self.max_wait_ms is not None and self.max_wait_ms < 0:
             raise ConfigError("max-wait-ms must be >= 0")
-        if self.request_timeout_s <= 0:
-            raise ConfigError("request-timeout must be > 0")
+        for name in ("request_timeout_s", "header_timeout_s", "idle_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):  # NaN fails the first test
+                raise ConfigError(f"{name[:-2].replace('_', '-')} must be a number of seconds "
+                                 f"> 0, not {value}")
+        for name in ("max_connections", "max_connections_per_client"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 0 (0: no cap), not "
+                                 f"{getattr(self, name)}")
         if self.max_queue < self.max_batch:
             raise ConfigError(f"max-queue ({self.max_queue}) must be >= max-batch "
                              f"({self.max_batch})")

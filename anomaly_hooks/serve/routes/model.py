@@ -52,7 +52,7 @@ async def reload(request: Request, service: ServiceDep,
     before finish on the old model. The path comes as ``?path=`` or as ``{"path": ...}``; a
     refused file (422 ``reload_failed``) leaves the old model serving."""
     if path is None:
-        path = await _body_path(request)
+        path = await service.with_timeout(_body_path(request))
     return await service.reload(service.reload_target(path) if path else None)
 
 

@@ -2,16 +2,16 @@
 multipart request of several images, each answered on its own)."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple
 
 from fastapi import APIRouter, Query, Request
-from starlette.datastructures import FormData, UploadFile
+from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 
 from anomaly_hooks.serve.dependencies import EngineDep, ServiceDep
 from anomaly_hooks.serve.errors import ServeError, client_gone
+from anomaly_hooks.serve.forms import read_form
 from anomaly_hooks.serve.schemas import BatchResponse, Prediction, error_responses
 from anomaly_hooks.serve.service import Service
 
@@ -19,6 +19,10 @@ router = APIRouter(tags=["predict"])
 
 PART_ID_MAX = 200
 SOURCE_MAX = 500
+# form parts a request may carry besides its images (a part_id per image, and a few more)
+BATCH_EXTRA_FIELDS = 8
+SINGLE_MAX_FILES = 4    # the first file part is the image
+SINGLE_MAX_FIELDS = 16
 Heatmap = Annotated[Literal["none", "png", "url"], Query(
     description="none; png: the overlay and mask as base64 PNGs in the answer; url: kept in "
     "the results log, their URLs in the answer")]
@@ -74,8 +78,10 @@ async def predict(request: Request, service: ServiceDep, _: EngineDep, heatmap: 
 async def predict_batch(request: Request, service: ServiceDep, _: EngineDep,
                         heatmap: Heatmap = "none") -> Dict[str, Any]:
     """One multipart file part per image (``-F files=@a.png -F files=@b.png``), optional
-    ``part_id`` fields in the same order. An image that is refused gets its ``error`` in its
-    place; the others are scored (in shared batches)."""
+    ``part_id`` fields in the same order. Each image is answered in its place: its prediction,
+    or its ``error`` (refused, failed, or not done within the request timeout); the others
+    are scored (in shared batches). When no image could be scored because of the server (all
+    failed with a 5xx), the request answers that error instead."""
     t_start = time.perf_counter()
     _check_heatmap(service, heatmap)
     settings = service.settings
@@ -83,42 +89,47 @@ async def predict_batch(request: Request, service: ServiceDep, _: EngineDep,
         raise ServeError(415, "unsupported_media_type",
                          "the batch endpoint takes multipart/form-data with one file part "
                          "per image (e.g. -F files=@a.png -F files=@b.png)")
-    form = await _form(request, settings.max_batch_files + 1, 2 * settings.max_batch_files + 16)
-    try:
-        uploads = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-        if not uploads:
-            raise ServeError(400, "empty_body", "the batch request has no file parts")
-        if len(uploads) > settings.max_batch_files:
-            raise ServeError(413, "too_many_images",
-                             f"{len(uploads)} images in one request; at most "
-                             f"{settings.max_batch_files} (the server's --max-batch-files)")
-        part_ids = [v for k, v in form.multi_items() if k == "part_id" and isinstance(v, str)]
-        read_ms = (time.perf_counter() - t_start) * 1000
-        with service.admit(len(uploads)):
-            results = await service.with_timeout(asyncio.gather(*(
-                _one_of_batch(service, i, upload, part_ids, heatmap, t_start, read_ms)
-                for i, upload in enumerate(uploads))))
-    finally:
-        await form.close()
-    failed = sum(1 for r in results if "error" in r)
-    return {"count": len(results), "failed": failed, "results": results}
+    with service.admit(1):  # the body's slot, taken before a byte of it is read
+        deadline = service.loop.time() + settings.request_timeout_s
+        form = await service.with_timeout(read_form(
+            request, max_files=settings.max_batch_files,
+            max_fields=settings.max_batch_files + BATCH_EXTRA_FIELDS,
+            max_file_bytes=settings.max_upload_bytes))
+        try:
+            uploads = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            if not uploads:
+                raise ServeError(400, "empty_body", "the batch request has no file parts")
+            part_ids = [v for k, v in form.multi_items() if k == "part_id" and isinstance(v, str)]
+            read_ms = (time.perf_counter() - t_start) * 1000
+            with service.admit(len(uploads) - 1):  # one slot per image from now on
+                outcomes = await service.each_within(
+                    [_one_of_batch(service, i, upload, part_ids, heatmap, t_start, read_ms)
+                     for i, upload in enumerate(uploads)], deadline - service.loop.time())
+        finally:
+            await form.close()
+    return _batch_answer(uploads, outcomes)
 
 
 async def _one_of_batch(service: Service, i: int, upload: UploadFile, part_ids: List[str],
                         heatmap: str, t_start: float, read_ms: float) -> Dict[str, Any]:
-    """One image of a batch: its prediction, or its error (a fault of the server is raised:
-    the whole request fails with it)."""
-    try:
-        data = await upload.read()
-        _check_size(data, service.settings.max_upload_bytes)
-        pid = part_ids[i][:PART_ID_MAX] if i < len(part_ids) else None
-        res = await service.predict_bytes(data, part_id=pid, source=upload.filename,
-                                          heatmap=heatmap, t_start=t_start, read_ms=read_ms)
-        return {"index": i, "filename": upload.filename, **res}
-    except ServeError as exc:
-        if exc.code == "internal_error":
-            raise
-        return {"index": i, "filename": upload.filename, "error": exc.as_dict()}
+    """One image of a batch: its prediction (raises its error)."""
+    data = await upload.read()
+    _check_size(data, service.settings.max_upload_bytes)
+    pid = part_ids[i][:PART_ID_MAX] if i < len(part_ids) else None
+    return await service.predict_bytes(data, part_id=pid, source=upload.filename,
+                                       heatmap=heatmap, t_start=t_start, read_ms=read_ms)
+
+
+def _batch_answer(uploads: List[UploadFile], outcomes: List[Any]) -> Dict[str, Any]:
+    """The batch's answer: each image's prediction or error, in order; the first error itself
+    when every image failed because of the server (nothing was scored or recorded)."""
+    errors = [o for o in outcomes if isinstance(o, ServeError)]
+    if errors and len(errors) == len(outcomes) and all(e.status >= 500 for e in errors):
+        raise errors[0]
+    results = [{"index": i, "filename": upload.filename,
+                **({"error": out.as_dict()} if isinstance(out, ServeError) else out)}
+               for i, (upload, out) in enumerate(zip(uploads, outcomes))]
+    return {"count": len(results), "failed": len(errors), "results": results}
 
 
 # ---- reading the request --------------------------------------------------------------------
@@ -136,14 +147,6 @@ def _check_heatmap(service: Service, heatmap: str) -> None:
                          "server runs with --no-results); use heatmap=png")
 
 
-async def _form(request: Request, max_files: int, max_fields: int) -> FormData:
-    """The multipart form (a client that goes away mid-body: 400)."""
-    try:
-        return await request.form(max_files=max_files, max_fields=max_fields)
-    except ClientDisconnect:
-        raise client_gone() from None
-
-
 async def _read_upload(request: Request, max_bytes: int
                        ) -> Tuple[bytes, Optional[str], Dict[str, str]]:
     """(bytes, file name, other form fields) of a raw-body or multipart single-image upload."""
@@ -154,7 +157,8 @@ async def _read_upload(request: Request, max_bytes: int
             raise client_gone() from None
         _check_size(data, max_bytes)
         return data, None, {}
-    form = await _form(request, max_files=4, max_fields=16)
+    form = await read_form(request, max_files=SINGLE_MAX_FILES, max_fields=SINGLE_MAX_FIELDS,
+                           max_file_bytes=max_bytes)
     try:
         upload = next((v for _, v in form.multi_items() if isinstance(v, UploadFile)), None)
         if upload is None:
