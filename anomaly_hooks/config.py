@@ -27,8 +27,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from anomaly_hooks.calibration import TAILS
 from anomaly_hooks.choices import check, choices
 from anomaly_hooks.errors import ConfigError
-from anomaly_hooks.framing import IMAGENET_MEAN, IMAGENET_STD
+from anomaly_hooks.framing import IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
+from anomaly_hooks.modelmeta import MAX_DEPTH, MAX_PIXELS
 from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
 
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
@@ -172,7 +173,6 @@ def _normalise_raw(raw: Any) -> Any:
 MAX_CONFIG_BYTES = 1 << 20  # a config file
 MAX_OVERRIDE_CHARS = 10_000  # one key=value override
 MAX_OVERRIDES = 1_000
-MAX_DEPTH = 32  # nesting of sections / lists (the schema itself is 3 deep)
 MAX_NODES = 100_000  # values in a config
 INT64 = (-(1 << 63), (1 << 63) - 1)
 DEVICE_RE = re.compile(r"(auto|cpu|cuda(:[0-9]{1,4})?)\Z")
@@ -398,7 +398,6 @@ def _check_values(container: Any, prefix: str = "") -> None:
             check(INT64[0] <= value <= INT64[1], name, "an integer within 64 bits", value)
 
 
-MAX_SIDE = 8192  # a network input side: beyond it no backbone fits in memory
 
 
 def _check_size(key: str, value: Optional[List[int]]) -> None:
@@ -436,7 +435,7 @@ def validate_config(cfg: DictConfig) -> None:
     data = cfg.data
     check(1 <= data.batch_size <= 65_536, "data.batch_size", "1 to 65536", data.batch_size)
     check(0 <= data.num_workers <= 256, "data.num_workers", "0 to 256", data.num_workers)
-    check(1 <= data.max_pixels <= 1 << 40, "data.max_pixels", "1 to 2**40", data.max_pixels)
+    check(1 <= data.max_pixels <= MAX_PIXELS, "data.max_pixels", "1 to 2**40", data.max_pixels)
     res = cfg.resources
     if res.memory_limit_gb is not None:
         check(res.memory_limit_gb > 0, "resources.memory_limit_gb", "> 0 or null",

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-MAX_SIDE = 8192  # a resize or crop side (config.MAX_SIDE): beyond it no backbone fits in memory
+MAX_SIDE = 8192  # a resize or crop side: beyond it no backbone fits in memory
 
 
 @dataclass(frozen=True)

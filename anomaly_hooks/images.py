@@ -29,7 +29,6 @@ import io
 import math
 import os
 import re
-import stat
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple, Union
@@ -38,6 +37,7 @@ import numpy as np
 from PIL import Image
 
 from anomaly_hooks.errors import ImageReadError, ImageTooLargeError
+from anomaly_hooks.files import file_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,9 +73,6 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
               6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
               8: Image.Transpose.ROTATE_90}
-_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
 
 def display(path: Any) -> str:
     """A path for messages and tables: control characters (a newline in a file name) and
@@ -97,18 +94,9 @@ def _check_pixels(width: int, height: int, max_pixels: int, label: str) -> None:
         )
 
 
-def _file_kind(mode: int) -> Optional[str]:
-    """What a non-regular file is ("a FIFO", ...), or None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-
-
 def _refuse_kind(kind: str, label: str) -> ImageReadError:
-    if kind == "a directory":
-        return ImageReadError(f"{label}: is a directory, not an image file")
+    if kind == "a folder":
+        return ImageReadError(f"{label}: is a folder, not an image file")
     return ImageReadError(f"{label}: not a regular file ({kind}); only image files are read")
 
 
@@ -117,7 +105,7 @@ def _open_fd(path: Path, label: str) -> int:
     byte is read (``O_NONBLOCK``: opening a FIFO never waits for a writer)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        kind = _file_kind(os.stat(path).st_mode)
+        kind = file_kind(os.stat(path).st_mode)
         fd = os.open(path, flags) if kind is None else -1  # a socket cannot even be opened
     except FileNotFoundError:
         raise ImageReadError(f"{label}: file not found") from None
@@ -127,7 +115,7 @@ def _open_fd(path: Path, label: str) -> int:
     if kind is not None:
         raise _refuse_kind(kind, label)
     st = os.fstat(fd)  # the file opened, not what the name pointed to a moment ago
-    kind = _file_kind(st.st_mode)
+    kind = file_kind(st.st_mode)
     if kind is not None or st.st_size == 0:
         os.close(fd)
         raise _refuse_kind(kind, label) if kind else ImageReadError(

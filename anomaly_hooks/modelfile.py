@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -23,6 +22,8 @@ from typing import Any, Dict, Tuple
 import torch
 
 from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.files import regular_file_problem
+from anomaly_hooks.images import display
 from anomaly_hooks.modelmeta import about, check_model_meta
 
 FORMAT_NAME = "anomaly_hooks"
@@ -285,19 +286,19 @@ def _checked_meta(meta_json: str, path: Path) -> Dict[str, Any]:
     return meta
 
 
+def check_model_path(path: Any) -> None:
+    """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file
+    (missing, a folder, a device such as ``/dev/zero``, a FIFO, a symbolic link loop): from
+    ``os.stat`` alone, before anything is opened."""
+    problem = regular_file_problem(path, "a model file")
+    if problem is not None:
+        raise ModelFileError(f"{display(path)}: {problem}")
+
+
 def _open_model(path: Path) -> Any:
     """The model file opened for reading; a missing, unreadable or non-regular path is a
     :class:`ModelFileError` (a FIFO is refused without being opened)."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ModelFileError(f"model file not found: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"{path}: cannot read the model file "
-                             f"({getattr(exc, 'strerror', None) or exc})") from None
-    if not stat.S_ISREG(mode):
-        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-        raise ModelFileError(f"{path}: is {kind}, not a model file")
+    check_model_path(path)
     try:
         return open(path, "rb")
     except OSError as exc:  # permission denied, ...

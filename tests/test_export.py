@@ -255,7 +255,7 @@ def test_corrupt_onnx_file_is_a_model_file_error(exported, tmp_path):
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ModelFileError, match=rf"^{cut}: not a loadable ONNX model \("):
         OnnxDetector.load(cut)
-    with pytest.raises(ModelFileError, match=rf"^model file not found: {tmp_path}/nope\.onnx$"):
+    with pytest.raises(ModelFileError, match=rf"^{tmp_path}/nope\.onnx: model file not found$"):
         OnnxDetector.load(tmp_path / "nope.onnx")
 
 

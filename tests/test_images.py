@@ -72,7 +72,7 @@ def test_bad_inputs_name_the_problem(tmp_path):
         read_image(tmp_path / "empty.png")
     with pytest.raises(ImageReadError, match="text.png: not a readable image"):
         read_image(tmp_path / "text.png")
-    with pytest.raises(ImageReadError, match="dir.png: is a directory"):
+    with pytest.raises(ImageReadError, match="dir.png: is a folder"):
         read_image(tmp_path / "dir.png")
     with pytest.raises(ImageReadError, match="missing.png: file not found"):
         read_image(tmp_path / "missing.png")

@@ -156,7 +156,7 @@ BAD_REASON = {
     "trunc_png": r"not a readable image",
     "trunc_jpg": r"not a readable image",
     "text_png": r"not a readable image",
-    "dir_png": r"is a directory",
+    "dir_png": r"is a folder",
     "bomb": r"decompression-bomb guard.*data\.max_pixels",
 }
 

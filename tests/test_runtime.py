@@ -173,7 +173,7 @@ def test_cli_export_errors_are_one_line(model, tmp_path, capsys):
     _, saved, _, _ = model
     assert main(["export", "--model", str(tmp_path / "none.safetensors")]) == 2
     assert capsys.readouterr().err.strip() == \
-        f"error: model file not found: {tmp_path / 'none.safetensors'}"
+        f"error: {tmp_path / 'none.safetensors'}: model file not found"
     assert main(["export", "--model", str(saved), "--out", str(tmp_path / "q.onnx"),
                  "--int8", "--calib", str(tmp_path)]) == 2
     assert "error: " in capsys.readouterr().err

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.files import regular_file_problem
+from anomaly_hooks.images import display
 from anomaly_hooks.modelmeta import MAX_JSON_CHARS, about, refuse
 
 CHECKSUM_KEY = "checksum"
@@ -72,17 +73,10 @@ class OnnxContent:
 def regular_file(path: Path, what: str = "model file") -> os.stat_result:
     """``os.stat`` of ``path``; a missing or non-regular path (a folder, a FIFO that would
     block a reader) is a :class:`ModelFileError`."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ModelFileError(f"{what} not found: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"{path}: cannot read the {what} "
-                             f"({getattr(exc, 'strerror', None) or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise ModelFileError(f"{path}: is {kind}, not a {what}")
-    return st
+    problem = regular_file_problem(path, f"a {what}")
+    if problem is not None:
+        raise ModelFileError(f"{display(path)}: {problem}")
+    return os.stat(path)
 
 
 def side_file(path: Path, name: str) -> Path:

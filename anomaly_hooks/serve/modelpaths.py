@@ -14,44 +14,20 @@
 """
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from pathlib import Path
 from typing import Any, Optional
 
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.images import display
+from anomaly_hooks.modelfile import check_model_path
 from anomaly_hooks.serve.errors import ServeError
-
-# what each kind of non-regular file is called in the refusal
-_KINDS = ((stat.S_ISDIR, "is a folder"), (stat.S_ISCHR, "not a regular file (a character device)"),
-          (stat.S_ISBLK, "not a regular file (a block device)"),
-          (stat.S_ISFIFO, "not a regular file (a FIFO)"),
-          (stat.S_ISSOCK, "not a regular file (a socket)"))
 
 
 def check_model_file(path: str | os.PathLike) -> None:
-    """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file.
-
-    Only ``os.stat`` is called (it follows symbolic links): nothing is opened.
-    """
-    label = display(path)
-    try:
-        mode = os.stat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        raise ModelFileError(f"{label}: model file not found") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ModelFileError(f"{label}: is a symbolic link loop, not a model file") from None
-        raise ModelFileError(f"{label}: cannot read the model file "
-                             f"({exc.strerror or exc})") from None
-    except ValueError:  # a NUL character in the name
-        raise ModelFileError(f"{label}: not a valid file name") from None
-    if stat.S_ISREG(mode):
-        return
-    kind = next((text for test, text in _KINDS if test(mode)), "not a regular file")
-    raise ModelFileError(f"{label}: {kind}, not a model file")
+    """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file
+    (:func:`anomaly_hooks.modelfile.check_model_path`: ``os.stat`` only, nothing opened)."""
+    check_model_path(path)
 
 
 def check_model_extent(path: str | os.PathLike) -> int:
