@@ -423,6 +423,7 @@ class FitRun:
                 for unit, part in zip(units, parts):
                     for i, v in zip(unit, part):
                         good[i] = v
+            scorer.drop_out_of_sample_state()
         else:
             good = []
             images = torch.cat(self.held_images) if self.held_images else None

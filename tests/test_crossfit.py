@@ -172,16 +172,16 @@ def test_patchcore_leave_one_image_out_search_equals_brute_force(small_cfg):
 
 
 # -- the sharded fit's steps, in one process --------------------------------------------------
-def sharded(cfg: dict, paths: list) -> Detector:
-    """The steps of ``distributed.fit`` on two shards, in this process (no Ray): shard states,
-    merge, groups, finalize, the second pass over units from a payload, defects, complete."""
+def sharded(cfg, paths, bounds) -> Detector:
+    """The steps of ``distributed.fit`` on the shards ``bounds`` (``[lo, hi)`` ranges of the
+    training list), in this process (no Ray): shard states, merge, groups, finalize, the
+    second pass over units from a payload, defects, complete."""
     from anomaly_hooks.distributed.fitting import scorer_from_payload, scorer_payload
 
     det = Detector.from_config(cfg)
     run = FitRun(det, paths, progress=False)
-    half = len(paths) // 2 // cfg["data"]["batch_size"] * cfg["data"]["batch_size"] or 4
-    parts = [run.plan.train[:half], run.plan.train[half:]]
-    results = [fit_shard(det, part, len(paths), descriptors=True) for part in parts]
+    results = [fit_shard(det, run.plan.train[lo:hi], len(run.plan.train), descriptors=True)
+               for lo, hi in bounds]
     merged = run.add_shards(results)
     run.set_groups()
     run.finalize(merged)
@@ -211,7 +211,7 @@ def test_sharded_steps_equal_the_single_process_fit(small_cfg, tmp_path, method,
     cfg = {**small_cfg, "method": method, method: section,
            "threshold": {**GROUPED, "near_duplicates": 0.5}}
     single = Detector.from_config(cfg).fit(paths, progress=False)
-    dist = sharded(cfg, paths)
+    dist = sharded(cfg, paths, [(0, 4), (4, len(paths))])
     np.testing.assert_allclose(dist.threshold_.scores, single.threshold_.scores, rtol=2e-4)
     assert dist.threshold_.provenance == single.threshold_.provenance
     assert dist.threshold_.value == pytest.approx(single.threshold_.value, rel=2e-4)

@@ -166,6 +166,9 @@ class Scorer(ABC):
         with it): the groups, and whatever the method keeps for them."""
         return {} if self.oos_groups is None else {"oos.groups": self.oos_groups}
 
+    def drop_out_of_sample_state(self) -> None:  # noqa: B027 (optional: nothing by default)
+        """After the threshold step: free what only the out-of-sample scores needed."""
+
     def load_out_of_sample_state(self, tensors: Dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`out_of_sample_state`, on a scorer from :meth:`from_state`."""
         if "oos.groups" in tensors:

@@ -272,6 +272,9 @@ class PatchCoreScorer(Scorer):
         return {**super().out_of_sample_state(),
                 **{f"oos.fold_bank.{f}": bank for f, bank in enumerate(self._fold_banks)}}
 
+    def drop_out_of_sample_state(self) -> None:
+        self._fold_banks, self._fold_index = [], {}
+
     def load_out_of_sample_state(self, tensors: Dict[str, torch.Tensor]) -> None:
         super().load_out_of_sample_state(tensors)
         device = self.bank.device
