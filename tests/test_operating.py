@@ -16,7 +16,7 @@ from anomaly_hooks import Detector
 from anomaly_hooks.calibration import clopper_pearson, fit_tail, supported_rate
 from anomaly_hooks.cli import main
 from anomaly_hooks.config import load_config
-from anomaly_hooks.errors import ConfigError, DataError, ThresholdError
+from anomaly_hooks.errors import ConfigError, ThresholdError
 from anomaly_hooks.operating import (
     GRID,
     ScoreSets,

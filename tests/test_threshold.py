@@ -283,7 +283,8 @@ def test_too_few_held_out_scores_for_a_tail_model(small_cfg):
                                                            "holdout_fraction": 0.2}})
     with pytest.raises(FitError) as err:
         det.fit(textured_images(6), progress=False)
-    assert str(err.value) == "a tail model needs at least 3 good image scores; got 1: add good images"
+    assert str(err.value) == ("a tail model needs at least 3 good image scores; got 1: add good "
+                              "images")
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.5, -0.1, 1.0])
