@@ -27,11 +27,27 @@ Models (``threshold.tail``):
 * ``conformal``: the ``ceil((n + 1)(1 - alpha))``-th smallest score: a distribution-free
   guarantee ``P(false alarm) <= alpha`` (over the draw of the ``n`` images), defined only for
   ``n >= 1/alpha - 1``; below that, the maximum plus the spread of the top five scores.
+* ``auto`` (default): ``conformal`` where the ``n`` scores support ``alpha``
+  (:func:`supported_rate` ``<= alpha``), else ``gumbel_upper``, never below the largest score
+  (a threshold below it has a mean exceedance above ``1 / (n + 1)``, whatever the tail says):
+  the extrapolation, which the fit states as such (``Threshold.supported_rate``).
 
-Uncertainty: the expected false-alarm rate at the stored threshold is ``alpha`` under the fitted
-model; its sampling uncertainty is a bootstrap (resample the ``n`` scores, refit, evaluate the
-refitted model's exceedance probability at the stored threshold): the 5th-95th percentile
-interval is stored with the model.
+What ``n`` exchangeable scores can certify: the largest of them is exceeded by a new good image
+with probability ``1 / (n + 1)`` on average (its exceedance is Beta(1, n) distributed), so no
+rule certifies a rate below :func:`supported_rate` ``= 1 / (n + 1)`` without a model of the tail
+(37 images: 2.6 %).
+
+Uncertainty (stored with the model, both 90 %):
+
+* ``far_interval``: the Clopper-Pearson interval of the false-alarm rate from the count of the
+  ``n`` good scores above the threshold (:func:`clopper_pearson`): distribution-free, and for an
+  order-statistic threshold (``conformal``) its upper end is exactly the 95 % quantile of the
+  Beta distribution of the true rate. A threshold above every score gets ``[0, 1 - 0.05^(1/n)]``:
+  what ``n`` images can show, whatever the tail model says.
+* ``tail_far_interval`` (tail models only): a bootstrap under the fitted model (resample the
+  ``n`` scores, refit, evaluate the refitted model's exceedance probability at the stored
+  threshold, 5th-95th percentile): the model's own sampling uncertainty, which assumes the tail
+  family is right.
 """
 from __future__ import annotations
 
@@ -43,11 +59,12 @@ import numpy as np
 
 from anomaly_hooks.errors import FitError
 
-TAILS = ("gumbel_upper", "gumbel", "empirical", "conformal")
+TAILS = ("auto", "gumbel_upper", "gumbel", "empirical", "conformal")
 MIN_SCORES = 3  # a two-parameter tail model needs at least this many good scores
 UPPER_CENSOR = 0.5  # gumbel_upper: the lower half of the scores is left-censored
 BOOTSTRAP = 500
 BOOTSTRAP_SEED = 1234
+LEVEL = 0.9  # two-sided level of every stored interval (each end a one-sided 95 % bound)
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,16 @@ def _gumbel_upper(x: np.ndarray, alpha: float) -> TailFit:
     return _gumbel(x, alpha, UPPER_CENSOR, "gumbel_upper")
 
 
+def _auto_extrapolated(x: np.ndarray, alpha: float) -> TailFit:
+    """``auto`` below the supported rate: the Gumbel tail's threshold, or the largest score
+    where the tail puts it lower."""
+    fit = _gumbel_upper(x, alpha)
+    top = float(np.max(x))
+    if fit.threshold >= top:
+        return fit
+    return TailFit("gumbel_upper", {**fit.params, "raised_to_max": 1.0}, top, fit.sf)
+
+
 # -- distribution-free rules --------------------------------------------------------------
 def _empirical(x: np.ndarray, alpha: float) -> TailFit:
     xs = np.sort(x)
@@ -140,12 +167,44 @@ def _conformal(x: np.ndarray, alpha: float) -> TailFit:
 
 FITTERS: Dict[str, Callable[[np.ndarray, float], TailFit]] = {
     "gumbel_upper": _gumbel_upper, "gumbel": _gumbel, "empirical": _empirical,
-    "conformal": _conformal}
+    "conformal": _conformal, "auto_extrapolated": _auto_extrapolated}
+
+
+def supported_rate(n: int) -> float:
+    """The smallest false-alarm rate ``n`` exchangeable good scores support without a tail
+    model: ``1 / (n + 1)``, the mean exceedance of their maximum."""
+    return 1.0 / (n + 1)
+
+
+def resolve_tail(tail: str, n: int, alpha: float) -> str:
+    """``auto`` -> ``conformal`` where ``n`` scores support ``alpha``, else ``gumbel_upper``;
+    any other tail name as it is."""
+    if tail != "auto":
+        return tail
+    # a relative tolerance: 1 / (n + 1) == alpha must count as supported (99 scores at 1 %)
+    return "conformal" if supported_rate(n) <= alpha * (1 + 1e-9) else "auto_extrapolated"
+
+
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> Tuple[float, float]:
+    """Exact (Clopper-Pearson) two-sided ``level`` interval of a binomial rate from ``k``
+    successes in ``n`` trials: the Beta quantiles ``B((1 - level)/2; k, n - k + 1)`` and
+    ``B((1 + level)/2; k + 1, n - k)`` (0 and 1 at the ends)."""
+    from scipy.stats import beta
+
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= k <= n:
+        raise ValueError(f"{k} successes in {n} trials")
+    lo = 0.0 if k == 0 else float(beta.ppf((1 - level) / 2, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf((1 + level) / 2, k + 1, n - k))
+    return lo, hi
 
 
 def fit_tail(scores: Sequence[float], alpha: float, tail: str = "gumbel_upper") -> TailFit:
-    """Fit ``tail`` to the good ``scores`` and place the threshold at exceedance ``alpha``."""
-    if tail not in FITTERS:
+    """Fit ``tail`` to the good ``scores`` and place the threshold at exceedance ``alpha``
+    (``auto``: see :func:`resolve_tail`)."""
+    tail = resolve_tail(tail, len(scores), alpha)
+    if tail not in FITTERS or tail == "auto":
         raise ValueError(f"threshold.tail={tail!r}: one of {', '.join(TAILS)}")
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"false-alarm rate {alpha} must be in (0, 1)")
@@ -159,7 +218,7 @@ def fit_tail(scores: Sequence[float], alpha: float, tail: str = "gumbel_upper") 
 
 
 def far_interval(scores: Sequence[float], threshold: float, tail: str = "gumbel_upper",
-                 n_boot: int = BOOTSTRAP, level: float = 0.9,
+                 n_boot: int = BOOTSTRAP, level: float = LEVEL,
                  seed: int = BOOTSTRAP_SEED) -> Tuple[float, float]:
     """Bootstrap interval (``level``, two-sided percentile) of the false-alarm rate at
     ``threshold``: resample the scores, refit, take each refit's exceedance probability."""

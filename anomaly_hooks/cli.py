@@ -1,5 +1,5 @@
-"""Command-line interface: ``anomaly-hooks fit|score|evaluate|layers|serve|export ...`` (also
-``scripts/fit.py`` etc.).
+"""Command-line interface: ``anomaly-hooks fit|threshold|score|evaluate|layers|serve|export ...``
+(also ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
 unwritable path) print one ``error:`` line and exit with 2; anything else is a bug and shows its
@@ -39,8 +39,33 @@ def _fit_parser(sub) -> None:
     p.add_argument("--data", help="training folder (overrides data.train)")
     p.add_argument("--output", help="model path (overrides output)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--defects", help="folder of labelled defective images for the operating "
+                                     "point (overrides threshold.defects)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     _ray_options(p)
+
+
+def _threshold_parser(sub) -> None:
+    p = sub.add_parser("threshold", help="choose a fitted model's threshold again, without "
+                                         "refitting; print the trade-off table")
+    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--out", help="write the model with the new threshold here (without it: "
+                                 "print the table only)")
+    p.add_argument("--good", help="good images the model has not seen (new parts): their "
+                                  "scores replace the fit's out-of-sample scores")
+    p.add_argument("--defects", help="labelled defective images (default: those of an earlier "
+                                     "choice, if any)")
+    p.add_argument("--objective", choices=["far", "f1", "recall"],
+                   help="far: a false-alarm rate from good images; f1: F1-max; recall: the "
+                        "lowest false-alarm rate reaching --target-recall (default: as stored)")
+    p.add_argument("--false-alarm-rate", type=float, help="objective far (default: as stored)")
+    p.add_argument("--target-recall", type=float, help="objective recall (e.g. 0.9)")
+    p.add_argument("--prevalence", type=float,
+                   help="objective f1: the share of defective parts (default: the labelled "
+                        "images as given)")
+    p.add_argument("--tail", choices=["auto", "gumbel_upper", "gumbel", "empirical",
+                                      "conformal"], help="objective far's rule (default auto)")
+    p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
 
 
 def _score_parser(sub) -> None:
@@ -113,6 +138,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.train={args.data}")
+    if args.defects:
+        overrides.append(f"threshold.defects={args.defects}")
     if args.output:
         overrides.append(f"output={args.output}")
     cfg = load_config(args.config, overrides)
@@ -139,9 +166,60 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"fitted {cfg.method} on {info['n_train']} images in {seconds:.1f} s "
           f"({info['n_train'] / max(seconds, 1e-9):.1f} img/s); threshold {thr.value:.4g} from "
           f"{thr.n_images} good images ({thr.describe()})")
+    _print_threshold_details(thr)
     if info["skipped"]:
         print(f"skipped {len(info['skipped'])} unreadable image(s)")
     print(path)
+    return 0
+
+
+def _print_threshold_details(thr: Any) -> None:
+    """How the good images were scored and the trade-off table of the stored threshold."""
+    oos = ((thr.provenance or {}).get("good") or {}).get("out_of_sample")
+    if oos:
+        grouped = oos.get("grouped_images", 0)
+        print(f"out-of-sample scores: {oos['scheme']}"
+              + (f"; {grouped} images share a group ({oos.get('near_duplicate_pairs', 0)} "
+                 "near-duplicate pairs)" if grouped else ""))
+    if thr.scores and len(thr.scores) >= 3:
+        from anomaly_hooks.operating import format_table
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            print(format_table(thr.trade_off()))
+
+
+def cmd_threshold(args: argparse.Namespace) -> int:
+    """Recalibrate a fitted model's threshold; print the table; write the new model file."""
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.modelfile import read_header
+
+    for name in ("false_alarm_rate", "target_recall", "prevalence"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 < value < (0.5 if name == "false_alarm_rate" else 1.0):
+            raise ConfigError(f"--{name.replace('_', '-')}={value}: give a number in (0, "
+                              f"{0.5 if name == 'false_alarm_rate' else 1})")
+    if args.objective == "recall" and args.target_recall is None:
+        raise ConfigError("--objective recall needs --target-recall (e.g. 0.9)")
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir():
+            raise ConfigError(f"--out {display(out)} is a folder: give the model file's path")
+        _writable_folder(out.parent, "--out folder")
+    det = Detector.load(args.model, device=args.device)
+    header = read_header(Path(args.model))["__metadata__"]
+    parent = {"path": str(args.model), "checksum": header.get("checksum")}
+    options = {k: getattr(args, k) for k in ("objective", "false_alarm_rate", "target_recall",
+                                              "prevalence", "tail")
+               if getattr(args, k) is not None}
+    det.recalibrate(good=args.good, defects=args.defects, parent=parent, **options)
+    thr = det.threshold_
+    print(f"threshold {thr.value:.5g} from {thr.n_images} good images ({thr.describe()})")
+    _print_threshold_details(thr)
+    if args.out:
+        print(det.save(args.out))
+    else:
+        print("nothing written: give --out M2 to write the model with this threshold")
     return 0
 
 
@@ -276,6 +354,10 @@ def _evaluate_parser(sub) -> None:
     p.add_argument("--out", default="eval_results", help="output folder (default: eval_results)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report pictures")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--threshold-defects", type=int, default=0, metavar="N",
+                   help="a seeded draw of N defective test images per dataset sets the "
+                        "operating point (threshold.objective); they are left out of every "
+                        "metric")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 
 
@@ -302,13 +384,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from anomaly_hooks.evaluation.runner import evaluate, format_table, write_results
 
     datasets = _eval_datasets(args)
-    load_config(args.config, list(args.overrides))  # fail fast on a bad config
+    cfg = load_config(args.config, list(args.overrides))  # fail fast on a bad config
+    if args.threshold_defects < 0:
+        raise ConfigError(f"--threshold-defects {args.threshold_defects}: give a count >= 0")
+    if (not args.threshold_defects and str(cfg.threshold.objective) != "far"
+            and not cfg.threshold.defects):
+        raise ConfigError(f"threshold.objective={cfg.threshold.objective} needs labelled "
+                          "defects: --threshold-defects N or threshold.defects=DIR")
     out = Path(args.out)
     results = []
     for ds in datasets:
         report = None if args.no_report else out / ds.name / "report"
         res = evaluate(args.config, ds, args.overrides, report_dir=report,
-                       progress=not args.quiet)
+                       progress=not args.quiet, threshold_defects=args.threshold_defects)
         results.append(res)
         if report is not None:
             print(f"{ds.name}: report {report / 'index.html'}")
@@ -333,7 +421,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
-            "serve": cmd_serve, "export": cmd_export}
+            "serve": cmd_serve, "export": cmd_export, "threshold": cmd_threshold}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _fit_parser(sub)
+    _threshold_parser(sub)
     _score_parser(sub)
     _evaluate_parser(sub)
     _layers_parser(sub)

@@ -31,11 +31,13 @@ from anomaly_hooks.framing import IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE
 from anomaly_hooks.images import DEFAULT_MAX_PIXELS
 from anomaly_hooks.modelmeta import MAX_DEPTH, MAX_PIXELS
 from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
+from anomaly_hooks.operating import OBJECTIVES
 
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
 OnError = choices("OnError", ["raise", "skip"])
 ThresholdMode = choices("ThresholdMode", ["all-images", "holdout"])
 Tail = choices("Tail", list(TAILS))  # the tail models of calibration
+Objective = choices("Objective", list(OBJECTIVES))  # operating.OBJECTIVES
 
 
 @dataclass
@@ -69,8 +71,22 @@ class ThresholdConfig:
     mode: ThresholdMode = ThresholdMode["all-images"]
     holdout_fraction: float = 0.2  # of the training images (mode=holdout only)
     folder: Optional[str] = None  # a separate folder of good images instead (either mode)
+    # all-images: which images are left out together when scored out of sample (grouping.py):
+    # a regex on the file names (the same match = one physical part), and near-duplicates
+    # closer than this fraction of the median distance between two training images (null: off)
+    groups: Optional[str] = None
+    near_duplicates: Optional[float] = 0.5
+    folds: Optional[int] = None  # null: the method's own (PaDiM: none, PatchCore: 5 folds)
+    # where the threshold goes: far (the false-alarm rate below, good images only), f1 or
+    # recall (operating points from labelled defects, operating.py)
+    objective: Objective = Objective["far"]
+    defects: Optional[str] = None  # folder of labelled defective images (f1, recall; far: recall)
+    target_recall: Optional[float] = None  # objective recall
+    prevalence: Optional[float] = None  # objective f1: share of defective parts (null: as given)
     false_alarm_rate: Optional[float] = 0.01  # target rate; null = quantile + margin below
-    tail: Tail = Tail["gumbel_upper"]  # tail model fitted to the good scores
+    # auto: the finite-sample (conformal) rule where the good images support the rate, else the
+    # Gumbel tail (calibration.py)
+    tail: Tail = Tail["auto"]
     quantile: float = 0.99  # with false_alarm_rate: null
     margin: float = 0.5
 
@@ -432,6 +448,17 @@ def validate_config(cfg: DictConfig) -> None:
     check(thr.margin >= 0, "threshold.margin", ">= 0", thr.margin)
     check(thr.false_alarm_rate is None or 0.0 < thr.false_alarm_rate < 0.5,
           "threshold.false_alarm_rate", "null or 0 < rate < 0.5", thr.false_alarm_rate)
+    check(thr.near_duplicates is None or 0.0 <= thr.near_duplicates < 1.0,
+          "threshold.near_duplicates", "null or 0 <= fraction < 1", thr.near_duplicates)
+    check(thr.folds is None or 2 <= thr.folds <= 1000, "threshold.folds", "null or 2 to 1000",
+          thr.folds)
+    check(thr.target_recall is None or 0.0 < thr.target_recall < 1.0,
+          "threshold.target_recall", "null or 0 < recall < 1", thr.target_recall)
+    check(thr.prevalence is None or 0.0 < thr.prevalence < 1.0, "threshold.prevalence",
+          "null or 0 < share < 1", thr.prevalence)
+    check(str(thr.objective) != "recall" or thr.target_recall is not None,
+          "threshold.target_recall", "set with threshold.objective=recall (e.g. 0.9)",
+          thr.target_recall)
     data = cfg.data
     check(1 <= data.batch_size <= 65_536, "data.batch_size", "1 to 65536", data.batch_size)
     check(0 <= data.num_workers <= 256, "data.num_workers", "0 to 256", data.num_workers)

@@ -171,6 +171,20 @@ class Detector:
         FitRun(self, X, progress=progress).run()
         return self
 
+    def recalibrate(self, *, good: Any = None, defects: Any = None,
+                    **options: Any) -> "Detector":
+        """Choose the threshold again without refitting: from good images the model has not
+        seen (``good``; default: the fit's stored out-of-sample scores) and labelled defective
+        images (``defects``), with ``objective`` (``far`` | ``f1`` | ``recall``),
+        ``false_alarm_rate``, ``target_recall``, ``prevalence`` or ``tail``
+        (:mod:`anomaly_hooks.recalibration`). Sets ``threshold_`` (its ``trade_off()`` lists
+        the other operating points) and returns ``self``."""
+        from anomaly_hooks.recalibration import recalibrate
+
+        self._check_fitted()
+        self.threshold_ = recalibrate(self, good=good, defects=defects, **options)
+        return self
+
     def new_scorer(self) -> Scorer:
         """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
         shards of a sharded fit too)."""

@@ -42,6 +42,11 @@ class FitError(AnomalyHooksError, ValueError):
     """Fitting could not proceed (bad images, too few images); the message says what to do."""
 
 
+class ThresholdError(AnomalyHooksError, ValueError):
+    """No usable operating point: the labelled defects do not separate from the good images,
+    or the asked recall or rate cannot be reached (the message says what was found)."""
+
+
 class ResourceError(AnomalyHooksError, ValueError):
     """The fit would need more memory than allowed (the message gives the estimate)."""
 
@@ -57,4 +62,4 @@ class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
 
 __all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "ExportError",
            "FitError", "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
-           "ResourceError"]
+           "ResourceError", "ThresholdError"]

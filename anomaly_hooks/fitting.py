@@ -8,27 +8,35 @@ each timed by one :class:`~anomaly_hooks.timing.Stopwatch`::
     accumulate  training batches -> Detector.embed -> scorer.partial_fit (+ the collector),
                 the threshold images decoded in the same pass              (FitRun.accumulate)
                 -- or shards on actors: fit_shard -> partial states -> merge (FitRun.add_shards)
+    groups      all-images: which images are left out together (file-name groups, near-
+                duplicates; cut into folds for a cross-fitting method)     (FitRun.set_groups)
     finalize    scorer.finalize()  |  scorer.finalize_merged(state)
     threshold   the good images' scores: every training image out of sample (from finalize,
-                or a second pass -- on the actors for a sharded fit), or the held-out images
-    reference   the drift reference from the collected statistics and those scores
-    complete    the fitted attributes set on the detector, all at once
+                or a second pass over whole groups -- on the actors for a sharded fit), or
+                the held-out images
+    defects     the labelled defective images' scores (threshold.defects)   (FitRun.defect_scores)
+    reference   the drift reference from the collected statistics and the good scores
+    complete    the threshold (objective, operating point, provenance) and every fitted
+                attribute set on the detector, all at once
 
 A failed run leaves the detector as it was: nothing is set before ``complete``.
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from anomaly_hooks.data import format_errors, list_images, resolve_items
 from anomaly_hooks.devices import ieee_float32
-from anomaly_hooks.errors import FitError
+from anomaly_hooks.errors import ConfigError, FitError
+from anomaly_hooks.grouping import Grouping, blocked_folds, find_groups, image_descriptors
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.monitor.stats import StatisticsCollector
 from anomaly_hooks.resources import check_fit_memory
@@ -45,6 +53,8 @@ log = logging.getLogger(__name__)
 SEED_HOLDOUT = 1  # offsets so that each random choice has its own stream from the one seed
 SEED_SCORER = 2
 SEED_DRIFT = 3
+SEED_GROUPS = 4  # the pairs sampled for the median distance of a large fit (grouping.py)
+SEED_THRESHOLD_DEFECTS = 5  # evaluate --threshold-defects: the draw of labelled defects
 
 
 # -- plan -----------------------------------------------------------------------------------
@@ -76,6 +86,10 @@ class FitPlan:
         :class:`FitError` when there are too few images for the method and the mode."""
         items = resolve_items(source, training=True)
         thr = cfg.threshold
+        if str(thr.objective) != "far" and not thr.defects:
+            raise ConfigError(f"threshold.objective={thr.objective} needs labelled defective "
+                              "images: set threshold.defects to a folder of them (fit "
+                              "--defects DIR), or use threshold.objective=far")
         oos = threshold_out_of_sample(thr)
         train, held = (items, []) if oos else split_holdout(cfg, items)
         check_image_count(cfg, len(train), len(items), oos)
@@ -138,46 +152,101 @@ def new_collector(det: "Detector") -> Optional[StatisticsCollector]:
 
 # -- the steps that also run on shards -------------------------------------------------------
 def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
-              on_batch: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+              on_batch: Optional[Callable[[int], None]] = None,
+              descriptors: bool = False) -> Dict[str, Any]:
     """The accumulate step on one shard of ``n_total`` training images, from a fresh seeded
     scorer (so a retried shard recomputes the same state): ``{"state": partial state or None,
-    "drift": the collector's state or None, "errors": [...], "n_used": int}``, plain data
-    for Ray. ``on_batch(b)`` is called after batch ``b``'s work (the fault-injection hook)."""
+    "drift": the collector's state or None, "errors": [...], "n_used": int, "used": the
+    shard-local indices of the images read, "descriptors": their grouping descriptors
+    [n_used, F] or None}``, plain data for Ray. ``on_batch(b)`` is called after batch ``b``'s
+    work (the fault-injection hook)."""
     scorer = det.new_scorer()
     scorer.begin_shard(n_total, len(items))
     collector = new_collector(det)
     errors: List[str] = []
-    n_used = 0
+    used: List[int] = []
+    desc: List[np.ndarray] = []
     with ieee_float32():
         for b, batch in enumerate(det.batches(items)):
             errors.extend(msg for _, msg in batch.errors)
             if batch.indices:
-                scorer.partial_fit(det.embed(batch.images, scorer=scorer, observe=collector))
-                n_used += len(batch.indices)
+                emb = det.embed(batch.images, scorer=scorer, observe=collector)
+                if descriptors:
+                    desc.append(image_descriptors(emb))
+                scorer.partial_fit(emb)
+                used.extend(batch.indices)
             if on_batch is not None:
                 on_batch(b)
-    return {"state": scorer.partial_state() if n_used else None,
+    return {"state": scorer.partial_state() if used else None,
             "drift": collector.state() if collector is not None else None,
-            "errors": errors, "n_used": n_used}
+            "errors": errors, "n_used": len(used), "used": used, "n_items": len(items),
+            "descriptors": np.concatenate(desc) if desc else None}
+
+
+def second_pass_units(scorer: Scorer, n: int, batch_size: int) -> List[List[int]]:
+    """The fit-order images each call of the second pass scores: consecutive batches of
+    ``batch_size``, or, where the scorer needs whole groups, whole groups packed up to
+    ``batch_size`` images (a larger group alone)."""
+    if not scorer.out_of_sample_whole_groups:
+        return [list(range(lo, min(lo + batch_size, n))) for lo in range(0, n, batch_size)]
+    groups = scorer.oos_groups.tolist()
+    members: Dict[int, List[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    units: List[List[int]] = [[]]
+    for group in members.values():  # in order of first image
+        if units[-1] and len(units[-1]) + len(group) > batch_size:
+            units.append([])
+        units[-1].extend(group)
+    return units
 
 
 def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
-                         first_image: int = 0) -> List[float]:
-    """Image scores of training ``items`` (images ``first_image, first_image + 1, ...`` of the
-    fit, unreadable ones skipped as the fit skipped them) from ``scorer`` as if each were
-    unseen: the second pass of a fit whose scorer kept too little to make them in
-    ``finalize`` (and, on the actors, of a sharded fit)."""
+                         images: Sequence[int]) -> List[float]:
+    """Image scores of training ``items`` (fit-order images ``images``, all read by the fit)
+    from ``scorer`` as if each were unseen: the second pass of a fit whose scorer kept too
+    little to make them in ``finalize`` (and, on the actors, of a sharded fit). A scorer that
+    needs whole groups gets the items' embeddings in one call."""
+    images = list(images)
+    embs: List[torch.Tensor] = []
+    ids: List[List[int]] = []
     scores: List[float] = []
+    whole = scorer.out_of_sample_whole_groups
     with ieee_float32():
         for batch in det.batches(items):
-            if not batch.indices:
+            if batch.errors:
+                raise FitError("a training image could not be read again for its "
+                               f"out-of-sample score:\n{format_errors(m for _, m in batch.errors)}")
+            emb = det.embed(batch.images, scorer=scorer)
+            mine = [images[i] for i in batch.indices]
+            if whole:
+                embs.append(emb)
+                ids.append(mine)
                 continue
             with torch.inference_mode():
-                patch = scorer.out_of_sample_scores(det.embed(batch.images, scorer=scorer),
-                                                    first_image)
+                patch = scorer.out_of_sample_scores(emb, mine)
             scores.extend(det.image_scores_from_patches(patch))
-            first_image += len(batch.indices)
+        if whole and embs:
+            with torch.inference_mode():
+                patch = scorer.out_of_sample_scores(torch.cat(embs),
+                                                    [i for part in ids for i in part])
+            scores.extend(det.image_scores_from_patches(patch))
     return scores
+
+
+def describe_cross_fit(grouping: Optional[Grouping], folds: Optional[np.ndarray],
+                       names: Optional[Sequence[str]]) -> Dict[str, Any]:
+    """How the out-of-sample scores left images out, for the threshold's provenance."""
+    if grouping is None:
+        return {"scheme": "leave-one-image-out"}
+    out: Dict[str, Any] = grouping.summary(names)
+    if folds is not None:
+        out["scheme"] = f"{int(folds.max()) + 1} blocked folds of whole groups (cross-fit)"
+    elif grouping.grouped_images:
+        out["scheme"] = "leave-one-group-out"
+    else:
+        out["scheme"] = "leave-one-image-out (no groups found)"
+    return out
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -196,9 +265,13 @@ class FitRun:
         if self.plan.out_of_sample:
             self.scorer.request_out_of_sample()
         self.collector = new_collector(det)
-        self.errors: Dict[str, List[str]] = {"training": [], "threshold": []}
+        self.errors: Dict[str, List[str]] = {"training": [], "threshold": [], "defect": []}
         self.held_images: List[torch.Tensor] = []  # [b, 3, h, w] per batch
         self.n_used = 0
+        self.used: List[int] = []  # indices into plan.train of the images the fit read
+        self.descriptors: List[np.ndarray] = []  # grouping descriptors, one array per batch
+        self.cross_fit: Dict[str, Any] = {}
+        self.defects: Optional[Tuple[List[float], List[str]]] = None  # (scores, names)
         self.memory: Optional[Dict[str, int]] = None
         self.info: Dict[str, Any] = {}
         self.clock.lap("plan")
@@ -214,8 +287,10 @@ class FitRun:
         self.clock.lap("begin")
         with ieee_float32():
             self.accumulate()
+            self.set_groups()
             self.finalize()
             good = self.threshold_scores()
+            self.defect_scores()
         self.complete(good)
 
     # -- accumulate ---------------------------------------------------------------------------
@@ -240,6 +315,9 @@ class FitRun:
             if k:
                 emb = det.embed(batch.images[:k], scorer=self.scorer, observe=self.collector)
                 parts.lap("features")
+                if self.plan.out_of_sample:
+                    self.descriptors.append(image_descriptors(emb))
+                self.used.extend(batch.indices[:k])
                 self.scorer.partial_fit(emb)
                 del emb
                 parts.lap("statistics")
@@ -255,9 +333,14 @@ class FitRun:
         """The accumulate step's outcome from the shards' :func:`fit_shard` results (in shard
         order): their errors and image counts, the drift statistics; returns the merged state
         (``Scorer.merge_states``)."""
+        offset = 0
         for r in results:
             self.errors["training"].extend(r["errors"])
             self.n_used += int(r["n_used"])
+            self.used.extend(offset + i for i in r.get("used", []))
+            offset += int(r.get("n_items", 0))
+            if r.get("descriptors") is not None:
+                self.descriptors.append(np.asarray(r["descriptors"]))
         report_unreadable(self.cfg, self.errors)
         if self.collector is not None:
             self.collector = StatisticsCollector.merged(
@@ -275,7 +358,37 @@ class FitRun:
                 self.held_images.append(batch.images)
         report_unreadable(self.cfg, self.errors)
 
-    # -- finalize, threshold, reference -------------------------------------------------------
+    # -- groups, finalize, threshold, reference ----------------------------------------------
+    def names(self) -> Optional[List[str]]:
+        """The file names of the images the fit read (None for in-memory images)."""
+        items = [self.plan.train[i] for i in self.used]
+        if not all(isinstance(it, (str, os.PathLike)) for it in items):
+            return None
+        return [Path(it).name for it in items]
+
+    def set_groups(self) -> None:
+        """All-images: the groups of images left out together (``threshold.groups``, near-
+        duplicates), cut into folds for a cross-fitting scorer (``threshold.folds`` or the
+        scorer's own); handed to the scorer before it finalises."""
+        if not self.plan.out_of_sample or self.n_used < 2:
+            return  # with fewer images, finalize says what is missing
+        thr, names = self.cfg.threshold, self.names()
+        desc = np.concatenate(self.descriptors) if self.descriptors else None
+        self.descriptors = []
+        grouping = find_groups(self.n_used, names, thr.groups, desc, thr.near_duplicates,
+                               self.cfg.seed + SEED_GROUPS)
+        n_folds = thr.folds or self.scorer.out_of_sample_folds
+        folds = None if n_folds is None else blocked_folds(grouping.groups, n_folds)
+        partition = grouping.groups if folds is None else folds
+        if int(np.bincount(partition).max()) > 1:  # anything but plain leave-one-out
+            self.scorer.set_out_of_sample_groups(partition)
+        self.cross_fit = describe_cross_fit(grouping, folds, names)
+        if grouping.grouped_images:
+            log.info("out-of-sample scores: %d of %d images share a group with another (%d "
+                     "near-duplicate pairs)", grouping.grouped_images, self.n_used,
+                     len(grouping.duplicate_pairs))
+        self.clock.lap("groups")
+
     def finalize(self, merged: Optional[Dict[str, Any]] = None) -> None:
         """``scorer.finalize()``, or ``finalize_merged(merged)`` for a sharded fit."""
         if merged is None:
@@ -286,21 +399,31 @@ class FitRun:
         for name, seconds in getattr(self.scorer, "finalize_timings_", {}).items():
             self.clock.add(f"finalize: {name}", seconds)
 
-    def threshold_scores(self, second_pass: Optional[Callable[[Scorer], List[float]]] = None
+    def threshold_scores(self, second_pass: Optional[Callable[[Scorer, List[List[int]]],
+                                                              List[List[float]]]] = None
                          ) -> List[float]:
         """The good images' scores the threshold is set from: out-of-sample scores of every
-        training image (made by ``finalize``, else by ``second_pass(scorer)``, by default
-        :func:`out_of_sample_scores` here), or the held-out images' scores (the drift
-        collector sees those too)."""
+        training image (made by ``finalize``, else by a second pass over the units of
+        :func:`second_pass_units`: ``second_pass(scorer, units)`` gives each unit's scores,
+        by default :func:`out_of_sample_scores` here), or the held-out images' scores (the
+        drift collector sees those too)."""
         det, scorer = self.det, self.scorer
         if self.plan.out_of_sample:
             patch = scorer.take_out_of_sample_scores()
             if patch is not None:
                 good = det.image_scores_from_patches(patch)
-            elif second_pass is not None:
-                good = second_pass(scorer)
             else:
-                good = out_of_sample_scores(det, scorer, self.plan.train)
+                units = second_pass_units(scorer, self.n_used, self.cfg.data.batch_size)
+                if second_pass is not None:
+                    parts = second_pass(scorer, units)
+                else:
+                    parts = [out_of_sample_scores(det, scorer, self.unit_items(u), u)
+                             for u in units]
+                good = [0.0] * self.n_used
+                for unit, part in zip(units, parts):
+                    for i, v in zip(unit, part):
+                        good[i] = v
+            scorer.drop_out_of_sample_state()
         else:
             good = []
             images = torch.cat(self.held_images) if self.held_images else None
@@ -311,6 +434,23 @@ class FitRun:
                                       observe=self.collector).scores.tolist())
         self.clock.lap("threshold")
         return good
+
+    def unit_items(self, unit: Sequence[int]) -> List[Any]:
+        """The training items of fit-order images ``unit``."""
+        return [self.plan.train[self.used[i]] for i in unit]
+
+    def defect_scores(self) -> None:
+        """Score the labelled defective images of ``threshold.defects`` with the fitted model
+        (not seen by the drift collector); unreadable ones as ``data.on_error`` says."""
+        folder = self.cfg.threshold.defects
+        if not folder:
+            return
+        self.defects = score_images(self.det, list_images(Path(folder)), self.scorer,
+                                    self.errors["defect"])
+        report_unreadable(self.cfg, {"defect": self.errors["defect"]})
+        if not self.defects[0]:
+            raise FitError(f"threshold.defects={folder}: none of its images could be read")
+        self.clock.lap("defects")
 
     def complete(self, good: Sequence[float]) -> None:
         """The threshold and drift reference from ``good``; then every fitted attribute of
@@ -323,7 +463,9 @@ class FitRun:
             # the fit's temporaries (patch buffers, coreset distances) go back to the driver
             # rather than staying reserved by this process for predict, which needs far less
             torch.cuda.empty_cache()
-        threshold = calibrate_threshold(good, cfg.threshold, self.plan.source)
+        threshold = calibrate_threshold(good, cfg.threshold, self.plan.source,
+                                        defects=self.defects[0] if self.defects else None,
+                                        provenance=self.provenance(len(good)))
         det.scorer_, det.threshold_, det.memory_estimate_ = self.scorer, threshold, self.memory
         det.drift_reference_ = reference
         det.monitor = None  # a monitor of the previous fit compares with its reference
@@ -333,3 +475,35 @@ class FitRun:
                          **self.info}
         # Timings are not saved: model files are byte-identical across fits.
         det.fit_timings_ = self.clock.as_dict(total=True)
+
+    def provenance(self, n_good: int) -> Dict[str, Any]:
+        """Which images set the threshold and how (stored with it)."""
+        thr = self.cfg.threshold
+        good: Dict[str, Any] = {"source": self.plan.folder or self.plan.source, "n": n_good}
+        if self.plan.out_of_sample:
+            good["out_of_sample"] = self.cross_fit
+        out: Dict[str, Any] = {"set_by": "fit", "objective": str(thr.objective),
+                               "good": good}
+        if self.defects is not None:
+            out["defects"] = {"source": str(thr.defects), "n": len(self.defects[0]),
+                              "files": self.defects[1]}
+        return out
+
+
+def score_images(det: "Detector", items: Sequence[Any], scorer: Scorer,
+                 errors: List[str]) -> Tuple[List[float], List[str]]:
+    """Image scores of ``items`` with ``scorer`` (fitted) and the names of the images read;
+    the unreadable ones' messages go to ``errors``."""
+    scores: List[float] = []
+    names: List[str] = []
+    for batch in det.batches(items):
+        errors.extend(msg for _, msg in batch.errors)
+        if batch.indices:
+            scores.extend(det.infer(batch.images, scorer=scorer, observe=lambda *a: None)
+                          .scores.tolist())
+            names.extend(_name(items[i]) for i in batch.indices)
+    return scores, names
+
+
+def _name(item: Any) -> str:
+    return Path(item).name if isinstance(item, (str, os.PathLike)) else "<in memory>"

@@ -262,10 +262,12 @@ def test_ray_padim_fit_equals_single_even_if_a_worker_dies(local_ray, tmp_path, 
 
 @pytest.mark.slow
 def test_ray_patchcore_fit_scores_every_image_out_of_sample(local_ray, tmp_path):
-    """The actors' second pass gives each training image's distance to the nearest bank point
-    of another image, as the same pass on the driver does; the bank records each point's
-    fit-wide source image."""
-    from anomaly_hooks.fitting import FitPlan, out_of_sample_scores
+    """The actors' second pass scores each fold's images with the fold bank the driver selected
+    from the other folds' merged candidates, as the same steps run in one process do; the bank
+    records each point's fit-wide source image."""
+    from test_crossfit import sharded
+
+    from anomaly_hooks.distributed.fitting import shard_bounds
 
     cfg = small_cfg(tmp_path, "patchcore", coreset_ratio=0.1)
     dist = distributed.fit(cfg, num_workers=2)
@@ -276,9 +278,10 @@ def test_ray_patchcore_fit_scores_every_image_out_of_sample(local_ray, tmp_path)
     assert bank_image.shape == (dist.scorer_.bank.shape[0],)
     assert int(bank_image.min()) >= 0 and int(bank_image.max()) < N_TRAIN
     assert len(set(bank_image.tolist())) > N_TRAIN // 2  # points from both shards' images
-    train = FitPlan.of(cfg, cfg.data.train).train
-    here = out_of_sample_scores(dist, dist.scorer_, train)
-    np.testing.assert_array_equal(dist.threshold_.scores, here)
+    here = sharded(cfg, cfg.data.train, shard_bounds(N_TRAIN, 2, cfg.data.batch_size))
+    np.testing.assert_allclose(dist.threshold_.scores, here.threshold_.scores, rtol=1e-6)
+    assert dist.threshold_.provenance == here.threshold_.provenance
+    assert dist.threshold_.provenance["good"]["out_of_sample"]["scheme"].startswith("5 blocked")
 
 
 @pytest.fixture(scope="module")

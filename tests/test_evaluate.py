@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SAMPLE
 from sklearn.metrics import roc_auc_score
@@ -87,7 +88,8 @@ def test_evaluate_metrics_agree_with_sklearn_and_report(tmp_path):
     assert 0.0 <= res.summary["aupro"] <= 1.0
     page = (tmp_path / "report" / "index.html").read_text()
     assert page.count("<tr><td>") == len(ds.test)
-    assert (tmp_path / "report" / "roc.png").is_file() and (tmp_path / "report" / "pro.png").is_file()
+    assert (tmp_path / "report" / "roc.png").is_file()
+    assert (tmp_path / "report" / "pro.png").is_file()
     write_results([res], tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(saved["datasets"][0]["images"]) == len(ds.test)
@@ -114,3 +116,66 @@ def test_evaluate_cli(tmp_path, capsys):
     assert (tmp_path / "ev" / "sample" / "report" / "index.html").is_file()
     assert main(["evaluate", "--out", str(tmp_path / "x")]) == 2
     assert "no dataset" in capsys.readouterr().err
+
+
+# -- the operating point from a few labelled defects ---------------------------------------------
+@pytest.mark.slow
+def test_threshold_defects_set_the_operating_point_and_leave_the_metrics(tmp_path):
+    """A seeded draw of defective test images sets the F1 operating point: marked in the rows,
+    left out of every metric; the summary gives the false alarms on test/good, the recorded
+    interval, the recall and F1 at the stored threshold."""
+    from sklearn.metrics import f1_score
+
+    from anomaly_hooks.calibration import clopper_pearson
+    from anomaly_hooks.fitting import SEED_THRESHOLD_DEFECTS
+
+    ds = mvtec(_sample_subset(tmp_path))
+    overrides = [*_small_overrides(), "threshold.objective=f1"]
+    res = evaluate(None, ds, overrides, report_dir=tmp_path / "r", progress=False,
+                   threshold_defects=3)
+    s = res.summary
+    used = [r for r in res.images if r["used_for_threshold"]]
+    rest = [r for r in res.images if not r["used_for_threshold"]]
+    assert len(used) == 3 and all(r["label"] == 1 for r in used)
+    rng = np.random.default_rng(SEED_THRESHOLD_DEFECTS)  # config seed 0
+    bad = [i for i, t in enumerate(ds.test) if t.label == 1]
+    assert sorted(r["path"] for r in used) == sorted(
+        str(ds.test[i].path) for i in rng.choice(bad, 3, replace=False))
+    labels = np.array([r["label"] for r in rest])
+    scores = np.array([r["score"] for r in rest])
+    flagged = scores > s["threshold"]
+    assert [r["is_anomalous"] for r in rest] == flagged.tolist()
+    assert s["n_test"] == len(rest) and s["image_auroc"] == pytest.approx(
+        roc_auc_score(labels, scores))
+    assert s["threshold_objective"] == "f1"
+    assert s["threshold_far"] == flagged[labels == 0].mean()
+    assert s["threshold_recall"] == flagged[labels == 1].mean()
+    assert s["threshold_f1"] == pytest.approx(f1_score(labels, flagged))
+    assert s["threshold_prevalence"] == pytest.approx(labels.mean())  # of the evaluated images
+    k = sum(v > s["threshold"] for v in s["threshold_scores"])
+    assert s["threshold_far_interval"] == list(clopper_pearson(k, len(s["threshold_scores"])))
+    assert s["threshold_provenance"]["defects"]["n"] == 3
+    assert (tmp_path / "r" / "operating.png").is_file()
+    assert (tmp_path / "r" / "index.html").read_text().count("used for the threshold") == 3
+    write_results([res], tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["datasets"][0]
+    assert {"threshold_far", "threshold_far_interval", "threshold_recall",
+            "threshold_objective"} <= set(saved)
+    row = saved["images"][0]
+    assert {"score", "label", "is_anomalous", "used_for_threshold"} <= set(row)
+
+
+def test_threshold_defects_errors(tmp_path, capsys):
+    """Too many defects to draw, a negative count, and an objective without defects: one error
+    line before any fit."""
+    root = _sample_subset(tmp_path)
+    out = str(tmp_path / "ev")
+    assert main(["evaluate", "--data", str(root), "--out", out, "--threshold-defects", "8",
+                 *_small_overrides()]) == 2
+    assert "has 8 defective test images; leave at least one" in capsys.readouterr().err
+    assert main(["evaluate", "--data", str(root), "--out", out, "--threshold-defects", "-1",
+                 *_small_overrides()]) == 2
+    assert "give a count >= 0" in capsys.readouterr().err
+    assert main(["evaluate", "--data", str(root), "--out", out, *_small_overrides(),
+                 "threshold.objective=f1"]) == 2
+    assert "needs labelled defects: --threshold-defects N" in capsys.readouterr().err

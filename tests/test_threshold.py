@@ -30,7 +30,7 @@ from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
 from anomaly_hooks.threshold import Threshold
 
 EPS = 0.01
-ALL = {"mode": "all-images", "false_alarm_rate": 0.05}
+ALL = {"mode": "all-images", "false_alarm_rate": 0.05, "near_duplicates": None}
 
 
 def brute_loo(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -140,25 +140,16 @@ def test_foreign_neighbours_equal_a_masked_brute_force(device):
             torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_patchcore_oos_scores_equal_a_brute_force_over_other_images(small_cfg, device):
-    imgs = textured_images(6, seed=11)
+def test_patchcore_bank_records_each_points_image(small_cfg, device):
+    """The bank keeps each point's source image (the leave-one-image-out search and the
+    sharded fit's fold banks need it; tests/test_crossfit.py checks both rules)."""
     cfg = {**small_cfg, "method": "patchcore", "device": str(device),
            "patchcore": {"coreset_ratio": 0.25}, "threshold": ALL}
-    det = Detector.from_config(cfg).fit(imgs, progress=False)
+    det = Detector.from_config(cfg).fit(textured_images(6, seed=11), progress=False)
     sc = det.scorer_
     assert sc.bank_image.dtype == torch.int32 and sc.bank_image.shape == (sc.bank.shape[0],)
     assert set(sc.bank_image.tolist()) <= set(range(6))
-    # never below the in-sample score (the image's own points are skipped)
-    in_sample = det.decision_function(imgs)
-    assert all(o >= s - 1e-4 for o, s in zip(det.threshold_.scores, in_sample))
-    batch, _ = det.prepare([imgs[2]])
-    emb = det.embed(batch.to(device), scorer=sc)
-    patches = sc._patches(emb).double().cpu()
-    others = sc.bank[sc.bank_image.to(sc.bank.device) != 2].double().cpu()
-    brute = torch.cdist(patches, others).min(dim=1).values.float()
-    with torch.inference_mode():
-        got = sc.out_of_sample_scores(emb, 2).flatten().cpu()
-    torch.testing.assert_close(got, brute, rtol=1e-4, atol=1e-4)
+    assert det.threshold_.n_images == 6
 
 
 # -- calibration ----------------------------------------------------------------------------
@@ -226,15 +217,23 @@ def test_model_file_records_the_mode_and_the_rate(small_cfg, tmp_path):
     loaded = Detector.load(det.save(tmp_path / "m.safetensors"))
     thr = loaded.threshold_
     assert thr == det.threshold_
+    # 8 images support rates down to 1/9: the 2 % threshold is the tail's extrapolation,
+    # never below the largest score, so that none of the 8 is above it
     assert thr.source == "all-images" and thr.tail == "gumbel_upper"
     assert thr.false_alarm_rate == 0.02 and len(thr.scores) == 8
+    assert thr.supported_rate == pytest.approx(1 / 9) and thr.extrapolated()
+    assert thr.value >= max(thr.scores)
     assert loaded.cfg.threshold.mode == "all-images"
     lo, hi = thr.far_interval
-    assert lo <= 0.02 <= hi
-    assert thr.recalibrate(0.1).value < thr.value
+    assert thr.far_interval_method == "clopper-pearson"
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.05 ** (1 / 8))  # 0 of 8 above
+    blo, bhi = thr.tail_far_interval  # the tail model's own bootstrap
+    assert blo <= 0.02 <= bhi
+    assert thr.recalibrate(0.15).value < thr.value  # 0.15 > 1/9: the finite-sample rule
+    assert thr.recalibrate(0.15).tail == "conformal"
     assert thr.describe() == (
-        "every good image in the model, scored out of sample; gumbel_upper tail at a 2 % "
-        f"false-alarm rate (90 % interval {100 * lo:.2g}-{100 * hi:.2g} %)")
+        "every good image in the model, scored out of sample; gumbel_upper at a 2 % "
+        f"false-alarm rate; false alarms 2 %, 90 % Clopper-Pearson interval 0-{100 * hi:.3g} %")
     # a threshold stored before these fields existed still loads (holdout, no tail)
     old = {k: v for k, v in thr.as_dict().items()
            if k in ("value", "scale", "quantile", "margin", "n_images", "good_min",
@@ -284,7 +283,8 @@ def test_too_few_held_out_scores_for_a_tail_model(small_cfg):
                                                            "holdout_fraction": 0.2}})
     with pytest.raises(FitError) as err:
         det.fit(textured_images(6), progress=False)
-    assert str(err.value) == "a tail model needs at least 3 good image scores; got 1: add good images"
+    assert str(err.value) == ("a tail model needs at least 3 good image scores; got 1: add good "
+                              "images")
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.5, -0.1, 1.0])

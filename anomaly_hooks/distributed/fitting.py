@@ -13,11 +13,16 @@ accumulate step (and the second pass of out-of-sample scores) on actors.
   A retried task recomputes its shard from scratch, so a shard is counted once whatever dies.
   A dead actor is rebuilt (``max_restarts=-1``) and its pending tasks re-run, at most
   ``MAX_TASK_RETRIES`` times (a shard that kills its process every time fails the fit).
-* The driver merges the states in shard order and finalises. With ``threshold.mode:
-  all-images`` the training images' out-of-sample scores come from the finalised scorer (PaDiM's
-  low-rank form makes them there) or from a second pass over the shards on the actors, each
-  given the fitted scorer's state; with a hold-out the driver scores the held images. Then the
-  threshold and the drift reference, as in every fit.
+* The driver merges the states in shard order, finds the groups of images left out together
+  (from the file names and the shards' image descriptors, :mod:`anomaly_hooks.grouping`) and
+  finalises. With ``threshold.mode: all-images`` the training images' out-of-sample scores come
+  from the finalised scorer (PaDiM's low-rank form makes them there) or from a second pass on
+  the actors over units of whole groups (:func:`anomaly_hooks.fitting.second_pass_units`), each
+  actor given the fitted scorer's state and what the second pass needs beyond it (the groups;
+  PatchCore's fold banks, selected on the driver from the merged candidates of the other
+  folds); with a hold-out the driver scores the held images. The driver scores the labelled
+  defects (``threshold.defects``). Then the threshold and the drift reference, as in every
+  fit.
 """
 from __future__ import annotations
 
@@ -40,21 +45,34 @@ MAX_TASK_RETRIES = 3
 log = logging.getLogger("anomaly_hooks")
 
 
-def scorer_payload(scorer: Scorer) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
-    """A fitted scorer's state as numpy arrays and JSON-able metadata (what an actor rebuilds
-    it from, through Ray's object store)."""
+Payload = Tuple[Dict[str, np.ndarray], Dict[str, Any], Dict[str, np.ndarray]]
+
+
+def _arrays(tensors: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+    return {k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()}
+
+
+def _tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}  # writable copies
+
+
+def scorer_payload(scorer: Scorer) -> Payload:
+    """A fitted scorer's state as numpy arrays and JSON-able metadata, and what its second
+    pass of out-of-sample scores needs beyond it (what an actor rebuilds it from, through
+    Ray's object store)."""
     tensors, meta = scorer.state()
-    return {k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()}, meta
+    return _arrays(tensors), meta, _arrays(scorer.out_of_sample_state())
 
 
-def scorer_from_payload(det: Detector, payload: Tuple[Dict[str, np.ndarray], Dict[str, Any]]
-                        ) -> Scorer:
+def scorer_from_payload(det: Detector, payload: Payload) -> Scorer:
     """The fitted scorer of :func:`scorer_payload`, on ``det``'s device."""
-    arrays, meta = payload
-    tensors = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}  # writable copies
+    arrays, meta = payload[0], payload[1]
     cfg = det.cfg
-    return get_scorer(cfg.method).from_state(cfg[cfg.method], det.layer_info, tensors, meta,
-                                             det.device)
+    scorer = get_scorer(cfg.method).from_state(cfg[cfg.method], det.layer_info,
+                                               _tensors(arrays), meta, det.device)
+    if len(payload) > 2 and payload[2]:
+        scorer.load_out_of_sample_state(_tensors(payload[2]))
+    return scorer
 
 
 class FitWorker:
@@ -67,16 +85,18 @@ class FitWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def fit_shard(self, items: List[str], n_total: int, shard: int) -> Dict[str, Any]:
+    def fit_shard(self, items: List[str], n_total: int, shard: int,
+                  descriptors: bool = False) -> Dict[str, Any]:
         # tests: die mid-shard, after a batch's work (a no-op unless the fault hook is set)
         out = fit_shard(self.det, items, n_total,
-                        on_batch=lambda b: maybe_die([shard]) if b == 0 else None)
+                        on_batch=lambda b: maybe_die([shard]) if b == 0 else None,
+                        descriptors=descriptors)
         return {**out, "pid": os.getpid()}
 
-    def out_of_sample(self, payload: Any, items: List[str], first_image: int) -> List[float]:
+    def out_of_sample(self, payload: Any, items: List[str], images: List[int]) -> List[float]:
         with ieee_float32():
             scorer = scorer_from_payload(self.det, payload)
-        return out_of_sample_scores(self.det, scorer, items, first_image)
+        return out_of_sample_scores(self.det, scorer, items, images)
 
 
 def shard_bounds(n: int, n_shards: int, align: int) -> List[Tuple[int, int]]:
@@ -108,24 +128,25 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     device = "cuda" if gpus_per_worker else "cpu"
     workers = [actor.remote(to_container(cfg), device, max(1, int(cpus_per_worker)))
                for _ in range(min(num_workers, len(bounds)))]
+    describe = bool(run.plan.out_of_sample and cfg.threshold.near_duplicates)
     try:
         results = _on_actors(ray, [workers[i % len(workers)].fit_shard.remote(
-            train[lo:hi], len(train), i) for i, (lo, hi) in enumerate(bounds)])
+            train[lo:hi], len(train), i, describe) for i, (lo, hi) in enumerate(bounds)])
         merged = run.add_shards(results)
+        run.set_groups()
         run.finalize(merged)
         del merged
         if not run.plan.out_of_sample:
             run.decode_held()
-        firsts = np.cumsum([0] + [int(r["n_used"]) for r in results[:-1]]).tolist()
 
-        def second_pass(scorer: Scorer) -> List[float]:
+        def second_pass(scorer: Scorer, units: List[List[int]]) -> List[List[float]]:
             payload = ray.put(scorer_payload(scorer))
-            parts = _on_actors(ray, [workers[i % len(workers)].out_of_sample.remote(
-                payload, train[lo:hi], firsts[i]) for i, (lo, hi) in enumerate(bounds)])
-            return [s for part in parts for s in part]
+            return _on_actors(ray, [workers[i % len(workers)].out_of_sample.remote(
+                payload, [str(p) for p in run.unit_items(u)], u) for i, u in enumerate(units)])
 
         with ieee_float32():
             good = run.threshold_scores(second_pass)
+            run.defect_scores()
     finally:
         for w in workers:
             ray.kill(w)

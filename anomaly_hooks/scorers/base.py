@@ -37,6 +37,10 @@ class Scorer(ABC):
     min_train_images: ClassVar[int] = 1
     # threshold.mode=all-images: training images needed to score each as if unseen
     min_out_of_sample_images: ClassVar[int] = 2
+    # None: the scorer leaves any partition of the training images out exactly and cheaply
+    # (each group by itself); K: it cross-fits, one model per fold, and the fit cuts the groups
+    # into K folds (threshold.folds overrides either)
+    out_of_sample_folds: ClassVar[Optional[int]] = None
 
     # -- what the method needs, before any scorer exists --------------------------------
     @classmethod
@@ -71,6 +75,9 @@ class Scorer(ABC):
         self.grid: Optional[Tuple[int, int]] = None  # the embedding grid (h, w) of the fit
         self.n_train = 0
         self.want_out_of_sample = False
+        # [n] int64: the group of each training image (fit order) that is left out with it;
+        # None: each image alone
+        self.oos_groups: Optional[torch.Tensor] = None
         # [n, h, w] out-of-sample patch scores of the training images, when the fit made them
         self._oos_patch_scores: Optional[torch.Tensor] = None
 
@@ -141,6 +148,32 @@ class Scorer(ABC):
             raise ConfigError(f"threshold.mode=all-images: {reason}; use threshold.mode=holdout")
         self.want_out_of_sample = True
 
+    def set_out_of_sample_groups(self, groups: Optional[Sequence[int]]) -> None:
+        """Before :meth:`finalize`: the group ``[n]`` of each training image in fit order;
+        an image's out-of-sample score then comes from a model fitted without its whole group
+        (None: without the image alone, the default)."""
+        self.oos_groups = None if groups is None else torch.as_tensor(
+            list(groups) if not hasattr(groups, "shape") else groups).long().cpu()
+
+    @property
+    def out_of_sample_whole_groups(self) -> bool:
+        """Whether each call of the second pass (:meth:`out_of_sample_scores`) must get every
+        image of the groups it scores (False: any batch will do)."""
+        return False
+
+    def out_of_sample_state(self) -> Dict[str, torch.Tensor]:
+        """What the second pass needs beyond :meth:`state` (shipped to a sharded fit's actors
+        with it): the groups, and whatever the method keeps for them."""
+        return {} if self.oos_groups is None else {"oos.groups": self.oos_groups}
+
+    def drop_out_of_sample_state(self) -> None:  # noqa: B027 (optional: nothing by default)
+        """After the threshold step: free what only the out-of-sample scores needed."""
+
+    def load_out_of_sample_state(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`out_of_sample_state`, on a scorer from :meth:`from_state`."""
+        if "oos.groups" in tensors:
+            self.set_out_of_sample_groups(tensors["oos.groups"])
+
     def take_out_of_sample_scores(self) -> Optional[torch.Tensor]:
         """After :meth:`finalize`: the out-of-sample patch scores ``[n, h, w]`` of the training
         images (in fit order) when the fit made them, handed over once; None when they need a
@@ -148,10 +181,11 @@ class Scorer(ABC):
         out, self._oos_patch_scores = self._oos_patch_scores, None
         return out
 
-    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
-        """Out-of-sample patch scores ``[B, h, w]`` of the training images ``first_image``,
-        ``first_image + 1``, ... (their order in the fit) from their embeddings ``[B, D, h, w]``:
-        the second pass, for fits that keep too little to make them in :meth:`finalize`."""
+    def out_of_sample_scores(self, embeddings: torch.Tensor,
+                             images: Sequence[int]) -> torch.Tensor:
+        """Out-of-sample patch scores ``[B, h, w]`` of the training images ``images`` (their
+        indices in the fit order) from their embeddings ``[B, D, h, w]``: the second pass, for
+        fits that keep too little to make them in :meth:`finalize`."""
         raise NotImplementedError(f"{self.method} makes its out-of-sample scores in the fit")
 
     # -- scoring --------------------------------------------------------------------------

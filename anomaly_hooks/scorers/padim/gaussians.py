@@ -31,8 +31,10 @@ import torch
 
 from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
+    dense_group_out_squared,
     dense_loo_squared,
     dense_terms,
+    gram_group_out_squared,
     gram_loo_squared,
 )
 
@@ -270,6 +272,18 @@ class DenseGaussians:
 
         return _chunked_distances(x, self.mean, HALF_CHUNK, squared)
 
+    def group_out_distances(self, x: torch.Tensor, n: int, epsilon: float) -> torch.Tensor:
+        """Leave-one-group-out distances ``[P, m, g]`` of ``m`` whole groups of ``g`` training
+        samples each, ``x`` ``[P, m, g, D]``: each to the model refitted without its group
+        (:func:`loo.dense_group_out_squared`)."""
+        p, m, g, d = x.shape
+        out = torch.empty(p, m, g, dtype=torch.float32, device=x.device)
+        for lo in range(0, p, HALF_CHUNK):
+            hi = min(lo + HALF_CHUNK, p)
+            diff = x[lo:hi].float() - self.mean[lo:hi].view(hi - lo, 1, 1, d)
+            out[lo:hi] = dense_group_out_squared(diff, self.chol[lo:hi], n, epsilon)
+        return out.clamp_min_(0).sqrt_()
+
     def _squared(self, lo: int, hi: int, diff: torch.Tensor) -> torch.Tensor:
         chol = self.chol[lo:hi].float()  # float32 factors: the tensor itself, no copy
         # [c, D, B] right-hand sides in column-major order: what the solver wants
@@ -339,11 +353,12 @@ class LowRankGaussians:
 
     @classmethod
     @torch.inference_mode()  # the store's state lives in inference mode
-    def from_samples(cls, store: SampleStore, epsilon: float,
-                     loo: bool = False) -> "LowRankGaussians":
+    def from_samples(cls, store: SampleStore, epsilon: float, loo: bool = False,
+                     groups: Optional[torch.Tensor] = None) -> "LowRankGaussians":
         """Centre and scale the stored samples in place (they become ``Y``) and factorise
         ``eps I + Y Y^T`` position chunk by position chunk. ``loo``: also the training samples'
-        exact leave-one-out distances ``[P, n]`` (in ``.loo``), from the same Gram matrices."""
+        exact leave-one-out distances ``[P, n]`` (in ``.loo``), from the same Gram matrices;
+        with ``groups`` ``[n]``, leave-one-group-out (:func:`loo.gram_group_out_squared`)."""
         x = store.samples()
         p, n, d = x.shape
         if n < store.buf.shape[1]:  # fewer images than planned: drop the unused capacity
@@ -361,7 +376,8 @@ class LowRankGaussians:
             gram = torch.baddbmm(eps_eye, y, y.transpose(1, 2))
             cinv[lo:lo + y.shape[0]] = inverse_cholesky(gram)
             if loo_sq is not None:
-                loo_sq[lo:lo + y.shape[0]] = gram_loo_squared(gram, epsilon)
+                loo_sq[lo:lo + y.shape[0]] = (gram_loo_squared(gram, epsilon) if groups is None
+                                              else gram_group_out_squared(gram, groups, epsilon))
         out = cls(mean, x, cinv, epsilon)
         if loo_sq is not None:
             out.loo = loo_sq.clamp_min_(0).sqrt_()

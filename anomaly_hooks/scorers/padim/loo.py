@@ -133,3 +133,127 @@ def dense_loo_squared(u: torch.Tensor, chol: torch.Tensor, n: int, epsilon: floa
         h += coef * v.square().sum(dim=1)
         coef *= epsilon / (n - 1)
     return ((n / (n - 1)) ** 2 * (n - 2) * h / (1.0 - n * h / (n - 1))).float()
+
+
+# -- leave-one-group-out ------------------------------------------------------------------
+# Images of one group G (g images; n_R = n - g others) are scored by the refit without all of
+# them: mu_R, A_R = S_R / (n_R - 1) + eps I. With u_j = x_j - mu and C = I_g + 1 1^T / n_R,
+# S_R = S - U_G^T C U_G and x_i - mu_R = U_G^T a_i, a_i = e_i + 1 / n_R. Woodbury with
+# B = S + eps (n_R - 1) I and H = U_G B^-1 U_G^T (g x g) gives
+#
+#     d^2_R(x_i) = (n_R - 1) a_i^T H (I - C H)^-1 a_i                                     (3)
+#
+# (g = 1: formula (1)). In the Gram world, H = P_GG - eps'' [P M^-1 P]_GG with
+# eps'' = eps (n_R - 1) / (n - 1) and M as in (2); C P_GG = I exactly, so I - C H =
+# eps'' C W with W = [P M^-1 P]_GG = Z_G^T Z_G (Z = C^-1 P), and (3) becomes
+#
+#     d^2_R(x_i) = (n_R - 1) ([W^-1]_ii / eps'' - (n_R + 1) / n_R)                         (4)
+#
+# without cancellation (g = 1: formula (2)). One factorisation per distinct group size.
+
+
+def group_members(groups: torch.Tensor) -> dict:
+    """``{g: [m, g] long}``: the image indices of every group of size ``g`` (ascending)."""
+    groups = groups.long().cpu()
+    order = torch.argsort(groups, stable=True)
+    sizes = torch.bincount(groups)
+    starts = torch.cumsum(sizes, 0) - sizes
+    out: dict = {}
+    for g in sorted(set(sizes[sizes > 0].tolist())):
+        which = torch.nonzero(sizes == g).flatten()
+        out[g] = order[starts[which].unsqueeze(1) + torch.arange(g)]
+    return out
+
+
+def gram_group_out_squared(gram: torch.Tensor, groups: torch.Tensor,
+                           epsilon: float) -> torch.Tensor:
+    """Leave-one-group-out squared distances ``[c, n]`` of the ``n`` training samples, from
+    ``gram`` ``[c, n, n]`` = ``Y Y^T + eps I`` (not modified) and the group of each sample
+    ``groups`` ``[n]``, by (4), in float64. Singletons give exactly :func:`gram_loo_squared`'s
+    distances."""
+    c, n, _ = gram.shape
+    _check_n(n)
+    out = torch.empty(c, n, dtype=torch.float64, device=gram.device)
+    for g, members in group_members(groups).items():
+        n_r = n - g
+        if n_r < 2:
+            raise FitError(f"a group of {g} of the {n} training images leaves fewer than two "
+                           "to fit a covariance without it: loosen threshold.groups or lower "
+                           "threshold.near_duplicates")
+        eps2 = epsilon * (n_r - 1) / (n - 1)
+        m = gram.to(torch.float64, copy=True)  # modified below
+        diag = m.diagonal(dim1=1, dim2=2)
+        scale = (diag.mean(dim=1) - epsilon).clamp_min(epsilon)
+        diag -= epsilon - eps2
+        m += (scale / n).view(c, 1, 1)
+        cinv = inverse_cholesky64(m)
+        z = cinv - cinv.sum(dim=2, keepdim=True) / n  # C^-1 P  [c, n, n]
+        members = members.to(gram.device)
+        zg = z[:, :, members]  # [c, n, m, g]
+        w = torch.einsum("cnmi,cnmj->cmij", zg, zg)  # [c, m, g, g]
+        winv_diag = torch.cholesky_inverse(torch.linalg.cholesky(w)).diagonal(dim1=2, dim2=3)
+        d2 = (n_r - 1) * (winv_diag / eps2 - (n_r + 1) / n_r)  # [c, m, g]
+        out[:, members.reshape(-1)] = d2.reshape(c, -1)
+    return out.float()
+
+
+@torch.inference_mode()
+def group_out_distances_from_samples(x: torch.Tensor, groups: torch.Tensor,
+                                     epsilon: float) -> torch.Tensor:
+    """Exact leave-one-group-out distances ``[P, n]`` of the samples ``x`` ``[P, n, D]``
+    (not modified), by (4), ``CHUNK_POSITIONS`` positions at a time."""
+    p, n, _ = x.shape
+    _check_n(n)
+    out = torch.empty(p, n, dtype=torch.float32, device=x.device)
+    eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
+    for lo in range(0, p, CHUNK_POSITIONS):
+        chunk = x[lo:lo + CHUNK_POSITIONS]
+        y = (chunk - chunk.mean(dim=1, keepdim=True)).mul_(1.0 / math.sqrt(n - 1))
+        gram = torch.baddbmm(eps_eye, y, y.transpose(1, 2))
+        out[lo:lo + chunk.shape[0]] = gram_group_out_squared(gram, groups, epsilon)
+    return out.clamp_min_(0).sqrt_()
+
+
+def dense_group_terms(n: int, g: int, tol: float = DENSE_TOLERANCE) -> int:
+    """Terms of the group series (``B = (n - 1) A - eps g I``): its ``k``-th term is at most
+    ``(g / (n - 1))^k`` times the first."""
+    ratio = g / (n - 1)
+    if ratio >= 1:
+        raise FitError(f"a group of {g} of the {n} training images leaves too few to fit "
+                       "without it")
+    return max(1, math.ceil(math.log(tol) / math.log(ratio)))
+
+
+def dense_group_out_squared(u: torch.Tensor, chol: torch.Tensor, n: int,
+                            epsilon: float) -> torch.Tensor:
+    """Leave-one-group-out squared distances ``[c, m, g]`` of ``m`` groups of ``g`` training
+    samples each from the full dense model, by (3), in float64.
+
+    ``H = U_G B^-1 U_G^T`` with ``B = (n - 1) A - eps g I``, ``A = L L^T``, is summed as the
+    series ``B^-1 = sum_k (eps g)^k A^-(k+1) / (n - 1)^(k+1)`` (:func:`dense_loo_squared` for
+    ``g = 1``), each power one triangular solve on the ``m g`` columns.
+
+    Args:
+        u: ``[c, m, g, D]`` the samples centred on the full model's mean.
+        chol: ``[c, D, D]`` lower factors of ``Sigma + eps I``.
+        n: the number of training images the model was fitted on.
+    """
+    c, m, g, d = u.shape
+    n_r = n - g
+    terms = dense_group_terms(n, g)
+    chol = chol.double()
+    v = u.reshape(c, m * g, d).transpose(1, 2).double()  # [c, D, m g]
+    h = torch.zeros(c, m, g, g, dtype=torch.float64, device=v.device)
+    coef = 1.0 / (n - 1)
+    for k in range(terms):
+        if k % 2 == 0:  # v = L^-1 A^-j u: the term is v^T v
+            v = torch.linalg.solve_triangular(chol, v, upper=False)
+        else:  # v = A^-(j+1) u = L^-T (L^-1 A^-j u)
+            v = torch.linalg.solve_triangular(chol.transpose(1, 2), v, upper=True)
+        vg = v.reshape(c, d, m, g)
+        h += coef * torch.einsum("cdmi,cdmj->cmij", vg, vg)
+        coef *= epsilon * g / (n - 1)
+    eye = torch.eye(g, dtype=torch.float64, device=v.device)
+    cmat = eye + 1.0 / n_r  # C = I + 1 1^T / n_R; its columns are also the a_i
+    x = torch.linalg.solve(eye - cmat @ h, cmat.expand(c, m, g, g))  # (I - C H)^-1 a_i
+    return ((n_r - 1) * (cmat * (h @ x)).sum(dim=2)).float()  # diag(A^T H X) [c, m, g]

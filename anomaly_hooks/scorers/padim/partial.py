@@ -108,9 +108,11 @@ def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
 
 
 def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
-              device: Optional[torch.device] = None, loo: bool = False):
+              device: Optional[torch.device] = None, loo: bool = False,
+              groups: Optional[torch.Tensor] = None):
     """Dense or low-rank Gaussians (on ``device``, default the CPU) of a merged state; ``loo``:
-    the low-rank form also makes its training samples' leave-one-out distances (``.loo``).
+    the low-rank form also makes its training samples' leave-one-out distances (``.loo``),
+    leave-one-group-out with ``groups``.
     The arrays are copied where they are read-only (the object store hands out read-only
     buffers; the fit works in place)."""
     device = torch.device("cpu") if device is None else device
@@ -118,7 +120,7 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
         store = SampleStore()
         store.buf = _tensor(state["samples"], device)
         store.n = store.buf.shape[1]
-        return LowRankGaussians.from_samples(store, epsilon, loo=loo)
+        return LowRankGaussians.from_samples(store, epsilon, loo=loo, groups=groups)
     acc = GaussianAccumulator()
     acc.n = int(state["n"])
     acc.shift = _tensor(state["shift"], device)

@@ -31,7 +31,11 @@ from anomaly_hooks.scorers.padim.gaussians import (
     choose_covariance,
     lowrank_capacity,
 )
-from anomaly_hooks.scorers.padim.loo import loo_distances_from_samples
+from anomaly_hooks.scorers.padim.loo import (
+    group_members,
+    group_out_distances_from_samples,
+    loo_distances_from_samples,
+)
 from anomaly_hooks.threshold import out_of_sample
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
@@ -163,15 +167,21 @@ class PadimScorer(Scorer):
         if n < self.min_train_images:
             raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
                            f"for a covariance; got {n}")
+        groups = self._groups(n) if self.want_out_of_sample else None
         if self._store is not None:
-            self.gaussians = LowRankGaussians.from_samples(self._store, self.epsilon,
-                                                           loo=self.want_out_of_sample)
+            self.gaussians = LowRankGaussians.from_samples(
+                self._store, self.epsilon, loo=self.want_out_of_sample, groups=groups)
             loo, self.gaussians.loo = self.gaussians.loo, None
         else:
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
             self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
-            loo = (None if self._oos_store is None else
-                   loo_distances_from_samples(self._oos_store.samples(), self.epsilon))
+            if self._oos_store is None:
+                loo = None
+            elif groups is None:
+                loo = loo_distances_from_samples(self._oos_store.samples(), self.epsilon)
+            else:
+                loo = group_out_distances_from_samples(self._oos_store.samples(), groups,
+                                                       self.epsilon)
         if loo is not None:  # [P, n] -> [n, h, w]
             self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self.n_train = n
@@ -204,8 +214,9 @@ class PadimScorer(Scorer):
         if n < self.min_train_images:
             raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
                            f"for a covariance; got {n}")
-        self.gaussians = partial.gaussians(state, self.epsilon, self.factor_dtype, device,
-                                           loo=self.want_out_of_sample)
+        self.gaussians = partial.gaussians(
+            state, self.epsilon, self.factor_dtype, device, loo=self.want_out_of_sample,
+            groups=self._groups(n) if self.want_out_of_sample else None)
         self.grid, self.n_train = tuple(state["grid"]), n
         loo = getattr(self.gaussians, "loo", None)
         if loo is not None:  # the low-rank form's exact LOO: [P, n] -> [n, h, w]
@@ -218,16 +229,51 @@ class PadimScorer(Scorer):
     def out_of_sample_unsupported(self) -> Optional[str]:
         return None
 
-    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
-        """Exact leave-one-out patch distances ``[B, h, w]`` of *training* images (dense form
-        with ``n > 2 D``; ``first_image`` unused: PaDiM's LOO needs only the image itself)."""
+    def _groups(self, n: int) -> Optional[torch.Tensor]:
+        """The leave-out groups of ``n`` training images; None where every image is alone
+        (plain leave-one-out, formulas (1)-(2))."""
+        groups = self.oos_groups
+        if groups is None:
+            return None
+        if groups.numel() != n:
+            raise FitError(f"{groups.numel()} out-of-sample groups given for {n} training "
+                           "images")
+        return None if int(torch.bincount(groups).max()) == 1 else groups
+
+    @property
+    def out_of_sample_whole_groups(self) -> bool:
+        return self.oos_groups is not None and int(torch.bincount(self.oos_groups).max()) > 1
+
+    def out_of_sample_scores(self, embeddings: torch.Tensor,
+                             images: Sequence[int]) -> torch.Tensor:
+        """Exact leave-one-(group-)out patch distances ``[B, h, w]`` of *training* images
+        ``images`` (dense form with ``n > 2 D``). With groups, the batch holds whole groups:
+        each is scored by the model refitted without it."""
         self.check_fitted()
         if self.gaussians.kind != "dense":
             raise FitError("the low-rank form makes its leave-one-out distances in the fit")
         b, _, h, w = embeddings.shape
         x = embeddings.flatten(2).permute(2, 0, 1)  # [P, B, D]
-        dist = self.gaussians.loo_distances(x, self.n_train, self.epsilon)
-        return dist.t().reshape(b, h, w)
+        groups = self._groups(self.n_train)
+        if groups is None:
+            dist = self.gaussians.loo_distances(x, self.n_train, self.epsilon)
+            return dist.t().reshape(b, h, w)
+        ids = torch.as_tensor(list(images), dtype=torch.long)
+        local = groups[ids]
+        if not torch.equal(torch.bincount(local, minlength=int(groups.max()) + 1)[local],
+                           torch.bincount(groups)[local]):
+            raise FitError("the second pass must score whole groups at a time")
+        out = torch.empty(x.shape[0], b, dtype=torch.float32, device=x.device)
+        for g, members in group_members(local).items():  # batch positions of each group
+            members = members.to(x.device)
+            if g == 1:
+                out[:, members[:, 0]] = self.gaussians.loo_distances(
+                    x[:, members[:, 0]], self.n_train, self.epsilon)
+            else:
+                dist = self.gaussians.group_out_distances(x[:, members], self.n_train,
+                                                          self.epsilon)
+                out[:, members.reshape(-1)] = dist.reshape(x.shape[0], -1)
+        return out.t().reshape(b, h, w)
 
     # -- scoring --------------------------------------------------------------------------
     def score(self, embeddings: torch.Tensor) -> torch.Tensor:

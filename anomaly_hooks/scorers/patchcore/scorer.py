@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from anomaly_hooks.devices import synchronize
@@ -31,9 +32,15 @@ from anomaly_hooks.scorers.patchcore.coreset import (
     greedy_coreset,
     projection_matrix,
 )
+from anomaly_hooks.scorers.patchcore.crossfit import (
+    cross_fit_patch_scores,
+    fold_banks,
+    knn_scores,
+)
 from anomaly_hooks.scorers.patchcore.export import patchcore_graph
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
+from anomaly_hooks.threshold import out_of_sample
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,9 @@ class PatchCoreScorer(Scorer):
     memory_advice = ("set patchcore.max_bank_points (bounded-memory fit, e.g. 200000), lower "
                      "patchcore.reduce_dim, or fit on fewer or smaller images")
     min_train_images = 1
+    # out-of-sample scores cross-fit 5 folds: each fold's images are scored by the coreset of
+    # the other folds (scorers/patchcore/crossfit.py)
+    out_of_sample_folds = 5
 
     def __init__(self, embedder: PatchEmbedder, cfg: Any, seed: int) -> None:
         super().__init__(embedder)
@@ -86,6 +96,9 @@ class PatchCoreScorer(Scorer):
         self.n_patches = 0
         self._expected: Optional[int] = None  # training images announced by begin()
         self._buffer: Optional[torch.Tensor] = None  # [capacity, D]: every patch, in place
+        # a sharded fit's fold banks (second pass of cross-fitted scores) and their indexes
+        self._fold_banks: List[torch.Tensor] = []
+        self._fold_index: Dict[int, NearestNeighbors] = {}
 
     @classmethod
     def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
@@ -99,7 +112,11 @@ class PatchCoreScorer(Scorer):
         bank_rows = (min(patches, pc.coreset_count) if pc.coreset_count is not None
                      else math.ceil(pc.coreset_ratio * patches))
         bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
+        # cross-fitted out-of-sample scores select each fold's coreset from a copy of the
+        # other folds' patches
+        fold_copy = kept * d * 4 if out_of_sample(cfg.threshold) else 0
         return ({"patch features before the coreset": kept * d * 4,
+                 "patches of the other folds (cross-fitted threshold scores)": fold_copy,
                  # projected features, their bound rows, float64 norms and distances, and two
                  # [8192, pool 2048] float32 blocks of the batched selection
                  "coreset selection (projection, distances)":
@@ -171,10 +188,15 @@ class PatchCoreScorer(Scorer):
         if features is not None and self.want_out_of_sample:
             # every training patch is still here: no second pass over the images
             mark = time.perf_counter()
-            ids = torch.arange(self.n_train, dtype=torch.int32).repeat_interleave(
-                self.grid[0] * self.grid[1])
-            self._oos_patch_scores = self._foreign_scores(features, ids).reshape(
-                self.n_train, *self.grid)
+            per_image = self.grid[0] * self.grid[1]
+            if self.oos_groups is None:  # leave one image out of the search
+                ids = torch.arange(self.n_train, dtype=torch.int32).repeat_interleave(per_image)
+                scores = self._foreign_scores(features, ids)
+            else:
+                scores = cross_fit_patch_scores(
+                    features, self._folds(), per_image, self._bank_size, self._fold_search,
+                    self.cfg.k, self.cfg.projection_dim, self.seed + SEED_CORESET, progress)
+            self._oos_patch_scores = scores.reshape(self.n_train, *self.grid)
             synchronize(bank.device)
             self.finalize_timings_["out-of-sample scores"] = time.perf_counter() - mark
         del features
@@ -199,17 +221,66 @@ class PatchCoreScorer(Scorer):
             out[lo:hi] = dist.mean(dim=1)
         return out
 
-    def out_of_sample_scores(self, embeddings: torch.Tensor, first_image: int) -> torch.Tensor:
-        """Out-of-sample patch scores ``[B, h, w]`` of training images ``first_image ..`` (in
-        fit order) from their embeddings ``[B, D, h, w]``."""
+    def _bank_size(self, n_patches: int) -> int:
+        """The bank a fit on ``n_patches`` patches keeps."""
+        return partial.final_size(self.cfg, n_patches)
+
+    def _fold_search(self, bank: torch.Tensor) -> NearestNeighbors:
+        """The search index a fit with ``bank`` builds (dtype and backend of the config)."""
+        dtype = torch.float16 if self.cfg.bank_dtype == "float16" else torch.float32
+        return NearestNeighbors(bank.to(dtype).contiguous(), backend=self.cfg.knn_backend,
+                                **self._index_params())
+
+    def _folds(self) -> torch.Tensor:
+        """The fold ``[n]`` of each training image (the out-of-sample groups, numbered 0..)."""
+        folds = self.oos_groups
+        if folds.numel() != self.n_train:
+            raise FitError(f"{folds.numel()} out-of-sample folds given for {self.n_train} "
+                           "training images")
+        return torch.unique(folds, return_inverse=True)[1]
+
+    def out_of_sample_scores(self, embeddings: torch.Tensor,
+                             images: Sequence[int]) -> torch.Tensor:
+        """Out-of-sample patch scores ``[B, h, w]`` of training images ``images`` (indices in
+        the fit order) from their embeddings ``[B, D, h, w]``: from the bank of their fold's
+        fit-without-it (a sharded fit, :meth:`finalize_merged`), or without folds from the
+        nearest bank points of other images."""
         self.check_fitted()
-        if self.bank_image is None:
-            raise FitError("this bank records no source images (a bounded fit, or a model "
-                           "file written before they were saved): use threshold.mode=holdout")
         b, _, h, w = embeddings.shape
-        ids = torch.arange(first_image, first_image + b, dtype=torch.int32).repeat_interleave(
-            h * w)
-        return self._foreign_scores(self._patches(embeddings), ids).reshape(b, h, w)
+        patches = self._patches(embeddings)
+        ids = torch.as_tensor(list(images), dtype=torch.long)
+        if self.oos_groups is None:
+            if self.bank_image is None:
+                raise FitError("this bank records no source images (a bounded fit, or a model "
+                               "file written before they were saved): use "
+                               "threshold.mode=holdout")
+            return self._foreign_scores(patches, ids.to(torch.int32).repeat_interleave(
+                h * w)).reshape(b, h, w)
+        if not self._fold_banks:
+            raise FitError("no fold banks: the cross-fitted scores of a single-process fit are "
+                           "made in finalize()")
+        fold = self._folds()[ids].repeat_interleave(h * w).to(patches.device)
+        out = torch.empty(patches.shape[0], dtype=torch.float32, device=patches.device)
+        for f in torch.unique(fold).tolist():
+            if f not in self._fold_index:
+                self._fold_index[f] = self._fold_search(self._fold_banks[f])
+            mine = torch.nonzero(fold == f).flatten()
+            out[mine] = knn_scores(self._fold_index[f], patches[mine], self.cfg.k)
+        return out.reshape(b, h, w)
+
+    def out_of_sample_state(self) -> Dict[str, torch.Tensor]:
+        return {**super().out_of_sample_state(),
+                **{f"oos.fold_bank.{f}": bank for f, bank in enumerate(self._fold_banks)}}
+
+    def drop_out_of_sample_state(self) -> None:
+        self._fold_banks, self._fold_index = [], {}
+
+    def load_out_of_sample_state(self, tensors: Dict[str, torch.Tensor]) -> None:
+        super().load_out_of_sample_state(tensors)
+        device = self.bank.device
+        self._fold_banks = [tensors[f"oos.fold_bank.{f}"].to(device)
+                            for f in range(sum(k.startswith("oos.fold_bank.") for k in tensors))]
+        self._fold_index = {}
 
     # -- sharded fitting (scorers/patchcore/partial.py) ------------------------------------
     def begin_shard(self, n_total: int, n_shard: int) -> None:
@@ -243,6 +314,18 @@ class PatchCoreScorer(Scorer):
         self.set_bank(bank)
         self._stream = None
         self.fitted = True
+        if self.want_out_of_sample and self.oos_groups is not None:
+            if state.get("image") is None:
+                raise FitError("the merged state records no source images: cross-fitted "
+                               "out-of-sample scores need them (use threshold.mode=holdout)")
+            # each fold's bank from the merged candidates of the other folds; the second pass
+            # scores the folds' images with them
+            folds = self._folds()
+            image = torch.from_numpy(np.asarray(state["image"])).long()
+            features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
+            self._fold_banks = fold_banks(features, folds[image], int(folds.max()) + 1,
+                                          self._bank_size, self.cfg.projection_dim,
+                                          self.seed + SEED_CORESET, progress)
 
     def _features(self) -> torch.Tensor:
         """All training patches ``[N, D]``: the in-place buffer (a view of its filled rows:
