@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from anomaly_hooks.calibration import TAILS
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.framing import MAX_SIDE
+from anomaly_hooks.operating import OBJECTIVES
 
 MAX_DEPTH = 32  # nesting of one JSON value (the config reader's limit; the schema is 3 deep)
 MAX_JSON_CHARS = 100_000_000  # one JSON value (the .safetensors header's own limit)
@@ -241,11 +242,50 @@ def _threshold_extras(data: Mapping[str, Any], field: str) -> Dict[str, Any]:
     if data.get("tail_gap") is not None:
         out["tail_gap"] = real(data["tail_gap"], f"{field}.tail_gap", "null or a number >= 0",
                                lambda v: v >= 0)
-    if data.get("scores") is not None:
-        scores = data["scores"]
-        if not isinstance(scores, list):
-            raise refuse(f"{field}.scores", scores, "null or a list of finite numbers")
-        out["scores"] = [real(v, f"{field}.scores[{i}]") for i, v in enumerate(scores)]
+    for key in ("scores", "defect_scores"):
+        if data.get(key) is not None:
+            out[key] = _numbers(data[key], f"{field}.{key}")
+    out.update(_operating_point(data, field))
+    return out
+
+
+def _numbers(value: Any, field: str) -> List[float]:
+    if not isinstance(value, list):
+        raise refuse(field, value, "null or a list of finite numbers")
+    return [real(v, f"{field}[{i}]") for i, v in enumerate(value)]
+
+
+def _fraction(value: Any, field: str, low_open: bool = False) -> float:
+    expected = "null or a number in (0, 1]" if low_open else "null or a number in [0, 1]"
+    return real(value, field, expected, (lambda v: 0 < v <= 1) if low_open
+                else (lambda v: 0 <= v <= 1))
+
+
+def _operating_point(data: Mapping[str, Any], field: str) -> Dict[str, Any]:
+    """The operating point's optional fields (``operating.py``): the objective and what it
+    chose, checked; absent in files written before them."""
+    out: Dict[str, Any] = {}
+    if "objective" in data:
+        if data["objective"] not in OBJECTIVES:
+            raise refuse(f"{field}.objective", data["objective"],
+                         f"one of {', '.join(OBJECTIVES)}")
+        out["objective"] = data["objective"]
+    for key in ("expected_far", "recall"):
+        if data.get(key) is not None:
+            out[key] = _fraction(data[key], f"{field}.{key}")
+    for key in ("supported_rate", "target_recall", "prevalence"):
+        if data.get(key) is not None:
+            out[key] = _fraction(data[key], f"{field}.{key}", low_open=True)
+    for key in ("tail_far_interval", "recall_interval"):
+        if data.get(key) is not None:
+            out[key] = _interval(data[key], f"{field}.{key}")
+    if data.get("far_interval_method") is not None:
+        out["far_interval_method"] = text(data["far_interval_method"],
+                                          f"{field}.far_interval_method", r"[a-z-]{1,32}")
+    if data.get("n_defects") is not None:
+        out["n_defects"] = integer(data["n_defects"], f"{field}.n_defects", 0, (1 << 63) - 1)
+    if data.get("provenance") is not None:
+        out["provenance"] = dict(check_keys(data["provenance"], f"{field}.provenance"))
     return out
 
 

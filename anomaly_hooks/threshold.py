@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from anomaly_hooks.errors import FitError
+
 if TYPE_CHECKING:
     from anomaly_hooks.operating import OperatingPoint
     from anomaly_hooks.prediction import Verdict
@@ -302,6 +304,14 @@ def calibrate_threshold(scores: Sequence[float], cfg: Any, source: str,
     else:
         thr = from_tail(arr, float(cfg.false_alarm_rate), str(cfg.tail), source)
     thr = with_operating_point(thr, defects, objective=objective, provenance=provenance)
+    if not (math.isfinite(thr.value) and thr.value > 0):
+        # a model file refuses it (modelmeta.check_threshold): a threshold <= 0 flags every
+        # part that is not a copy of training patches
+        raise FitError(f"the good images' scores (min {arr.min():.4g}, median "
+                       f"{np.median(arr):.4g}) give a threshold of {thr.value:.4g}, which would "
+                       "flag every part: the good images look like copies of the training "
+                       "images; use good images of other parts (threshold.folder) or, with "
+                       "threshold.false_alarm_rate: null, a smaller threshold.margin")
     if thr.extrapolated():
         warnings.warn(
             f"{thr.n_images} good images support false-alarm rates down to "

@@ -384,3 +384,17 @@ def test_evaluation_reports_the_stored_thresholds_false_alarms(tmp_path, monkeyp
                        s["threshold_far_interval"])]
     assert (tmp_path / "r" / "roc.png").is_file()
     assert "thr. FAR (test good)" in format_markdown([res])
+
+
+def test_a_fit_never_writes_a_threshold_a_model_file_refuses():
+    """Good scores that are all 0 (copies of training patches) give a threshold of 0: the fit
+    says so instead of writing a model file that no reader accepts."""
+    from types import SimpleNamespace
+
+    from anomaly_hooks.threshold import calibrate_threshold
+
+    cfg = SimpleNamespace(objective="far", false_alarm_rate=None, quantile=0.99, margin=0.5,
+                          tail="auto")
+    with pytest.warns(UserWarning, match="hardly differ"):
+        with pytest.raises(FitError, match="would flag every part"):
+            calibrate_threshold([0.0] * 8, cfg, "all-images")
