@@ -232,10 +232,11 @@ def _forged(path, size: int, like) -> None:
     filling it: what only hashing its data could refuse."""
     from anomaly_hooks.modelfile import read_header
 
-    n = size - 8 - 4096
-    header = {"__metadata__": read_header(like)["__metadata__"],
-              "t": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
-    raw = json.dumps(header).encode().ljust(4096)
+    meta = read_header(like)["__metadata__"]
+    room = len(json.dumps(meta).encode()) + 4096  # the header's bytes, with room for the entry
+    n = size - 8 - room
+    header = {"__metadata__": meta, "t": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
+    raw = json.dumps(header).encode().ljust(room)
     with open(path, "wb") as fh:
         fh.write(len(raw).to_bytes(8, "little") + raw)
         fh.truncate(size)
