@@ -35,6 +35,7 @@ from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import calibrate_threshold
 from anomaly_hooks.threshold import out_of_sample as threshold_out_of_sample
+from anomaly_hooks.tiling import detector as tiled
 from anomaly_hooks.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -192,6 +193,8 @@ class FitRun:
         self.clock = Stopwatch(det.device)
         self.det, self.cfg, self.progress = det, det.cfg, progress
         self.plan = FitPlan.of(det.cfg, source)
+        # a tiled model's working frame, from these training images' size (None: untiled)
+        self.frame = tiled.fit_frame(det, self.plan.train)
         self.scorer = det.new_scorer()
         if self.plan.out_of_sample:
             self.scorer.request_out_of_sample()
@@ -206,17 +209,20 @@ class FitRun:
     def run(self) -> None:
         """The single-process fit, start to end (sets the detector's fitted attributes)."""
         plan = self.plan
-        self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
-                                       self.det.layer_info, self.det.preprocessor.input_size,
-                                       len(plan.train), self.det.device,
-                                       n_threshold=len(plan.held))
-        self.scorer.begin(len(plan.train))
-        self.clock.lap("begin")
-        with ieee_float32():
-            self.accumulate()
-            self.finalize()
-            good = self.threshold_scores()
-        self.complete(good)
+        with tiled.frame_for_fit(self.det, self.frame):  # put back if the fit fails
+            self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
+                                           self.det.layer_info,
+                                           self.det.preprocessor.input_size, len(plan.train),
+                                           self.det.device, n_threshold=len(plan.held),
+                                           tiling=self.det.tiling)
+            units = 1 if self.det.tiling is None else self.det.tiling.units_per_image
+            self.scorer.begin(len(plan.train) * units)  # tile windows: samples per image
+            self.clock.lap("begin")
+            with ieee_float32():
+                self.accumulate()
+                self.finalize()
+                good = self.threshold_scores()
+            self.complete(good)
 
     # -- accumulate ---------------------------------------------------------------------------
     def accumulate(self) -> None:
@@ -330,6 +336,6 @@ class FitRun:
         det.fit_info_ = {"n_train": self.n_used, "n_threshold": len(good),
                          "skipped": self.errors["training"] + self.errors["threshold"],
                          "threshold_source": self.plan.folder or self.plan.source,
-                         **self.info}
+                         "framing": tiled.framing_info(det), **self.info}
         # Timings are not saved: model files are byte-identical across fits.
         det.fit_timings_ = self.clock.as_dict(total=True)

@@ -119,7 +119,10 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
         "threshold_n_images": thr.n_images,
         "threshold_scores": thr.scores,  # the good scores the threshold came from
         "fit_seconds": fit_seconds,
+        "fit_timings": det.fit_timings_,
         "ms_per_image": 1000.0 * predict_seconds / max(len(records), 1),
+        # the working frame and tiles, and the part of every image never inspected
+        "framing": det.fit_info_.get("framing"),
         "config": to_container(cfg),
     }
     curves: Dict[str, Any] = {"roc": metrics.roc_curve_points(labels, scores)[:2]}

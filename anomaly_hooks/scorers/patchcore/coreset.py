@@ -368,12 +368,13 @@ class StreamingCoreset:
         self.total = 0
         self.reductions = 0
 
-    def add(self, features: torch.Tensor) -> None:
+    def add(self, features: torch.Tensor, represented: Optional[int] = None) -> None:
         """Add a chunk ``[n, D]`` of patch features (reduced at once if it alone exceeds the
-        budget)."""
+        budget). ``represented``: the training patches the chunk stands for (more than ``n``
+        when a per-image pre-reduction made it; the final size is a share of those)."""
         if features.shape[0] == 0:
             return
-        self.total += features.shape[0]
+        self.total += features.shape[0] if represented is None else int(represented)
         self.kept.append(features.float())
         self.n_kept += features.shape[0]
         if self.n_kept > self.max_points:

@@ -2,7 +2,10 @@
 distance.
 
 Fit: every training patch embedding goes into a bank, reduced by the greedy k-center coreset
-(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``max_bank_points`` set, the fit is
+(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``prereduce`` set (high resolution), each
+image's patches are first reduced by the same rule as the image arrives
+(:mod:`anomaly_hooks.scorers.patchcore.prereduce`), so the final selection runs over a small
+multiple of the bank, not over every patch. With ``max_bank_points`` set, the fit is
 *bounded*: each batch's patches are reduced as they arrive and the kept set is re-reduced
 whenever it exceeds the budget (merge-reduce), so peak memory does not depend on the number of
 training images.
@@ -34,6 +37,7 @@ from anomaly_hooks.scorers.patchcore.coreset import (
 from anomaly_hooks.scorers.patchcore.export import patchcore_graph
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
+from anomaly_hooks.scorers.patchcore.prereduce import PerImageReduction
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class PatchCoreScorer(Scorer):
         self.n_patches = 0
         self._expected: Optional[int] = None  # training images announced by begin()
         self._buffer: Optional[torch.Tensor] = None  # [capacity, D]: every patch, in place
+        self._reducer: Optional[PerImageReduction] = None  # prereduce: made at the first batch
 
     @classmethod
     def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
@@ -94,10 +99,13 @@ class PatchCoreScorer(Scorer):
         total_channels = sum(info.channels for info in layers)
         d = pc.reduce_dim if pc.reduce_dim and pc.reduce_dim < total_channels else total_channels
         patches = n_train * positions
-        kept = patches if pc.max_bank_points is None else min(patches, pc.max_bank_points)
-        kept += 0 if pc.max_bank_points is None else cfg.data.batch_size * positions
         bank_rows = (min(patches, pc.coreset_count) if pc.coreset_count is not None
                      else math.ceil(pc.coreset_ratio * patches))
+        kept = patches
+        if pc.prereduce is not None:  # what the per-image reduction keeps
+            kept = min(patches, math.ceil(pc.prereduce * bank_rows) + n_train)
+        if pc.max_bank_points is not None:
+            kept = min(kept, pc.max_bank_points) + cfg.data.batch_size * positions
         bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
         return ({"patch features before the coreset": kept * d * 4,
                  # projected features, their bound rows, float64 norms and distances, and two
@@ -128,9 +136,15 @@ class PatchCoreScorer(Scorer):
         elif self.grid != (h, w):
             raise ValueError(f"embedding grid {(h, w)} differs from the first batch's {self.grid}")
         patches = embeddings.permute(0, 2, 3, 1).reshape(-1, d).float()
+        first_image = self.n_train
         self.n_train += b
         start, self.n_patches = self.n_patches, self.n_patches + patches.shape[0]
-        if self._stream is not None:
+        if self.cfg.prereduce is not None:
+            kept = self._reduction().add(patches.view(b, h * w, d), first_image,
+                                         keep=self._stream is None)
+            if self._stream is not None:
+                self._stream.add(kept, represented=b * h * w)
+        elif self._stream is not None:
             self._stream.add(patches)
         elif self._expected is not None and self._expected * h * w >= self.n_patches:
             if self._buffer is None:
@@ -150,6 +164,8 @@ class PatchCoreScorer(Scorer):
         features = None
         if self._stream is not None:
             bank = self._stream.finalize(progress)
+        elif self._reducer is not None:
+            bank, self.bank_image = self._select_reduced(progress)
         else:
             features = self._features()
             k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
@@ -166,7 +182,7 @@ class PatchCoreScorer(Scorer):
         synchronize(bank.device)
         self.finalize_timings_ = {"coreset": selected - start,
                                   "search index": time.perf_counter() - selected}
-        self._stream = None
+        self._stream = self._reducer = None
         self.fitted = True
         if features is not None and self.want_out_of_sample:
             # every training patch is still here: no second pass over the images
@@ -178,6 +194,26 @@ class PatchCoreScorer(Scorer):
             synchronize(bank.device)
             self.finalize_timings_["out-of-sample scores"] = time.perf_counter() - mark
         del features
+
+    def _reduction(self) -> PerImageReduction:
+        """The per-image pre-reduction (``prereduce``), made at the first batch."""
+        if self._reducer is None:
+            c = self.cfg
+            self._reducer = PerImageReduction(
+                c.prereduce, c.coreset_ratio if c.coreset_count is None else None,
+                c.coreset_count, self._expected, c.projection_dim, self.seed + SEED_CORESET)
+        return self._reducer
+
+    def _select_reduced(self, progress: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The bank ``[k, D]`` selected from the pre-reduced points (the final size is the
+        share of *all* the training patches) and each bank point's image ``[k]`` int32."""
+        kept, images = self._reducer.take()
+        k = min(kept.shape[0], coreset_size(self.n_patches, self.cfg.coreset_ratio if
+                                            self.cfg.coreset_count is None else None,
+                                            self.cfg.coreset_count))
+        idx = greedy_coreset(kept, k, projection_dim=self.cfg.projection_dim,
+                             seed=self.seed + SEED_CORESET, progress=progress)
+        return kept[idx], images[idx.cpu()]
 
     # -- out-of-sample scores of the training images ----------------------------------------
     def out_of_sample_unsupported(self) -> Optional[str]:
@@ -222,13 +258,17 @@ class PatchCoreScorer(Scorer):
         if not self.n_train:
             raise FitError("this PatchCore shard got no training image")
         bounded = self._stream is not None
+        images = None
         if bounded:  # what the stream kept (<= max_bank_points)
             features, self._stream = torch.cat(self._stream.kept), None
+        elif self._reducer is not None:  # what the per-image reduction kept, in image order
+            features, images = self._reducer.take()
+            self._reducer = None
         else:
             features = self._features()
         n_total = getattr(self, "_n_total", self.n_train)
         return partial.shard_state(features, self.cfg, self.seed + SEED_CORESET, self.n_train,
-                                   n_total, self.grid, with_images=not bounded)
+                                   n_total, self.grid, with_images=not bounded, images=images)
 
     @classmethod
     def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

@@ -1,0 +1,303 @@
+"""High-resolution inspection: quality and cost, default framing against the tiled configs.
+
+Run from the repository root (each part prints a table and writes JSON under --out)::
+
+    python benchmarks/bench_highres.py table     # default vs highres, both methods, 3 data sets
+    python benchmarks/bench_highres.py sweep     # scale x tile size on visa_macaroni1 (PatchCore)
+    python benchmarks/bench_highres.py coreset   # 1 % of 2 M patches; radius vs exact greedy
+    python benchmarks/bench_highres.py knn       # index choice by bank size: time and recall@1
+    python benchmarks/bench_highres.py memory    # fit memory, 200 -> 900 macaroni-sized images
+    python benchmarks/bench_highres.py cost      # predict cost per network pixel, tiled/untiled
+    python benchmarks/bench_highres.py eval CONFIG DATA [key=value ...]   # one evaluation
+
+Every timing is printed with the load average of the machine (``os.getloadavg``) at its start
+and end: on a shared machine compare ratios measured in one run, not absolute times across runs.
+Data: ``../shared/data/<name>`` (MVTec layout), never copied into the repository.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from anomaly_hooks.timing import PeakMemory, Stopwatch  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+DATASETS = ("visa_macaroni1", "mvtec_bottle", "battery_weld")
+CONFIGS = {  # (method, framing) -> config file
+    ("patchcore", "default"): "configs/patchcore_effnet_lite0.yaml",
+    ("patchcore", "highres"): "configs/patchcore_effnet_lite0_highres.yaml",
+    ("padim", "default"): "configs/padim_effnet_lite0.yaml",
+    ("padim", "highres"): "configs/padim_effnet_lite0_highres.yaml",
+}
+METRICS = ("image_auroc", "pixel_auroc", "aupro", "pixel_f1_max")
+
+
+def load() -> str:
+    """The 1-minute load average, as text."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def emit(out: Path, name: str, row: Dict[str, Any]) -> None:
+    """Print ``row`` as one JSON line and append it to ``out / name``."""
+    line = json.dumps(row, default=float)
+    print(line, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / name, "a") as fh:
+        fh.write(line + "\n")
+
+
+# -- quality: one evaluation ----------------------------------------------------------------
+def evaluate_one(config: str, data: Path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """Fit on ``data``'s good training images, score its test set (the ``evaluate`` command's
+    runner), with the fit's step timings, its peak memory and the load average."""
+    from anomaly_hooks.evaluation.datasets import open_dataset
+    from anomaly_hooks.evaluation.runner import evaluate
+
+    load_start = load()
+    with PeakMemory() as mem:
+        result = evaluate(str(ROOT / config), open_dataset(data), overrides, report_dir=None,
+                          progress=False)
+    s = result.summary
+    framing = s.get("framing") or {}
+    return {"dataset": data.name, "config": config, "overrides": list(overrides),
+            **{k: s.get(k) for k in METRICS}, "fit_s": s["fit_seconds"],
+            "predict_ms": s["ms_per_image"], "fit_steps": s.get("fit_timings"),
+            "framing": framing, "peak_rss_mb": mem.peak_rss_mb,
+            "load_start": load_start, "load_end": load()}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    emit(args.out, "eval.jsonl", evaluate_one(args.config, Path(args.data), args.overrides))
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    """Default vs highres on every data set, both methods."""
+    rows = []
+    for name in args.datasets:
+        for (method, framing), config in CONFIGS.items():
+            if args.methods and method not in args.methods:
+                continue
+            row = {"method": method, "framing": framing,
+                   **evaluate_one(config, DATA / name)}
+            emit(args.out, "table.jsonl", row)
+            rows.append(row)
+    print(format_table(rows))
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    """The quality/cost table as Markdown."""
+    head = ("| data set | method | framing | image AUROC | pixel AUROC | AUPRO | pixel F1-max "
+            "| fit s | predict ms/img | load |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        cells = [f"{100 * r[k]:.1f}" if r.get(k) is not None else "–" for k in METRICS]
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['framing']} | "
+                     + " | ".join(cells)
+                     + f" | {r['fit_s']:.0f} | {r['predict_ms']:.0f} | "
+                       f"{r['load_start']}–{r['load_end']} |")
+    return "\n".join(lines)
+
+
+# -- real patch features (cached outside the repository) ------------------------------------
+def collect_patches(config: str, data: Path, cache: Path, n_images: int,
+                    split: str = "train") -> np.ndarray:
+    """``[N, D]`` float32 patch embeddings of ``n_images`` of ``data``'s training images (or
+    test images, ``split="test"``) through ``config``'s tiled detector (its working frame
+    decided from the training images), cached in ``cache``."""
+    from anomaly_hooks.data import resolve_items
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.tiling import detector as tiled
+
+    name = f"{Path(config).stem}_{data.name}_{split}_{n_images}.npy"
+    path = cache / name
+    if path.exists():
+        return np.load(path, mmap_mode="r")
+    det = Detector.from_config(str(ROOT / config))
+    train = resolve_items(data, training=True)
+    tiled.attach(det, tiled.fit_frame(det, train))
+    items = train if split == "train" else resolve_items(data / "test" / "good")
+    items = list(items)[:n_images]
+    scorer = det.new_scorer()
+    parts = []
+    for batch in det.batches(items):
+        emb = det.embed(batch.images, scorer=scorer)
+        parts.append(emb.permute(0, 2, 3, 1).reshape(-1, emb.shape[1]).numpy().copy())
+    out = np.concatenate(parts)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(path, out)
+    return out
+
+
+def per_image(features: np.ndarray, n_images: int) -> int:
+    """Patches per image of ``features`` collected from ``n_images`` images."""
+    return features.shape[0] // n_images
+
+
+# -- coreset: 1 % of 2 M patches ---------------------------------------------------------------
+def greedy_radius(features: torch.Tensor, bank: torch.Tensor) -> float:
+    """The coverage radius (full feature space, exact) of ``bank`` over ``features``."""
+    from anomaly_hooks.scorers.patchcore.coreset import coverage_radius
+
+    return coverage_radius(features, bank)
+
+
+def prereduced_bank(features: torch.Tensor, p: int, ratio: float, oversample: float,
+                    seed: int = 0) -> tuple[torch.Tensor, Dict[str, float]]:
+    """The bank of the per-image pre-reduction + final greedy (as the scorer's fit runs it)
+    over ``features`` (``p`` patches per image, in image order), and its step timings."""
+    from anomaly_hooks.scorers.patchcore.coreset import coreset_size, greedy_coreset
+    from anomaly_hooks.scorers.patchcore.prereduce import PerImageReduction
+
+    n_img = features.shape[0] // p
+    red = PerImageReduction(oversample, ratio, None, n_img, 128, seed)
+    clock = Stopwatch()
+    for lo in range(0, n_img, 8):
+        hi = min(n_img, lo + 8)
+        red.add(features[lo * p:hi * p].view(hi - lo, p, -1), lo)
+    clock.lap("per-image reductions")
+    kept, _ = red.take()
+    k = coreset_size(features.shape[0], ratio, None)
+    idx = greedy_coreset(kept, k, 128, seed)
+    clock.lap("final selection")
+    return kept[idx], {**clock.as_dict(total=True), "kept": int(kept.shape[0]), "k": k}
+
+
+def exact_bank(features: torch.Tensor, ratio: float,
+               seed: int = 0) -> tuple[torch.Tensor, float]:
+    """The exact greedy's bank over all ``features`` and its seconds."""
+    from anomaly_hooks.scorers.patchcore.coreset import coreset_size, greedy_coreset
+
+    start = time.perf_counter()
+    idx = greedy_coreset(features, coreset_size(features.shape[0], ratio, None), 128, seed)
+    return features[idx], time.perf_counter() - start
+
+
+def cmd_coreset(args: argparse.Namespace) -> None:
+    """1 % of ~2 M macaroni patches by the pre-reduction (time), and on subsamples of whole
+    images the coverage radius against the exact greedy (which can run there)."""
+    data = DATA / "visa_macaroni1"
+    feats = collect_patches(CONFIGS[("patchcore", "highres")], data, args.cache, args.images)
+    p = per_image(feats, args.images)
+    full = torch.from_numpy(np.ascontiguousarray(feats))
+    for oversample in args.oversample:
+        ld = load()
+        _, steps = prereduced_bank(full, p, args.ratio, oversample)
+        emit(args.out, "coreset.jsonl", {"what": "pre-reduction, all patches",
+                                         "patches": int(full.shape[0]), "oversample": oversample,
+                                         **steps, "load_start": ld, "load_end": load()})
+    for n_sub in args.subsample:
+        sub = full[:n_sub * p]
+        ld = load()
+        exact, exact_s = exact_bank(sub, args.ratio)
+        r_exact = greedy_radius(sub, exact)
+        for oversample in args.oversample:
+            bank, steps = prereduced_bank(sub, p, args.ratio, oversample)
+            r = greedy_radius(sub, bank)
+            emit(args.out, "coreset.jsonl", {
+                "what": "radius vs exact greedy", "images": n_sub, "patches": int(sub.shape[0]),
+                "oversample": oversample, "radius": r, "radius_exact": r_exact,
+                "radius_ratio": r / r_exact, "exact_s": exact_s, **steps,
+                "speedup": exact_s / steps["total"], "load_start": ld, "load_end": load()})
+
+
+# -- kNN: the index by bank size ----------------------------------------------------------------
+def knn_row(bank: torch.Tensor, queries: torch.Tensor, per_image_q: int, backend: str,
+            exact: tuple, **params: Any) -> Dict[str, Any]:
+    """Build time, search time per query, recall@1 and distance errors of one backend
+    against the exact search ``exact`` = (distances, indices)."""
+    from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
+
+    start = time.perf_counter()
+    index = NearestNeighbors(bank, backend=backend, **params)
+    built = time.perf_counter() - start
+    index.search(queries[:256], 1)  # warm-up
+    start = time.perf_counter()
+    dist, idx = index.search(queries, 1)
+    searched = time.perf_counter() - start
+    d0, i0 = exact
+    rel = ((dist[:, 0] - d0[:, 0]) / d0[:, 0].clamp_min(1e-12)).numpy()
+    # the image score is the max over an image's patches: its relative error per image
+    n_img = queries.shape[0] // per_image_q
+    top = dist[:n_img * per_image_q, 0].view(n_img, -1).amax(dim=1)
+    top0 = d0[:n_img * per_image_q, 0].view(n_img, -1).amax(dim=1)
+    return {"backend": index.backend, **params, "build_s": built,
+            "us_per_query": 1e6 * searched / queries.shape[0],
+            "recall_at_1": float((idx[:, 0] == i0[:, 0]).float().mean()),
+            "dist_err_mean": float(rel.mean()), "dist_err_p999": float(np.quantile(rel, 0.999)),
+            "max_patch_err": float(((top - top0) / top0).max())}
+
+
+def cmd_knn(args: argparse.Namespace) -> None:
+    """Exact and approximate search on banks of real macaroni patches of several sizes,
+    queried with good and defective test images' patches."""
+    data = DATA / "visa_macaroni1"
+    config = CONFIGS[("patchcore", "highres")]
+    train = collect_patches(config, data, args.cache, args.images)
+    test = collect_patches(config, data, args.cache, args.queries, split="test")
+    queries = torch.from_numpy(np.ascontiguousarray(test))
+    per_q = test.shape[0] // args.queries
+    gen = torch.Generator().manual_seed(0)
+    for m in args.sizes:
+        pick = torch.randperm(train.shape[0], generator=gen)[:m].sort().values
+        bank = torch.from_numpy(np.ascontiguousarray(train[pick.numpy()]))
+        from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
+
+        exact = NearestNeighbors(bank, backend="faiss-flat").search(queries, 1)
+        ld = load()
+        variants = [("faiss-flat", {}), ("torch", {}), ("projected", {}), ("auto", {})]
+        variants += [("faiss-ivf", {"nprobe": n}) for n in (4, 8, 16, 32)]
+        variants += [("faiss-hnsw", {"ef_search": e}) for e in (32, 64, 128)]
+        for backend, params in variants:
+            row = knn_row(bank, queries, per_q, backend, exact, **params)
+            emit(args.out, "knn.jsonl", {"bank": m, "dim": int(bank.shape[1]),
+                                         "queries": int(queries.shape[0]), "asked": backend,
+                                         **row, "load_start": ld, "load_end": load()})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    warnings.filterwarnings("ignore", message="backbone.weights is null")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "highres")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/anomaly_hooks_bench_cache"),
+                        help="where collected patch features are kept (outside the repo)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("eval")
+    p.add_argument("config")
+    p.add_argument("data")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("table")
+    p.add_argument("--datasets", nargs="*", default=list(DATASETS))
+    p.add_argument("--methods", nargs="*", default=[])
+    p.set_defaults(func=cmd_table)
+    p = sub.add_parser("coreset")
+    p.add_argument("--images", type=int, default=200)
+    p.add_argument("--ratio", type=float, default=0.01)
+    p.add_argument("--oversample", type=float, nargs="*", default=[4.0, 8.0, 16.0])
+    p.add_argument("--subsample", type=int, nargs="*", default=[20])
+    p.set_defaults(func=cmd_coreset)
+    p = sub.add_parser("knn")
+    p.add_argument("--images", type=int, default=200)
+    p.add_argument("--queries", type=int, default=4)
+    p.add_argument("--sizes", type=int, nargs="*", default=[5000, 20000, 50000, 100000])
+    p.set_defaults(func=cmd_knn)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
