@@ -186,7 +186,8 @@ class Detector:
                                              self.backbone_name, cfg.seed + SEED_SCORER)
 
     def image_scores_from_patches(self, patch: torch.Tensor) -> List[float]:
-        """Image scores of patch-score maps ``[n, gh, gw]``: the heatmap pipeline
+        """Image scores of patch-score maps ``[n, gh, gw]`` (a tiled scorer with statistics
+        per tile position: its units, ``[n * T, th, tw]``, stitched here): the heatmap pipeline
         (:func:`~anomaly_hooks.heatmap.anomaly_maps`), then each map's max (the plain image
         score, which every scorer with out-of-sample scores uses), in batches."""
         out: List[float] = []

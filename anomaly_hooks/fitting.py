@@ -208,21 +208,22 @@ class FitRun:
 
     def run(self) -> None:
         """The single-process fit, start to end (sets the detector's fitted attributes)."""
-        plan = self.plan
         with tiled.frame_for_fit(self.det, self.frame):  # put back if the fit fails
-            self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
-                                           self.det.layer_info,
-                                           self.det.preprocessor.input_size, len(plan.train),
-                                           self.det.device, n_threshold=len(plan.held),
-                                           tiling=self.det.tiling)
-            units = 1 if self.det.tiling is None else self.det.tiling.units_per_image
-            self.scorer.begin(len(plan.train) * units)  # tile windows: samples per image
-            self.clock.lap("begin")
-            with ieee_float32():
-                self.accumulate()
-                self.finalize()
-                good = self.threshold_scores()
-            self.complete(good)
+            self._run()
+
+    def _run(self) -> None:
+        plan = self.plan
+        self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
+                                       self.det.layer_info, self.det.preprocessor.input_size,
+                                       len(plan.train), self.det.device,
+                                       n_threshold=len(plan.held), tiling=self.det.tiling)
+        self.scorer.begin(len(plan.train) * tiled.units_per_image(self.det))
+        self.clock.lap("begin")
+        with ieee_float32():
+            self.accumulate()
+            self.finalize()
+            good = self.threshold_scores()
+        self.complete(good)
 
     # -- accumulate ---------------------------------------------------------------------------
     def accumulate(self) -> None:

@@ -254,3 +254,25 @@ def test_framed_heatmap_comes_back_exactly_in_the_callers_frame(size, crop):
     cut[top:top + bh, left:left + bw] = False
     assert bool((back[cut] == -5.0).all())
     assert int(cut.sum()) == size[0] * size[1] - bh * bw
+
+
+# -- the configs users start from ------------------------------------------------------------------
+def test_published_protocol_configs_keep_resize_256_crop_224():
+    from conftest import ROOT
+
+    for name in ("padim_wrn50.yaml", "patchcore_wrn50_1.yaml", "patchcore_wrn50_10.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert not cfg.tiling.enabled
+        assert list(cfg.preprocess.resize) == [256, 256] and list(cfg.preprocess.crop) == [224, 224]
+
+
+def test_highres_configs_are_general_tiled_and_inspect_the_whole_image():
+    from conftest import ROOT
+
+    names = ["patchcore_effnet_lite0_highres.yaml", "padim_effnet_lite0_highres.yaml",
+             "patchcore_wrn50_highres.yaml", "padim_wrn50_highres.yaml"]
+    for name in names:
+        cfg = load_config(ROOT / "configs" / name)
+        t = cfg.tiling
+        assert t.enabled and t.scale == "auto" and t.crop is None  # from the images, whole
+        assert t.long_side is None and t.short_side is None

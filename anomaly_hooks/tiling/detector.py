@@ -66,6 +66,12 @@ def frame_for_fit(det: "Detector", frame: Optional[Frame]) -> Iterator[None]:
         raise
 
 
+def units_per_image(det: "Detector") -> int:
+    """The scorer's samples per training image: its tile windows for statistics per tile
+    position, else 1 (what ``Scorer.begin`` is told)."""
+    return 1 if det.tiling is None else det.tiling.units_per_image
+
+
 def framing_info(det: "Detector") -> Dict[str, Any]:
     """The model info's ``framing``: the working frame and tiles of a tiled model, or the
     resize and crop; with the fraction of every image's area that is never inspected."""

@@ -227,10 +227,12 @@ def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
     squared distance from below. ``y`` is computed in float64 and rounded once, so the bound
     holds up to ~1e-7 relative."""
     n, p = x.shape
+    vecs = None  # the principal directions, from one Gram matrix (its eigh gives both)
     if dims is None:
         dims = p
         if n >= 4 * p:  # the smallest multiple of 8 keeping all but FLOOR of the variance
-            ev = np.linalg.eigvalsh(_gram(x))[::-1]
+            evals, vecs = np.linalg.eigh(_gram(x))
+            ev = evals[::-1]
             left = 1.0 - np.cumsum(ev) / max(float(ev.sum()), 1e-300)
             dims = min(p, 8 * math.ceil((int(np.argmax(left <= RESIDUAL)) + 1) / 8))
     dims = max(1, min(int(dims), p))
@@ -239,7 +241,8 @@ def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
         a[:, :p] = x
         a[:, p] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     else:
-        _, vecs = np.linalg.eigh(_gram(x))
+        if vecs is None:
+            _, vecs = np.linalg.eigh(_gram(x))
         v = np.ascontiguousarray(vecs[:, ::-1][:, :dims])
         for lo in range(0, n, 65536):
             y = x[lo:lo + 65536].astype(np.float64) @ v

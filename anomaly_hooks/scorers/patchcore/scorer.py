@@ -319,8 +319,9 @@ class PatchCoreScorer(Scorer):
 
     def _index_params(self) -> Dict[str, Any]:
         c = self.cfg
+        per_image = None if self.grid is None else self.grid[0] * self.grid[1]
         return {"nlist": c.nlist, "nprobe": c.nprobe, "hnsw_m": c.hnsw_m, "ef_search": c.ef_search,
-                "seed": self.seed}
+                "seed": self.seed, "queries_per_image": per_image}
 
     # -- scoring --------------------------------------------------------------------------
     def _patches(self, embeddings: torch.Tensor) -> torch.Tensor:
