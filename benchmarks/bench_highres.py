@@ -8,7 +8,10 @@ Run from the repository root (each part prints a table and writes JSON under --o
     python benchmarks/bench_highres.py knn       # index choice by bank size: time and recall@1
     python benchmarks/bench_highres.py memory    # fit memory, 200 -> 900 macaroni-sized images
     python benchmarks/bench_highres.py cost      # predict cost per network pixel, tiled/untiled
+    python benchmarks/bench_highres.py example   # a stitched heatmap with the tile cuts drawn
     python benchmarks/bench_highres.py eval CONFIG DATA [key=value ...]   # one evaluation
+    python benchmarks/bench_highres.py report    # every part's table from the JSON lines
+    python benchmarks/bench_highres.py all       # every part, then the report
 
 Every timing is printed with the load average of the machine (``os.getloadavg``) at its start
 and end: on a shared machine compare ratios measured in one run, not absolute times across runs.
@@ -271,7 +274,8 @@ def cmd_knn(args: argparse.Namespace) -> None:
 
         exact = NearestNeighbors(bank, backend="faiss-flat").search(queries, 1)
         ld = load()
-        variants = [("faiss-flat", {}), ("torch", {}), ("projected", {}), ("auto", {})]
+        variants = [("faiss-flat", {}), ("torch", {}), ("projected", {}),
+                    ("auto", {"queries_per_image": per_q})]
         variants += [("faiss-ivf", {"nprobe": n}) for n in (4, 8, 16, 32)]
         variants += [("faiss-hnsw", {"ef_search": e}) for e in (32, 64, 128)]
         for backend, params in variants:
@@ -373,23 +377,27 @@ def cmd_memory(args: argparse.Namespace) -> None:
             gc.collect()
 
 
-# -- predict cost per network pixel: tiled vs the whole frame at once --------------------------------
+# -- predict cost per network pixel: tiled vs the untiled pipeline ------------------------------
 def cmd_cost(args: argparse.Namespace) -> None:
     """``Detector.infer`` seconds per backbone input pixel of the tiled pipeline against the
-    untiled pipeline on the same frame (one tile covering it), same method and bank rule: the
-    stitching's own cost, beyond the backbone's extra (overlap) pixels."""
+    untiled one (``tiling.enabled=false``, ``preprocess.resize`` = the same frame, no crop):
+    the tiles' own cost (cutting, stitching, more forward calls) beyond their extra pixels."""
     from anomaly_hooks.data import resolve_items
     from anomaly_hooks.detector import Detector
 
     train = resolve_items(DATA / "visa_macaroni1", training=True)[:args.fit_images]
     test = resolve_items(DATA / "visa_macaroni1" / "test" / "good")[:args.batch]
+    config = str(ROOT / CONFIGS[("patchcore", "highres")])
     base = ["threshold.mode=holdout", "threshold.holdout_fraction=0.2",
             f"tiling.max_pixels={args.max_pixels}"]
-    variants = {"untiled (one tile = the frame)": ["tiling.tile=4096", "tiling.overlap=0"],
-                **{f"tiles of {t}": [f"tiling.tile={t}"] for t in args.tiles}}
-    for name, extra in variants.items():
-        det = Detector.from_config(str(ROOT / CONFIGS[("patchcore", args.method_config)]),
-                                   overrides=[*base, *extra])
+    variants = {f"tiles of at most {t}": [f"tiling.tile={t}"] for t in args.tiles}
+    rows = []
+    frame = None
+    for name, extra in [*variants.items(), ("untiled", None)]:
+        if extra is None:  # the same frame through the untiled pipeline
+            extra = ["tiling.enabled=false", f"preprocess.resize=[{frame[0]},{frame[1]}]",
+                     "preprocess.crop=null"]
+        det = Detector.from_config(config, overrides=[*base, *extra])
         det.fit(train, progress=False)
         images, _ = det.prepare(test)
         det.infer(images)  # warm-up
@@ -400,18 +408,152 @@ def cmd_cost(args: argparse.Namespace) -> None:
             total = sum(clock.seconds.values())
             if not best or total < best["total"]:
                 best = {**clock.seconds, "total": total}
-        grid = det.tiling.grid
-        px = images.shape[0] * grid.n_tiles * grid.tile[0] * grid.tile[1]
-        emit(args.out, "cost.jsonl", {
-            "variant": name, "frame": list(grid.frame), "tile": list(grid.tile),
-            "tiles": grid.n_tiles, "overlap_factor": grid.overlap_factor,
-            "seconds": best, "ns_per_backbone_px": 1e9 * best["total"] / px,
-            "ms_per_image": 1e3 * best["total"] / images.shape[0],
-            "load": load()})
+        frame = det.preprocessor.input_size
+        grid = det.tiling.grid if det.tiling is not None else None
+        px = images.shape[0] * (grid.n_tiles * grid.tile[0] * grid.tile[1] if grid
+                                else frame[0] * frame[1])
+        row = {"variant": name, "frame": list(frame),
+               "tile": list(grid.tile) if grid else None, "tiles": grid.n_tiles if grid else 1,
+               "overlap_factor": grid.overlap_factor if grid else 1.0, "seconds": best,
+               "ns_per_backbone_px": 1e9 * best["total"] / px,
+               "ms_per_image": 1e3 * best["total"] / images.shape[0], "env": environment()}
+        rows.append(row)
+        emit(args.out, "cost.jsonl", row)
+    untiled = rows[-1]["ns_per_backbone_px"]
+    for row in rows[:-1]:
+        emit(args.out, "cost.jsonl", {"variant": row["variant"], "cost_per_px_vs_untiled":
+                                      row["ns_per_backbone_px"] / untiled})
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    warnings.filterwarnings("ignore", message="backbone.weights is null")
+# -- pictures: the sweep's curve and a stitched heatmap -----------------------------------------
+def plot_sweep(rows: List[Dict[str, Any]], path: Path) -> None:
+    """Image AUROC and AUPRO against predict time, one line per tile size, points by scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=100)
+    for tile in sorted({r["tile"] for r in rows}):
+        pts = sorted((r["predict_ms"], r["image_auroc"], r["aupro"], r["scale"])
+                     for r in rows if r["tile"] == tile)
+        for ax, k in zip(axes, (1, 2)):
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], "o-", label=f"tiles <= {tile}")
+            for p in pts:
+                ax.annotate(f"{p[3]}", (p[0], p[k]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+    for ax, name in zip(axes, ("image AUROC", "AUPRO (FPR <= 0.3)")):
+        ax.set(xlabel="predict ms / image (2 CPU cores)", ylabel=name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("visa_macaroni1, PatchCore EfficientNet-Lite0: working scale x tile size",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cmd_example(args: argparse.Namespace) -> None:
+    """A defective macaroni's stitched heatmap in its own 1500 x 1000 frame, the tile cuts
+    drawn (the frame's cut lines mapped back to the image): ``heatmap_example.png``."""
+    from PIL import Image, ImageDraw
+
+    from anomaly_hooks.data import resolve_items
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.images import read_image
+    from anomaly_hooks.visualize import colorize, overlay, to_uint8_rgb
+
+    data = DATA / "visa_macaroni1"
+    det = Detector.from_config(str(ROOT / CONFIGS[("patchcore", "highres")]),
+                               overrides=["threshold.mode=holdout"])
+    det.fit(data, progress=False)
+    item = resolve_items(data / "test" / args.defect)[args.index]
+    pred = det.predict(item)
+    image = to_uint8_rgb(read_image(item).numpy())
+    heat = colorize(pred.heatmap, 0.0, max(2 * pred.threshold, float(pred.heatmap.max())))
+    picture = Image.fromarray(overlay(image, heat, mask=pred.mask))
+    draw = ImageDraw.Draw(picture)
+    grid, frame = det.tiling.grid, det.tiling.frame
+    h, w = frame.placement(image.shape[:2])
+    sy, sx = image.shape[0] / h, image.shape[1] / w
+    for y in grid.cuts_y[1:-1]:
+        draw.line([(0, y * sy), (image.shape[1], y * sy)], fill=(255, 255, 255), width=2)
+    for x in grid.cuts_x[1:-1]:
+        draw.line([(x * sx, 0), (x * sx, image.shape[0])], fill=(255, 255, 255), width=2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    picture.save(args.out / "heatmap_example.png")
+    print(json.dumps({"image": str(item), "score": pred.score, "threshold": pred.threshold,
+                      "picture": str(args.out / "heatmap_example.png")}))
+
+
+# -- the report: every part's table from what the runs wrote --------------------------------
+def read_rows(out: Path, name: str) -> List[Dict[str, Any]]:
+    """The JSON lines of ``out / name`` (none if the part was not run)."""
+    path = out / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_coreset(rows: List[Dict[str, Any]]) -> str:
+    """The coreset figures as Markdown."""
+    lines = ["| images | patches | bank | oversample | kept | pre-reduction s | exact greedy s "
+             "| radius / exact's | load |", "|" + "---|" * 9]
+    for r in rows:
+        if r["what"] != "radius vs exact greedy":
+            continue
+        lines.append(f"| {r['images'] or 'all'} | {r['patches']:,} | {r['k']:,} | "
+                     f"{r['oversample']:g} | {r['kept']:,} | {r['total']:.1f} | "
+                     f"{r['exact_s']:.1f} | {r['radius_ratio']:.3f} | "
+                     f"{r['load_start']}–{r['load_end']} |")
+    return "\n".join(lines)
+
+
+def format_knn(rows: List[Dict[str, Any]]) -> str:
+    """The index measurements as Markdown."""
+    lines = ["| bank | backend | setting | us / query | recall@1 | distance error p99.9 | "
+             "largest image max error | load |", "|" + "---|" * 8]
+    for r in rows:
+        setting = r.get("nprobe", r.get("ef_search", ""))
+        lines.append(f"| {r['bank']:,} | {r['backend']} | {setting} | {r['us_per_query']:.1f} | "
+                     f"{r['recall_at_1']:.4f} | {100 * r['dist_err_p999']:.1f} % | "
+                     f"{100 * r['max_patch_err']:.1f} % | {r['load_start']} |")
+    return "\n".join(lines)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    """Print every part's table from the JSON lines in ``--out``."""
+    parts = [("Default vs highres", "table.jsonl", format_table),
+             ("Scale x tile size, visa_macaroni1", "sweep.jsonl", format_sweep),
+             ("Coreset", "coreset.jsonl", format_coreset),
+             ("kNN index", "knn.jsonl", format_knn)]
+    for title, name, fmt in parts:
+        rows = read_rows(args.out, name)
+        if rows:
+            print(f"\n## {title}\n\n{fmt(rows)}")
+    sweep = read_rows(args.out, "sweep.jsonl")
+    if sweep:
+        plot_sweep(sweep, args.out / "sweep.png")
+        print(f"\n(picture: {args.out / 'sweep.png'})")
+    for name in ("memory.jsonl", "cost.jsonl"):
+        rows = read_rows(args.out, name)
+        if rows:
+            print(f"\n## {name.split('.')[0]}\n")
+            for r in rows:
+                print(json.dumps(r, default=float))
+
+
+def cmd_all(args: argparse.Namespace) -> None:
+    """Every part with its defaults, then the report (hours on a 2-core machine)."""
+    parser = build_parser()
+    for part in ("table", "coreset", "knn", "sweep", "memory", "cost", "example"):
+        part_args = parser.parse_args(["--out", str(args.out), "--cache", str(args.cache), part])
+        part_args.func(part_args)
+    cmd_report(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-command per part."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "highres")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/anomaly_hooks_bench_cache"),
@@ -454,8 +596,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tiles", type=int, nargs="*", default=[512, 256])
     p.add_argument("--method-config", default="highres")
     p.set_defaults(func=cmd_cost)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    p = sub.add_parser("example")
+    p.add_argument("--defect", default="small_cracks")
+    p.add_argument("--index", type=int, default=0)
+    p.set_defaults(func=cmd_example)
+    p = sub.add_parser("report")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("all")
+    p.set_defaults(func=cmd_all)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    warnings.filterwarnings("ignore", message="backbone.weights is null")
+    args = build_parser().parse_args(argv)
+    print(json.dumps({"environment": environment()}), flush=True)
     args.func(args)
     return 0
 

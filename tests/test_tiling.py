@@ -84,18 +84,18 @@ class _LocalNet(nn.Module):
         return self.block2(self.block1(self.stem(x)))
 
 
-def test_stitched_features_equal_a_whole_frame_pass_beyond_the_receptive_field():
+def test_stitched_features_equal_a_whole_frame_pass_beyond_the_receptive_field(device):
     """With a margin (overlap / 2 = 32 px) beyond the receptive field (21 px), every kept
     feature saw exactly what a pass over the whole frame sees: the stitched maps equal the
     whole-frame maps, up to float32 summation order."""
     net = _LocalNet().eval()
-    ext = HookFeatureExtractor(net, ["block1", "block2"], "cpu", probe_size=(64, 64))
+    ext = HookFeatureExtractor(net, ["block1", "block2"], device, probe_size=(64, 64))
     frame = Frame((192, 288), (192, 288))
     section = load_config({"tiling": {"enabled": True, "tile": 96, "overlap": 64,
                                       "tile_batch": 5}}).tiling
     tiling = Tiling(section, frame, ext.info)
     assert tiling.grid.n_tiles > 4 and tiling.grid.min_margin() >= 32
-    frames = torch.randn(2, 3, 192, 288, generator=torch.Generator().manual_seed(1))
+    frames = torch.randn(2, 3, 192, 288, generator=torch.Generator().manual_seed(1)).to(device)
     stitched = tiling.features(ext, frames)
     whole = ext(frames)
     for name in ("block1", "block2"):
