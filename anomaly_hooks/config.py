@@ -32,6 +32,8 @@ from anomaly_hooks.images import DEFAULT_MAX_PIXELS
 from anomaly_hooks.modelmeta import MAX_DEPTH, MAX_PIXELS
 from anomaly_hooks.monitor.config import MonitorConfig, validate_monitor_config
 from anomaly_hooks.operating import OBJECTIVES
+from anomaly_hooks.tiling.config import TilingConfig
+from anomaly_hooks.tiling.config import validate as validate_tiling
 
 Precision = choices("Precision", ["float32", "bfloat16", "float16"])
 OnError = choices("OnError", ["raise", "skip"])
@@ -53,7 +55,9 @@ class BackboneConfig:
 
 @dataclass
 class PreprocessConfig:
-    """Resize (H, W) then centre crop (H, W); normalise with mean/std."""
+    """Resize (H, W) then centre crop (H, W); normalise with mean/std. With ``tiling.enabled``
+    the working frame replaces the resize and crop (the image's own aspect, the whole image
+    unless ``tiling.crop``); mean and std still apply."""
 
     resize: List[int] = field(default_factory=lambda: [256, 256])
     crop: Optional[List[int]] = field(default_factory=lambda: [224, 224])
@@ -120,6 +124,7 @@ class CoreConfig:
     output: str = "models/model.safetensors"
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)  # high-resolution inspection
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
     data: DataConfig = field(default_factory=DataConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -181,6 +186,9 @@ def _normalise_raw(raw: Any) -> Any:
             if key in pre:
                 pre[key] = _as_pair(pre[key])
         raw = {**raw, "preprocess": pre}
+    if isinstance(raw, Mapping) and isinstance(raw.get("tiling"), Mapping) \
+            and "tile" in raw["tiling"]:
+        raw = {**raw, "tiling": {**raw["tiling"], "tile": _as_pair(raw["tiling"]["tile"])}}
     return raw
 
 
@@ -470,8 +478,13 @@ def validate_config(cfg: DictConfig) -> None:
     check(0.0 < res.memory_fraction <= 1.0, "resources.memory_fraction", "0 < f <= 1",
           res.memory_fraction)
     validate_monitor_config(cfg.monitor)
+    validate_tiling(cfg.tiling)
     for name, scorer in registered().items():
         scorer.validate_config(cfg[name])
+    method = registered()[str(cfg.method)]
+    check(cfg.tiling.enabled or not method.shares_tile_positions(cfg[cfg.method]),
+          f"{cfg.method}.positions", "frame unless tiling.enabled=true (statistics shared by "
+          "tile position need tiles)", "tile")
 
 
 def to_container(cfg: DictConfig) -> dict:

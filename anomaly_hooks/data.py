@@ -83,7 +83,7 @@ def load_preprocessed(item: Any, pre: Preprocessor, max_pixels: int
     ``images.decode_reduced``) and preprocessed: ``[3, h, w]`` and the image's own (H, W).
     Only the preprocessed tensor outlives the call, whatever the image's size."""
     image, size = read_image_reduced(item, pre.min_source_size, max_pixels)
-    return pre(image), size
+    return pre(image, size), size  # placed by its original size (a working frame needs it)
 
 
 @dataclass

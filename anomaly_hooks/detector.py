@@ -36,6 +36,8 @@ from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import Threshold
+from anomaly_hooks.tiling import detector as tiled
+from anomaly_hooks.tiling.pipeline import Tiling, probe_size
 from anomaly_hooks.timing import Stopwatch
 
 log = logging.getLogger(__name__)
@@ -90,10 +92,15 @@ class Detector:
         # a module the caller gave is copied (theirs is left as it was, see the README);
         # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
-                                              probe_size=self.preprocessor.input_size,
+                                              probe_size=probe_size(
+                                                  cfg, self.preprocessor.input_size),
                                               precision=cfg.backbone.precision,
                                               channels_last=cfg.backbone.channels_last,
                                               copy_module=backbone is not None)
+        # high-resolution mode (tiling.enabled): the working frame's preprocessing and the
+        # tiles around the backbone (anomaly_hooks.tiling); None: the resize-crop framing
+        self.tiling: Optional[Tiling] = None
+        tiled.attach(self)
         # drift monitor fed by every predict (see drift_monitor()); None = not monitored
         self.monitor: Optional[DriftMonitor] = None
 
@@ -193,14 +200,22 @@ class Detector:
                                              self.backbone_name, cfg.seed + SEED_SCORER)
 
     def image_scores_from_patches(self, patch: torch.Tensor) -> List[float]:
-        """Image scores of patch-score maps ``[n, gh, gw]``: the heatmap pipeline
+        """Image scores of patch-score maps ``[n, gh, gw]`` (a tiled scorer with statistics
+        per tile position: its units, ``[n * T, th, tw]``, stitched here): the heatmap pipeline
         (:func:`~anomaly_hooks.heatmap.anomaly_maps`), then each map's max (the plain image
         score, which every scorer with out-of-sample scores uses), in batches."""
         out: List[float] = []
         step = self.cfg.data.batch_size
+        if self.tiling is not None:  # whole images' worth of the scorer's units
+            step *= self.tiling.units_per_image
         with torch.inference_mode():
             for lo in range(0, patch.shape[0], step):
-                maps = anomaly_maps(patch[lo:lo + step], self.preprocessor.input_size)
+                part = patch[lo:lo + step]
+                if self.tiling is not None:  # per tile window -> per image; content only
+                    part = self.tiling.frame_scores(part)
+                maps = anomaly_maps(part, self.preprocessor.input_size)
+                if self.tiling is not None:
+                    maps = self.tiling.content_maps(maps)
                 out.extend(maps.flatten(1).amax(dim=1).float().cpu().tolist())
         return out
 
@@ -246,12 +261,15 @@ class Detector:
         with torch.inference_mode():
             if timings is not None:
                 timings.mark()
-            features = self.extractor(images)
+            features = (self.extractor(images) if self.tiling is None
+                        else self.tiling.features(self.extractor, images))
             if observe is not None:
                 observe(features, images)
             if timings is not None:
                 timings.lap("backbone")
             emb = scorer.embedder(features)
+            if self.tiling is not None:  # tile windows for a scorer with tile positions
+                emb = self.tiling.units(emb)
             if timings is not None:
                 timings.lap("embedding")
             return emb
@@ -280,10 +298,14 @@ class Detector:
         with torch.inference_mode(), ieee_float32():
             emb = self.embed(images, scorer=scorer, observe=observe, timings=timings)
             patch = scorer.score(emb)
+            if self.tiling is not None:
+                patch = self.tiling.frame_scores(patch)
             if timings is not None:
                 timings.lap("scorer")
             maps = anomaly_maps(patch, self.preprocessor.input_size)
-            scores = scorer.image_scores(emb, patch, maps).float().cpu()
+            # a tiled frame's rounding-up padding is no image: not part of the image score
+            scored = maps if self.tiling is None else self.tiling.content_maps(maps)
+            scores = scorer.image_scores(emb, patch, scored).float().cpu()
             if timings is not None:
                 timings.lap("heatmap")
         if pending is not None:
@@ -460,13 +482,18 @@ class Detector:
         det.threshold_ = Threshold.from_dict(meta["threshold"])
         det.fit_info_ = dict(meta.get("fit", {}))
         det.drift_reference_ = drift.reference_from_saved(tensors, meta)
+        tiled.restore(det, meta["preprocess"])  # a tiled model's working frame
         return det
 
     def export_onnx(self, path: Union[str, Path], **kwargs: Any) -> Path:
         """Write the predict path as one ONNX graph for the torch-free runtime (needs the
         ``[export]`` extra); see :func:`anomaly_hooks.export.onnx.export_onnx` for ``kwargs``."""
+        from anomaly_hooks.errors import ExportError
         from anomaly_hooks.export.onnx import export_onnx
 
+        if self.tiling is not None:
+            raise ExportError("the ONNX export of a tiled (high-resolution) model is not "
+                              "available yet: predict with the PyTorch Detector")
         return export_onnx(self, path, **kwargs)
 
     def close(self) -> None:

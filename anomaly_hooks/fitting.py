@@ -43,6 +43,7 @@ from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import calibrate_threshold
 from anomaly_hooks.threshold import out_of_sample as threshold_out_of_sample
+from anomaly_hooks.tiling import detector as tiled
 from anomaly_hooks.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -150,6 +151,14 @@ def new_collector(det: "Detector") -> Optional[StatisticsCollector]:
     return drift.fit_collector(det.cfg.monitor, pre.mean, pre.std, det.cfg.seed + SEED_DRIFT)
 
 
+def descriptors_of(det: "Detector", emb: torch.Tensor) -> np.ndarray:
+    """One grouping descriptor per image ``[B, F]`` of a batch's embeddings: a tiled scorer's
+    units (``T`` tile windows per image, image by image) are joined per image."""
+    desc = image_descriptors(emb)
+    per = tiled.units_per_image(det)
+    return desc.reshape(desc.shape[0] // per, -1) if per > 1 else desc
+
+
 # -- the steps that also run on shards -------------------------------------------------------
 def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
               on_batch: Optional[Callable[[int], None]] = None,
@@ -172,7 +181,7 @@ def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
             if batch.indices:
                 emb = det.embed(batch.images, scorer=scorer, observe=collector)
                 if descriptors:
-                    desc.append(image_descriptors(emb))
+                    desc.append(descriptors_of(det, emb))
                 scorer.partial_fit(emb)
                 used.extend(batch.indices)
             if on_batch is not None:
@@ -261,6 +270,8 @@ class FitRun:
         self.clock = Stopwatch(det.device)
         self.det, self.cfg, self.progress = det, det.cfg, progress
         self.plan = FitPlan.of(det.cfg, source)
+        # a tiled model's working frame, from these training images' size (None: untiled)
+        self.frame = tiled.fit_frame(det, self.plan.train)
         self.scorer = det.new_scorer()
         if self.plan.out_of_sample:
             self.scorer.request_out_of_sample()
@@ -278,12 +289,16 @@ class FitRun:
 
     def run(self) -> None:
         """The single-process fit, start to end (sets the detector's fitted attributes)."""
+        with tiled.frame_for_fit(self.det, self.frame):  # put back if the fit fails
+            self._run()
+
+    def _run(self) -> None:
         plan = self.plan
         self.memory = check_fit_memory(get_scorer(self.cfg.method), self.cfg,
                                        self.det.layer_info, self.det.preprocessor.input_size,
                                        len(plan.train), self.det.device,
-                                       n_threshold=len(plan.held))
-        self.scorer.begin(len(plan.train))
+                                       n_threshold=len(plan.held), tiling=self.det.tiling)
+        self.scorer.begin(len(plan.train) * tiled.units_per_image(self.det))
         self.clock.lap("begin")
         with ieee_float32():
             self.accumulate()
@@ -316,7 +331,7 @@ class FitRun:
                 emb = det.embed(batch.images[:k], scorer=self.scorer, observe=self.collector)
                 parts.lap("features")
                 if self.plan.out_of_sample:
-                    self.descriptors.append(image_descriptors(emb))
+                    self.descriptors.append(descriptors_of(det, emb))
                 self.used.extend(batch.indices[:k])
                 self.scorer.partial_fit(emb)
                 del emb
@@ -380,8 +395,9 @@ class FitRun:
         n_folds = thr.folds or self.scorer.out_of_sample_folds
         folds = None if n_folds is None else blocked_folds(grouping.groups, n_folds)
         partition = grouping.groups if folds is None else folds
-        if int(np.bincount(partition).max()) > 1:  # anything but plain leave-one-out
-            self.scorer.set_out_of_sample_groups(partition)
+        per = tiled.units_per_image(self.det)  # a tiled scorer's samples: an image's units
+        if per > 1 or int(np.bincount(partition).max()) > 1:  # not plain leave-one-out
+            self.scorer.set_out_of_sample_groups(np.repeat(partition, per))
         self.cross_fit = describe_cross_fit(grouping, folds, names)
         if grouping.grouped_images:
             log.info("out-of-sample scores: %d of %d images share a group with another (%d "
@@ -472,7 +488,7 @@ class FitRun:
         det.fit_info_ = {"n_train": self.n_used, "n_threshold": len(good),
                          "skipped": self.errors["training"] + self.errors["threshold"],
                          "threshold_source": self.plan.folder or self.plan.source,
-                         **self.info}
+                         "framing": tiled.framing_info(det), **self.info}
         # Timings are not saved: model files are byte-identical across fits.
         det.fit_timings_ = self.clock.as_dict(total=True)
 

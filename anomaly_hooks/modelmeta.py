@@ -303,9 +303,10 @@ def check_preprocess(data: Any, field: str = "preprocess") -> Dict[str, Any]:
     three numbers > 0, large enough that every normalised pixel ``(x - mean) / std``, ``x`` in
     [0, 1], is a finite float32 (the network's input type). The normalisation divides by
     ``std``: a zero or NaN one makes every score NaN, and a NaN score is below any threshold.
-    Returns ``{"resize": (h, w), "crop": (h, w) | None, "mean": (3 floats), "std": (3 floats)}``.
+    Returns ``{"resize": (h, w), "crop": (h, w) | None, "mean": (3 floats), "std": (3 floats)}``
+    plus, for a tiled (high-resolution) model, ``frame`` (:func:`check_frame`).
     """
-    check_keys(data, field, PREPROCESS_KEYS, PREPROCESS_KEYS)
+    check_keys(data, field, (*PREPROCESS_KEYS, "frame"), PREPROCESS_KEYS)
     resize = size_pair(data["resize"], f"{field}.resize")
     crop = None
     if data["crop"] is not None:
@@ -323,7 +324,28 @@ def check_preprocess(data: Any, field: str = "preprocess") -> Dict[str, Any]:
             raise refuse(f"{field}.std", data["std"], f"numbers large enough that the "
                          f"normalised pixels, (x - mean) / std for x in [0, 1], are finite "
                          f"float32 (mean {list(mean)})")
-    return {"resize": resize, "crop": crop, "mean": mean, "std": std}
+    out = {"resize": resize, "crop": crop, "mean": mean, "std": std}
+    if data.get("frame") is not None:
+        out["frame"] = check_frame(data["frame"], f"{field}.frame")
+    return out
+
+
+def check_frame(data: Any, field: str = "preprocess.frame") -> Dict[str, Any]:
+    """A tiled model's working frame (``framing.Frame.as_dict``): ``content`` and ``size``
+    ``[h, w]`` in ``1..MAX_SIDE`` with the content inside the size; ``crop`` null or two
+    fractions in (0, 1]."""
+    check_keys(data, field, ("content", "size", "crop"), ("content", "size"))
+    content = size_pair(data["content"], f"{field}.content")
+    size = size_pair(data["size"], f"{field}.size")
+    if content[0] > size[0] or content[1] > size[1]:
+        raise refuse(f"{field}.content", data["content"], f"at most the size {list(size)}")
+    crop = data.get("crop")
+    if crop is not None:
+        if not isinstance(crop, list) or len(crop) != 2:
+            raise refuse(f"{field}.crop", crop, "null or two fractions in (0, 1]")
+        crop = [real(v, f"{field}.crop[{i}]", "a fraction in (0, 1]", lambda v: 0 < v <= 1)
+                for i, v in enumerate(crop)]
+    return {"content": list(content), "size": list(size), "crop": crop}
 
 
 def _three(value: Any, field: str, expected: str,
@@ -356,6 +378,13 @@ def check_max_pixels(value: Any, field: str = "max_pixels") -> int:
     return integer(value, field, 1, MAX_PIXELS)
 
 
+def _shared_keys(pre: Mapping[str, Any]) -> Tuple[str, ...]:
+    """What the stored preprocessing ``pre`` and the config's must share: the normalisation,
+    and the resize and crop unless the model is tiled (its working frame, decided at fit from
+    the training images, replaces the config's resize and crop)."""
+    return ("mean", "std") if "frame" in pre else ("resize", "crop", "mean", "std")
+
+
 def check_model_meta(meta: Mapping[str, Any]) -> None:
     """The shared fields of a ``.safetensors`` model's metadata, where present (a loader that
     needs a missing one refuses the file itself): the threshold, the preprocessing (also the
@@ -371,7 +400,7 @@ def check_model_meta(meta: Mapping[str, Any]) -> None:
         return
     if isinstance(config.get("preprocess"), dict):
         cfg_pre = check_preprocess(config["preprocess"], "config.preprocess")
-        if pre is not None and pre != cfg_pre:
+        if pre is not None and any(pre[k] != cfg_pre[k] for k in _shared_keys(pre)):
             raise MetadataError("preprocess", f"preprocess = {_shown(meta['preprocess'])}: "
                                 "disagrees with config.preprocess "
                                 f"{_shown(config['preprocess'])}")

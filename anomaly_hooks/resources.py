@@ -10,12 +10,15 @@ but unused (it reuses those blocks), so repeated fits in one process see the sam
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from anomaly_hooks.errors import ResourceError
 from anomaly_hooks.extractor import LayerInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from anomaly_hooks.tiling.pipeline import Tiling
 
 GB = 1024 ** 3
 
@@ -54,11 +57,26 @@ def batch_bytes(layers: Sequence[LayerInfo], input_size: Sequence[int], batch_si
 
 def estimate_fit_memory(scorer: type, cfg: Any, layers: Sequence[LayerInfo],
                         input_size: Tuple[int, int], n_train: int,
-                        n_threshold: int = 0) -> Dict[str, int]:
+                        n_threshold: int = 0, tiling: Optional["Tiling"] = None
+                        ) -> Dict[str, int]:
     """Peak bytes of a fit by ``scorer`` (the method's class) by part, ``total``, and
     ``model`` (what the fitted model holds). ``n_threshold``: threshold images, kept
-    preprocessed until the model is fitted."""
-    est = scorer.estimate_memory(cfg, layers, input_size, n_train)
+    preprocessed until the model is fitted. ``tiling``: a tiled model's tiles are counted:
+    the layer outputs of one backbone pass over ``tiling.tile_batch`` tiles and a batch's
+    stitched maps, and a scorer with statistics per tile position sees ``n_train`` times the
+    tiles per image samples of a tile's grid."""
+    if tiling is None:
+        est = scorer.estimate_memory(cfg, layers, input_size, n_train)
+    else:
+        units = tiling.units_per_image
+        unit_size = tiling.grid.tile if tiling.tile_units else input_size
+        est = scorer.estimate_memory(cfg, layers, unit_size, n_train * units)
+        extra = {"tiles (one backbone pass)": batch_bytes(layers, tiling.grid.tile,
+                                                          tiling.tile_batch, 0),
+                 "stitched layer maps (one batch)": batch_bytes(layers, input_size,
+                                                                cfg.data.batch_size, 0)}
+        est.update(extra)
+        est["total"] += sum(extra.values())
     held = n_threshold * 3 * int(input_size[0]) * int(input_size[1]) * 4
     if held:
         est["threshold images (preprocessed)"] = held
@@ -76,13 +94,14 @@ def memory_limit(cfg: Any, device: torch.device) -> int:
 
 def check_fit_memory(scorer: type, cfg: Any, layers: Sequence[LayerInfo],
                      input_size: Tuple[int, int], n_train: int, device: torch.device,
-                     n_threshold: int = 0) -> Dict[str, int]:
+                     n_threshold: int = 0, tiling: Optional["Tiling"] = None
+                     ) -> Dict[str, int]:
     """Raise :class:`ResourceError` when the estimate exceeds the limit; else the estimate.
 
     On CUDA the host-resident parts (``HOST_PARTS``) are checked against the host RAM budget
     (``memory_fraction`` of the available RAM) and the rest against the GPU's limit; on the
     CPU everything against one limit."""
-    est = estimate_fit_memory(scorer, cfg, layers, input_size, n_train, n_threshold)
+    est = estimate_fit_memory(scorer, cfg, layers, input_size, n_train, n_threshold, tiling)
     parts = {k: v for k, v in est.items() if k not in ("total", "model")}
     if device.type == "cuda":
         host = {k: v for k, v in parts.items() if k in HOST_PARTS}

@@ -83,6 +83,24 @@ def plot_operating_curve(ax: Any, op: Dict[str, Any]) -> None:
     ax.legend(loc="lower right", fontsize=6)
 
 
+def describe_framing(framing: Optional[Dict[str, Any]]) -> str:
+    """One line on what the model looked at: the working frame and tiles of a tiled model, or
+    the resize and crop; and the part of every image never inspected."""
+    if not framing:
+        return ""
+    cut = f"{100 * framing.get('uninspected_fraction', 0.0):.1f} % of every image not inspected"
+    if framing.get("mode") == "tiled":
+        tiles = framing["tiles"]
+        return (f"Framing: tiled, content {framing['content'][0]} x {framing['content'][1]} in a "
+                f"{framing['size'][0]} x {framing['size'][1]} frame, "
+                f"{tiles['tiles'][0]} x {tiles['tiles'][1]} tiles of {tiles['tile'][0]} x "
+                f"{tiles['tile'][1]} (each feature with >= {tiles['min_margin']} px of context); "
+                + cut)
+    crop = framing.get("crop")
+    return (f"Framing: resize {framing['resize'][0]} x {framing['resize'][1]}"
+            + (f", centre crop {crop[0]} x {crop[1]}" if crop else "") + f"; {cut}")
+
+
 class ReportWriter:
     """Collects pictures while the test set is scored, then writes ``index.html``."""
 
@@ -159,7 +177,8 @@ class ReportWriter:
             f"<tr><th>{esc(k)}</th><td>{v:.4f}</td></tr>" if isinstance(v, float)
             else f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>"
             for k, v in summary.items()
-            if k not in ("config", "threshold_scores", "threshold_provenance"))
+            if k not in ("config", "threshold_scores", "threshold_provenance",
+                         "fit_timings", "framing"))
         imgs = "".join(f'<img src="{c}" alt="{c}">' for c in curves)
         body = []
         for row in sorted(self.rows, key=lambda r: -r["score"]):
@@ -180,6 +199,7 @@ class ReportWriter:
 img{{max-width:256px}} table.m td{{font-family:monospace}}</style></head>
 <body><h1>{esc(str(summary.get('dataset')))}: {esc(str(summary.get('method')))}</h1>
 <table class="m">{metrics}</table>
+<p>{esc(describe_framing(summary.get("framing")))}</p>
 <p>{imgs}</p>
 <h2>Test images (highest score first)</h2>
 <table><tr><th>image</th><th>input</th><th>ground truth</th><th>heatmap overlay</th>

@@ -221,7 +221,10 @@ def _summary(det: Any, cfg: Any, dataset: AnomalyDataset, records: List[Dict[str
         "threshold_scores": thr.scores,  # the good scores the threshold came from
         "threshold_provenance": thr.provenance,
         "fit_seconds": fit_seconds,
+        "fit_timings": det.fit_timings_,
         "ms_per_image": 1000.0 * predict_seconds / max(len(records), 1),
+        # the working frame and tiles, and the part of every image never inspected
+        "framing": det.fit_info_.get("framing"),
         "config": to_container(cfg),
     }
 

@@ -48,6 +48,13 @@ class Scorer(ABC):
         """The layers to tap on ``backbone_name`` when the config gives none."""
         return list(cls.default_layers.get(backbone_name, cls.default_layers["*"]))
 
+    @classmethod
+    def shares_tile_positions(cls, section: Any) -> bool:
+        """True when the method's section asks for statistics per *tile* position (a tiled
+        model then gives the scorer its grid re-cut into tile windows, ``[B * T, D, th, tw]``,
+        and stitches its patch scores back); False: one grid per image (the default)."""
+        return False
+
     @staticmethod  # noqa: B027 (optional: no checks by default)
     def validate_config(section: Any) -> None:
         """Range and cross-field checks of the method's config section (raise ConfigError);

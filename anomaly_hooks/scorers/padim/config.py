@@ -8,6 +8,7 @@ from anomaly_hooks.choices import check, choices
 
 FactorDtype = choices("FactorDtype", ["float32", "float16"])
 Covariance = choices("Covariance", ["auto", "dense", "lowrank"])
+Positions = choices("Positions", ["frame", "tile"])
 
 
 @dataclass
@@ -18,6 +19,9 @@ class PadimConfig:
     epsilon: float = 0.01  # added to the covariance diagonal
     factor_dtype: FactorDtype = FactorDtype["float32"]  # float16: dense factors, half the memory
     covariance: Covariance = Covariance["auto"]  # auto: lowrank for <= 0.4 D training images
+    # a tiled model's Gaussians: one per position of the stitched grid (aligned parts), or
+    # shared by tile position, every tile of every image a sample (textures; needs tiling)
+    positions: Positions = Positions["frame"]
 
 
 def validate(pad: Any) -> None:

@@ -67,6 +67,11 @@ class PadimScorer(Scorer):
     min_train_images = 2
     min_out_of_sample_images = 3  # a leave-one-out covariance needs two images
 
+    @classmethod
+    def shares_tile_positions(cls, section: Any) -> bool:
+        """``padim.positions: tile``: Gaussians shared by tile position (textures)."""
+        return section.positions == "tile"
+
     def __init__(self, embedder: PatchEmbedder, epsilon: float,
                  factor_dtype: str = "float32", covariance: str = "auto") -> None:
         super().__init__(embedder)

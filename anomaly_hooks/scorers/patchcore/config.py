@@ -23,6 +23,9 @@ class PatchCoreConfig:
     coreset_count: Optional[int] = None  # absolute size; overrides the ratio when set
     projection_dim: Optional[int] = 128  # for the selection only; null = no projection
     max_bank_points: Optional[int] = None  # bounded-memory fit: merge-reduce when set
+    # per-image pre-reduction (high resolution): each image keeps prereduce x its share of the
+    # final bank, by the same greedy rule, as it arrives; null = every patch until the end
+    prereduce: Optional[float] = None
     knn_backend: KnnBackend = KnnBackend["auto"]
     k: int = 1
     reweight: bool = False  # eq. 7 of the paper
@@ -49,5 +52,9 @@ def validate(pc: Any) -> None:
         value = pc[key]
         if value is not None:
             check(value >= 1, f"patchcore.{key}", ">= 1 or null", value)
+    if pc.prereduce is not None:
+        check(pc.prereduce >= 1.0, "patchcore.prereduce",
+              "a number >= 1 (kept points per image, as a multiple of its share of the final "
+              "bank) or null (no pre-reduction)", pc.prereduce)
     for key in ("k", "reweight_neighbors", "nlist", "nprobe", "hnsw_m", "ef_search"):
         check(pc[key] >= 1, f"patchcore.{key}", ">= 1", pc[key])

@@ -227,10 +227,12 @@ def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
     squared distance from below. ``y`` is computed in float64 and rounded once, so the bound
     holds up to ~1e-7 relative."""
     n, p = x.shape
+    vecs = None  # the principal directions, from one Gram matrix (its eigh gives both)
     if dims is None:
         dims = p
         if n >= 4 * p:  # the smallest multiple of 8 keeping all but FLOOR of the variance
-            ev = np.linalg.eigvalsh(_gram(x))[::-1]
+            evals, vecs = np.linalg.eigh(_gram(x))
+            ev = evals[::-1]
             left = 1.0 - np.cumsum(ev) / max(float(ev.sum()), 1e-300)
             dims = min(p, 8 * math.ceil((int(np.argmax(left <= RESIDUAL)) + 1) / 8))
     dims = max(1, min(int(dims), p))
@@ -239,7 +241,8 @@ def _bound_rows(x: np.ndarray, dims: Optional[int]) -> np.ndarray:
         a[:, :p] = x
         a[:, p] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     else:
-        _, vecs = np.linalg.eigh(_gram(x))
+        if vecs is None:
+            _, vecs = np.linalg.eigh(_gram(x))
         v = np.ascontiguousarray(vecs[:, ::-1][:, :dims])
         for lo in range(0, n, 65536):
             y = x[lo:lo + 65536].astype(np.float64) @ v
@@ -368,12 +371,13 @@ class StreamingCoreset:
         self.total = 0
         self.reductions = 0
 
-    def add(self, features: torch.Tensor) -> None:
+    def add(self, features: torch.Tensor, represented: Optional[int] = None) -> None:
         """Add a chunk ``[n, D]`` of patch features (reduced at once if it alone exceeds the
-        budget)."""
+        budget). ``represented``: the training patches the chunk stands for (more than ``n``
+        when a per-image pre-reduction made it; the final size is a share of those)."""
         if features.shape[0] == 0:
             return
-        self.total += features.shape[0]
+        self.total += features.shape[0] if represented is None else int(represented)
         self.kept.append(features.float())
         self.n_kept += features.shape[0]
         if self.n_kept > self.max_points:

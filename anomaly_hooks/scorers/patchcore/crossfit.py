@@ -16,7 +16,7 @@ in a second pass.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -27,28 +27,29 @@ from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 QUERY_CHUNK = 65536  # fold patches per search
 
 
-def fold_bank(features: torch.Tensor, outside: torch.Tensor, size: Callable[[int], int],
-              projection_dim: Optional[int], seed: int,
-              progress: bool = False) -> torch.Tensor:
+def fold_bank(features: torch.Tensor, outside: torch.Tensor, k: int,
+              projection_dim: Optional[int], seed: int, progress: bool = False) -> torch.Tensor:
     """The bank of a fit on the points ``features[outside]`` (``outside`` ``[N]`` bool): their
-    greedy coreset of ``size(n_points)`` points, selected as a fit selects it."""
+    greedy coreset of ``k`` points (at most all of them), selected as a fit selects it."""
     rest = torch.nonzero(outside.to(features.device)).flatten()
     if rest.numel() == 0:
         raise FitError("one fold holds every training image: nothing is left to score it by; "
                        "add images or loosen threshold.groups")
     pts = features[rest]
-    idx = greedy_coreset(pts, size(int(rest.numel())), projection_dim=projection_dim,
+    idx = greedy_coreset(pts, min(k, int(rest.numel())), projection_dim=projection_dim,
                          seed=seed, progress=progress)
     return pts[idx]
 
 
-def fold_banks(features: torch.Tensor, point_fold: torch.Tensor, n_folds: int,
-               size: Callable[[int], int], projection_dim: Optional[int], seed: int,
+def fold_banks(features: torch.Tensor, point_fold: torch.Tensor, sizes: Sequence[int],
+               projection_dim: Optional[int], seed: int,
                progress: bool = False) -> List[torch.Tensor]:
-    """One bank per fold ``f``: :func:`fold_bank` of the points ``features`` ``[N, D]`` whose
-    fold (``point_fold`` ``[N]``) is not ``f``."""
-    return [fold_bank(features, point_fold != f, size, projection_dim, seed, progress)
-            for f in range(n_folds)]
+    """One bank per fold ``f``: :func:`fold_bank` of ``sizes[f]`` points among the candidates
+    ``features`` ``[N, D]`` whose fold (``point_fold`` ``[N]``) is not ``f``. The candidates
+    are a reduction of the patches (the shards' or the per-image pre-selection): ``sizes[f]``
+    is the bank a fit on the other folds' *patches* keeps, not a share of the candidates."""
+    return [fold_bank(features, point_fold != f, k, projection_dim, seed, progress)
+            for f, k in enumerate(sizes)]
 
 
 def knn_scores(index: NearestNeighbors, patches: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,7 +72,9 @@ def cross_fit_patch_scores(features: torch.Tensor, image_fold: torch.Tensor, per
     n_folds = int(image_fold.max()) + 1
     out = torch.empty(features.shape[0], dtype=torch.float32, device=features.device)
     for f in range(n_folds):
-        bank = fold_bank(features, point_fold != f, size, projection_dim, seed, progress)
+        outside = point_fold != f
+        bank = fold_bank(features, outside, size(int(outside.sum())), projection_dim, seed,
+                         progress)
         mine = torch.nonzero(point_fold == f).flatten()
         out[mine] = knn_scores(make_index(bank), features[mine], k)
         del bank

@@ -35,23 +35,31 @@ def final_size(cfg: Any, n_patches: int) -> int:
 
 
 def shard_state(features: torch.Tensor, cfg: Any, seed: int, n_train: int, n_total: int,
-                grid: tuple, oversample: float = OVERSAMPLE, with_images: bool = True) -> State:
+                grid: tuple, oversample: float = OVERSAMPLE, with_images: bool = True,
+                images: Optional[torch.Tensor] = None) -> State:
     """Reduce a shard's patches ``features`` ``[N_s, D]`` (from ``n_train`` of the ``n_total``
-    training images, in image order) to its share of the final bank, ``oversample`` times over.
-    ``image`` ``[k]`` int32: the shard-local image of each kept patch (None without
-    ``with_images``: a bounded fit's kept patches are not in image order)."""
+    training images, in image order: all their patches, or the rows the per-image
+    pre-reduction kept of them) to its share of the final bank, ``oversample`` times over.
+    ``images`` ``[N_s]`` int32: the shard-local image of each row (None: every patch, ``h * w``
+    per image). ``image`` ``[k]`` int32 in the state: the shard-local image of each kept patch
+    (None without ``with_images``: a bounded fit's kept patches are not in image order)."""
     per_image = grid[0] * grid[1]
     keep = features.shape[0]
     if n_train < n_total:
-        share = final_size(cfg, n_total * per_image) * features.shape[0] / (n_total * per_image)
+        # the share of the shard's patches (not of the rows a pre-reduction kept of them)
+        share = final_size(cfg, n_total * per_image) * n_train / n_total
         keep = min(features.shape[0], max(1, math.ceil(oversample * share)))
     idx = torch.arange(features.shape[0])
     if keep < features.shape[0]:
         idx = greedy_coreset(features, keep, projection_dim=cfg.projection_dim,
                              seed=seed).cpu()
         features = features[idx.to(features.device)]
-    # patches come image by image, h * w of each: the shard-local image of each kept point
-    image = None if not with_images else (idx // per_image).to(torch.int32).numpy()
+    if not with_images:
+        image = None
+    elif images is not None:
+        image = images[idx].to(torch.int32).numpy()
+    else:  # patches come image by image, h * w of each
+        image = (idx // per_image).to(torch.int32).numpy()
     return {"form": "coreset", "n_train": int(n_train), "n_patches": int(n_train * per_image),
             "grid": tuple(grid), "features": features.detach().cpu().contiguous().numpy(),
             "image": image}

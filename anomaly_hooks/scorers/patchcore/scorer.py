@@ -2,7 +2,10 @@
 distance.
 
 Fit: every training patch embedding goes into a bank, reduced by the greedy k-center coreset
-(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``max_bank_points`` set, the fit is
+(:mod:`anomaly_hooks.scorers.patchcore.coreset`). With ``prereduce`` set (high resolution), each
+image's patches are first reduced by the same rule as the image arrives
+(:mod:`anomaly_hooks.scorers.patchcore.prereduce`), so the final selection runs over a small
+multiple of the bank, not over every patch. With ``max_bank_points`` set, the fit is
 *bounded*: each batch's patches are reduced as they arrive and the kept set is re-reduced
 whenever it exceeds the budget (merge-reduce), so peak memory does not depend on the number of
 training images.
@@ -40,6 +43,7 @@ from anomaly_hooks.scorers.patchcore.crossfit import (
 from anomaly_hooks.scorers.patchcore.export import patchcore_graph
 from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
 from anomaly_hooks.scorers.patchcore.oos import foreign_neighbor_distances
+from anomaly_hooks.scorers.patchcore.prereduce import PerImageReduction
 from anomaly_hooks.threshold import out_of_sample
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,7 @@ class PatchCoreScorer(Scorer):
         # a sharded fit's fold banks (second pass of cross-fitted scores) and their indexes
         self._fold_banks: List[torch.Tensor] = []
         self._fold_index: Dict[int, NearestNeighbors] = {}
+        self._reducer: Optional[PerImageReduction] = None  # prereduce: made at the first batch
 
     @classmethod
     def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
@@ -107,10 +112,13 @@ class PatchCoreScorer(Scorer):
         total_channels = sum(info.channels for info in layers)
         d = pc.reduce_dim if pc.reduce_dim and pc.reduce_dim < total_channels else total_channels
         patches = n_train * positions
-        kept = patches if pc.max_bank_points is None else min(patches, pc.max_bank_points)
-        kept += 0 if pc.max_bank_points is None else cfg.data.batch_size * positions
         bank_rows = (min(patches, pc.coreset_count) if pc.coreset_count is not None
                      else math.ceil(pc.coreset_ratio * patches))
+        kept = patches
+        if pc.prereduce is not None:  # what the per-image reduction keeps
+            kept = min(patches, math.ceil(pc.prereduce * bank_rows) + n_train)
+        if pc.max_bank_points is not None:
+            kept = min(kept, pc.max_bank_points) + cfg.data.batch_size * positions
         bank = bank_rows * d * (2 if pc.bank_dtype == "float16" else 4)
         # cross-fitted out-of-sample scores select each fold's coreset from a copy of the
         # other folds' patches
@@ -145,9 +153,15 @@ class PatchCoreScorer(Scorer):
         elif self.grid != (h, w):
             raise ValueError(f"embedding grid {(h, w)} differs from the first batch's {self.grid}")
         patches = embeddings.permute(0, 2, 3, 1).reshape(-1, d).float()
+        first_image = self.n_train
         self.n_train += b
         start, self.n_patches = self.n_patches, self.n_patches + patches.shape[0]
-        if self._stream is not None:
+        if self.cfg.prereduce is not None:
+            kept = self._reduction().add(patches.view(b, h * w, d), first_image,
+                                         keep=self._stream is None)
+            if self._stream is not None:
+                self._stream.add(kept, represented=b * h * w)
+        elif self._stream is not None:
             self._stream.add(patches)
         elif self._expected is not None and self._expected * h * w >= self.n_patches:
             if self._buffer is None:
@@ -167,6 +181,8 @@ class PatchCoreScorer(Scorer):
         features = None
         if self._stream is not None:
             bank = self._stream.finalize(progress)
+        elif self._reducer is not None:
+            bank, self.bank_image = self._select_reduced(progress)
         else:
             features = self._features()
             k = coreset_size(features.shape[0], self.cfg.coreset_ratio if self.cfg.coreset_count
@@ -183,7 +199,7 @@ class PatchCoreScorer(Scorer):
         synchronize(bank.device)
         self.finalize_timings_ = {"coreset": selected - start,
                                   "search index": time.perf_counter() - selected}
-        self._stream = None
+        self._stream = self._reducer = None
         self.fitted = True
         if features is not None and self.want_out_of_sample:
             # every training patch is still here: no second pass over the images
@@ -200,6 +216,43 @@ class PatchCoreScorer(Scorer):
             synchronize(bank.device)
             self.finalize_timings_["out-of-sample scores"] = time.perf_counter() - mark
         del features
+
+    def _reduction(self) -> PerImageReduction:
+        """The per-image pre-reduction (``prereduce``), made at the first batch."""
+        if self._reducer is None:
+            c = self.cfg
+            self._reducer = PerImageReduction(
+                c.prereduce, c.coreset_ratio if c.coreset_count is None else None,
+                c.coreset_count, self._expected, c.projection_dim, self.seed + SEED_CORESET)
+        return self._reducer
+
+    def _select_reduced(self, progress: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The bank ``[k, D]`` selected from the pre-reduced points (the final size is the
+        share of *all* the training patches) and each bank point's image ``[k]`` int32. With
+        cross-fitted out-of-sample scores, each fold's bank comes from the other folds'
+        pre-reduced points too (a point was reduced with its own image only, so no fold's
+        points were chosen in view of another fold): the threshold's second pass uses them."""
+        kept, images = self._reducer.take()
+        k = min(kept.shape[0], coreset_size(self.n_patches, self.cfg.coreset_ratio if
+                                            self.cfg.coreset_count is None else None,
+                                            self.cfg.coreset_count))
+        idx = greedy_coreset(kept, k, projection_dim=self.cfg.projection_dim,
+                             seed=self.seed + SEED_CORESET, progress=progress)
+        if self.want_out_of_sample and self.oos_groups is not None:
+            self._make_fold_banks(kept, images.long(), progress)
+        return kept[idx], images[idx.cpu()]
+
+    def _make_fold_banks(self, candidates: torch.Tensor, image: torch.Tensor,
+                         progress: bool) -> None:
+        """Each fold's bank from the candidates ``[M, D]`` of the other folds (``image``
+        ``[M]``: each candidate's image), of the size a fit on those folds' patches keeps."""
+        folds = self._folds()
+        per_image = self.grid[0] * self.grid[1]
+        images_in = torch.bincount(folds, minlength=int(folds.max()) + 1)
+        sizes = [self._bank_size(int(self.n_train - n) * per_image) for n in images_in.tolist()]
+        self._fold_banks = fold_banks(candidates, folds[image.cpu()], sizes,
+                                      self.cfg.projection_dim, self.seed + SEED_CORESET,
+                                      progress)
 
     # -- out-of-sample scores of the training images ----------------------------------------
     def out_of_sample_unsupported(self) -> Optional[str]:
@@ -293,13 +346,17 @@ class PatchCoreScorer(Scorer):
         if not self.n_train:
             raise FitError("this PatchCore shard got no training image")
         bounded = self._stream is not None
+        images = None
         if bounded:  # what the stream kept (<= max_bank_points)
             features, self._stream = torch.cat(self._stream.kept), None
+        elif self._reducer is not None:  # what the per-image reduction kept, in image order
+            features, images = self._reducer.take()
+            self._reducer = None
         else:
             features = self._features()
         n_total = getattr(self, "_n_total", self.n_train)
         return partial.shard_state(features, self.cfg, self.seed + SEED_CORESET, self.n_train,
-                                   n_total, self.grid, with_images=not bounded)
+                                   n_total, self.grid, with_images=not bounded, images=images)
 
     @classmethod
     def merge_states(cls, states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -320,12 +377,9 @@ class PatchCoreScorer(Scorer):
                                "out-of-sample scores need them (use threshold.mode=holdout)")
             # each fold's bank from the merged candidates of the other folds; the second pass
             # scores the folds' images with them
-            folds = self._folds()
             image = torch.from_numpy(np.asarray(state["image"])).long()
             features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
-            self._fold_banks = fold_banks(features, folds[image], int(folds.max()) + 1,
-                                          self._bank_size, self.cfg.projection_dim,
-                                          self.seed + SEED_CORESET, progress)
+            self._make_fold_banks(features, image, progress)
 
     def _features(self) -> torch.Tensor:
         """All training patches ``[N, D]``: the in-place buffer (a view of its filled rows:
@@ -362,8 +416,9 @@ class PatchCoreScorer(Scorer):
 
     def _index_params(self) -> Dict[str, Any]:
         c = self.cfg
+        per_image = None if self.grid is None else self.grid[0] * self.grid[1]
         return {"nlist": c.nlist, "nprobe": c.nprobe, "hnsw_m": c.hnsw_m, "ef_search": c.ef_search,
-                "seed": self.seed}
+                "seed": self.seed, "queries_per_image": per_image}
 
     # -- scoring --------------------------------------------------------------------------
     def _patches(self, embeddings: torch.Tensor) -> torch.Tensor:
