@@ -142,7 +142,7 @@ def test_threads_match_serial(fitted, tmp_path):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert results
-    for (t, i), pred in results.items():
+    for (_, i), pred in results.items():
         assert pred.score == serial[i].score
         assert np.array_equal(pred.heatmap, serial[i].heatmap)
 
@@ -192,7 +192,8 @@ def test_fit_sources_and_errors(small_cfg, tmp_path):
         Image.fromarray(img).save(tmp_path / f"{i}.png")
     (tmp_path / "broken.png").write_text("nope")
     det = Detector.from_config(small_cfg)
-    with pytest.raises(FitError, match=r"(?s)1 (training|threshold) image\(s\) could not be read:.*broken.png"):
+    unreadable = r"(?s)1 (training|threshold) image\(s\) could not be read:.*broken.png"
+    with pytest.raises(FitError, match=unreadable):
         det.fit(tmp_path, progress=False)
     skip = Detector.from_config(small_cfg, data__on_error="skip")
     skip.fit(tmp_path, progress=False)

@@ -97,10 +97,10 @@ def test_indices_and_projection_go_to_the_device_once(device, monkeypatch):
         moved = []
         real = torch.Tensor.to
 
-        def spy(self, *args, **kwargs):
-            if any(self is t for t in owned):
-                moved.append(self)
-            return real(self, *args, **kwargs)
+        def spy(self, *args, _owned=owned, _moved=moved, _real=real, **kwargs):
+            if any(self is t for t in _owned):
+                _moved.append(self)
+            return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "to", spy)
         first = embedder(feats)

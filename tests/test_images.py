@@ -23,16 +23,18 @@ def test_all_input_forms_agree(picture):
     arr, path = picture
     ref = read_image(path)
     assert ref.shape == (3, 90, 130) and ref.dtype == torch.float32
-    forms = [str(path), path.read_bytes(), bytearray(path.read_bytes()), Image.open(path), arr, arr.astype(np.float64) / 255.0,
-             torch.from_numpy(arr).permute(2, 0, 1), torch.from_numpy(arr).permute(2, 0, 1) / 255.0]
+    chw = torch.from_numpy(arr).permute(2, 0, 1)
+    forms = [str(path), path.read_bytes(), bytearray(path.read_bytes()), Image.open(path), arr,
+             arr.astype(np.float64) / 255.0, chw, chw / 255.0]
     for form in forms:
         torch.testing.assert_close(read_image(form), ref, rtol=0, atol=1e-6)
 
 
 def test_same_score_for_every_form(fitted, picture):
     arr, path = picture
-    scores = [fitted.predict(x).score for x in
-              (path, path.read_bytes(), Image.open(path), arr, arr / 255.0, torch.from_numpy(arr).permute(2, 0, 1))]
+    chw = torch.from_numpy(arr).permute(2, 0, 1)
+    forms = (path, path.read_bytes(), Image.open(path), arr, arr / 255.0, chw)
+    scores = [fitted.predict(x).score for x in forms]
     assert max(scores) - min(scores) <= 1e-4 * abs(scores[0])
 
 

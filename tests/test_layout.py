@@ -81,8 +81,8 @@ def test_no_method_branches_outside_the_scorers():
 
 
 def test_torch_free_modules_import_no_torch():
-    torch_free = ["errors", "choices", "framing", "images", "prediction", "threshold", "calibration",
-                  "__init__"]
+    torch_free = ["errors", "choices", "framing", "images", "prediction", "threshold",
+                  "calibration", "__init__"]
     for name in torch_free:
         tree = ast.parse((PACKAGE / f"{name}.py").read_text())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

@@ -1,4 +1,7 @@
-"""Tests of anomaly_hooks.evaluation.metrics: hand-computed cases, scikit-learn and a brute-force PRO."""
+"""Tests of anomaly_hooks.evaluation.metrics.
+
+References: hand-computed cases, scikit-learn and a brute-force PRO.
+"""
 from __future__ import annotations
 
 import tracemalloc

@@ -212,7 +212,8 @@ def _low_rank(n: int, d: int = 256, rank: int = 12, seed: int = 0) -> torch.Tens
     """Features like a CNN's: most variance in a few directions, a little noise in all."""
     basis = torch.randn(rank, d, generator=torch.Generator().manual_seed(0))  # shared
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, rank, generator=gen) * 3) @ basis + 0.3 * torch.randn(n, d, generator=gen)
+    signal = (torch.randn(n, rank, generator=gen) * 3) @ basis
+    return signal + 0.3 * torch.randn(n, d, generator=gen)
 
 
 @pytest.mark.parametrize("kind", ["low_rank", "isotropic"])

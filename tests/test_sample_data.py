@@ -114,7 +114,8 @@ def test_regenerating_gives_identical_files(gen: ModuleType, sample: Path,
                                            np.asarray(Image.open(sample / f)))]
     assert not pixels_differ, f"data/sample is stale, regenerate it: {pixels_differ[:5]}"
     # The pixels are what the script determines; PNG bytes also depend on the zlib build.
-    warnings.warn(f"same pixels but different PNG bytes (zlib build?): {differing[:5]}")
+    warnings.warn(f"same pixels but different PNG bytes (zlib build?): {differing[:5]}",
+                  stacklevel=1)
 
 
 def test_refuses_to_overwrite_without_force(gen: ModuleType, tmp_path: Path,
