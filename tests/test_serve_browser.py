@@ -95,6 +95,13 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
                 page.wait_for_function(
                     "document.getElementById('drift-state').textContent === 'ok'")
                 assert "observed" in page.inner_text("#drift-table")
+                # the operating point: the model's threshold and what it was chosen for
+                page.wait_for_function(
+                    "document.querySelectorAll('#operating-table tr').length >= 3")
+                operating = page.inner_text("#operating-table")
+                assert "objective" in operating and "expected false alarms" in operating
+                value = fitted.threshold_.value
+                assert f"{value:.4g}"[:3] in page.inner_text("#operating-summary")
                 # the filter keeps anomalous inspections only
                 page.check("#only-anomalous")
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 3")

@@ -40,6 +40,45 @@ async function refreshModel() {
   }
 }
 
+// ---- operating point: the threshold, what it was chosen for and what it will do ---------
+const pct = (x) => (x === null || x === undefined) ? "–" : `${(100 * x).toPrecision(3)} %`;
+const interval = (iv) => Array.isArray(iv) && iv.length === 2 ? ` [${pct(iv[0])}, ${pct(iv[1])}]` : "";
+
+function operatingRows(t) {
+  const rows = [["threshold", fmt(t.value)], ["objective", t.objective || "far"]];
+  rows.push(["expected false alarms", pct(t.expected_far ?? t.false_alarm_rate) + interval(t.far_interval)]);
+  if (t.recall !== null && t.recall !== undefined) {
+    rows.push(["recall on labelled defects", pct(t.recall) + interval(t.recall_interval) +
+               (t.n_defects ? ` (${t.n_defects} defects)` : "")]);
+  }
+  if (t.target_recall) rows.push(["target recall", pct(t.target_recall)]);
+  if (t.scores) rows.push(["good images scored out of sample", String(t.scores.length)]);
+  const prov = t.provenance || {};
+  for (const [key, value] of Object.entries(prov)) {
+    if (value === null || typeof value === "object") continue;
+    rows.push([key.replaceAll("_", " "), String(value)]);
+  }
+  return rows;
+}
+
+async function refreshOperatingPoint() {
+  const summary = $("operating-summary"), table = $("operating-table");
+  try {
+    const info = await api("/v1/model");
+    const t = info.threshold || {};
+    summary.textContent = `score > ${fmt(t.value)} is anomalous`;
+    table.replaceChildren(...operatingRows(t).map(([k, v]) => {
+      const tr = document.createElement("tr");
+      const th = document.createElement("th"); th.textContent = k;
+      const td = document.createElement("td"); td.textContent = v;
+      tr.append(th, td);
+      return tr;
+    }));
+  } catch (err) {
+    summary.textContent = err.message;
+  }
+}
+
 // ---- inspect ------------------------------------------------------------------------
 function showResult(res, originalUrl) {
   $("result").hidden = false;
@@ -220,7 +259,8 @@ async function refreshDrift() {
 
 setupUpload();
 $("only-anomalous").addEventListener("change", refreshResults);
-refreshModel(); refreshResults(); refreshDrift();
+refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
 setInterval(refreshModel, 10000);
+setInterval(refreshOperatingPoint, 30000);
 setInterval(refreshResults, 3000);
 setInterval(refreshDrift, 5000);
