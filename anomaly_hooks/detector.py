@@ -89,7 +89,7 @@ class Detector:
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self._backbone_fingerprint: Optional[str] = None  # on first use (see the property)
-        # a module the caller gave is copied (theirs is left as it was, see the README);
+        # a module the caller gave is copied (theirs is left as it was, see docs/python-api.md);
         # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
                                               probe_size=probe_size(
@@ -488,12 +488,8 @@ class Detector:
     def export_onnx(self, path: Union[str, Path], **kwargs: Any) -> Path:
         """Write the predict path as one ONNX graph for the torch-free runtime (needs the
         ``[export]`` extra); see :func:`anomaly_hooks.export.onnx.export_onnx` for ``kwargs``."""
-        from anomaly_hooks.errors import ExportError
         from anomaly_hooks.export.onnx import export_onnx
 
-        if self.tiling is not None:
-            raise ExportError("the ONNX export of a tiled (high-resolution) model is not "
-                              "available yet: predict with the PyTorch Detector")
         return export_onnx(self, path, **kwargs)
 
     def close(self) -> None:
