@@ -95,7 +95,7 @@ def test_recorder_group_commits_from_many_threads(tmp_path):
 
 def test_store_refuses_unknown_schemes(tmp_path):
     with pytest.raises(ValueError, match="implement ResultStore"):
-        open_store("postgresql://db/results")
+        open_store("mysql://db/results")
 
 
 

@@ -4,7 +4,9 @@
   :class:`SQLiteResultStore` implements it on an embedded SQLite database in WAL mode with
   ``synchronous=FULL``: a record is on disk when :meth:`ResultStore.add` returns, and the service
   answers a request only after that, so a ``kill -9`` (or a power cut) loses nothing that was
-  acknowledged. A server database (PostgreSQL, ...) plugs in by implementing the same six methods.
+  acknowledged. :class:`~anomaly_hooks.serve.pgstore.PostgresResultStore` (the ``[postgres]``
+  extra) keeps it on a PostgreSQL server that several replicas share; another database plugs in
+  by implementing the same six methods.
 * :class:`ImageFiles` keeps the overlay / mask / thumbnail PNGs and JPEGs under a folder; the
   records hold their paths relative to it.
 * :class:`Recorder` is the group commit: request handlers hand their record to one writer
@@ -28,7 +30,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.outputs import csv_cell
@@ -85,7 +87,7 @@ PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
                "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id"]
-# ids are SQLite INTEGERs (signed 64-bit): a larger id can name no record
+# ids are SQLite INTEGERs / PostgreSQL BIGINTs (signed 64-bit): a larger id can name no record
 MAX_ID = 2**63 - 1
 
 
@@ -155,6 +157,31 @@ class ResultStore(abc.ABC):
             before = rows[-1].id
             if len(rows) < n:
                 return
+
+
+def query_filters(*, since: Optional[float] = None, until: Optional[float] = None,
+                  anomalous: Optional[bool] = None, part_id: Optional[str] = None,
+                  before_id: Optional[int] = None) -> Tuple[List[str], List[Any]]:
+    """The SQL conditions of :meth:`ResultStore.query`'s filters (each with one ``?``
+    placeholder) and their values, in order: every store applies the same filters."""
+    clauses: List[str] = []
+    args: List[Any] = []
+    if since is not None:
+        clauses.append("time >= ?")
+        args.append(float(since))
+    if until is not None:
+        clauses.append("time < ?")
+        args.append(float(until))
+    if anomalous is not None:
+        clauses.append("is_anomalous = ?")
+        args.append(bool(anomalous))
+    if part_id is not None:
+        clauses.append("part_id = ?")
+        args.append(part_id)
+    if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
+        clauses.append("id < ?")
+        args.append(int(before_id))
+    return clauses, args
 
 
 SCHEMA = """
@@ -263,22 +290,8 @@ class SQLiteResultStore(ResultStore):
         return ids
 
     def _where(self, since, until, anomalous, part_id, before_id):
-        clauses, args = [], []
-        if since is not None:
-            clauses.append("time >= ?")
-            args.append(float(since))
-        if until is not None:
-            clauses.append("time < ?")
-            args.append(float(until))
-        if anomalous is not None:
-            clauses.append("is_anomalous = ?")
-            args.append(1 if anomalous else 0)
-        if part_id is not None:
-            clauses.append("part_id = ?")
-            args.append(part_id)
-        if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
-            clauses.append("id < ?")
-            args.append(int(before_id))
+        clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
+                                      part_id=part_id, before_id=before_id)
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
 
     def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
@@ -287,14 +300,14 @@ class SQLiteResultStore(ResultStore):
         rows = self._reader().execute(
             f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",
             [*args, min(int(limit), MAX_ID)]).fetchall()
-        return [_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def get(self, record_id: int) -> Optional[Record]:
         if not 0 < record_id <= MAX_ID:  # no such row, and SQLite cannot even bind it
             return None
         row = self._reader().execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
                                      [int(record_id)]).fetchone()
-        return _from_row(row) if row else None
+        return record_from_row(row) if row else None
 
     def count(self) -> int:
         return int(self._reader().execute("SELECT COUNT(*) FROM results").fetchone()[0])
@@ -308,14 +321,14 @@ class SQLiteResultStore(ResultStore):
             try:
                 if max_age_s is not None:
                     cutoff = (time.time() if now is None else now) - float(max_age_s)
-                    removed += [_from_row(r) for r in con.execute(
+                    removed += [record_from_row(r) for r in con.execute(
                         f"SELECT {cols} FROM results WHERE time < ?", [cutoff]).fetchall()]
                     con.execute("DELETE FROM results WHERE time < ?", [cutoff])
                 if max_count is not None:
                     row = con.execute("SELECT id FROM results ORDER BY id DESC LIMIT 1 OFFSET ?",
                                       [int(max_count)]).fetchone()
                     if row is not None:
-                        removed += [_from_row(r) for r in con.execute(
+                        removed += [record_from_row(r) for r in con.execute(
                             f"SELECT {cols} FROM results WHERE id <= ?", [row[0]]).fetchall()]
                         con.execute("DELETE FROM results WHERE id <= ?", [row[0]])
                 con.execute("COMMIT")
@@ -346,7 +359,7 @@ def _to_row(record: Record) -> List[Any]:
     return [int(v) if isinstance(v, bool) else v for v in (flat[c] for c in COLUMNS)]
 
 
-def _from_row(row: Sequence[Any]) -> Record:
+def record_from_row(row: Sequence[Any]) -> Record:
     """The record of a row ``(id, *COLUMNS)``, each value of its column's type or None (SQLite
     stores what it is given: a row written by hand may hold anything)."""
     data = {name: _ROW_TYPES.get(name, _text)(value)
@@ -390,13 +403,30 @@ _ROW_TYPES = {"id": _integer, "time": _real, "score": _real, "normalized_score":
 
 
 def open_store(spec: str) -> ResultStore:
-    """A store from a spec: a file path or ``sqlite:///path`` (the only built-in kind)."""
+    """A store from a spec: a file path or ``sqlite:///path`` (SQLite), or a
+    ``postgresql://`` / ``postgres://`` URL (PostgreSQL: the ``[postgres]`` extra)."""
+    check_store_spec(spec)
+    if spec.startswith(("postgresql://", "postgres://")):
+        from anomaly_hooks.serve.pgstore import PostgresResultStore  # psycopg: optional
+
+        return PostgresResultStore(spec)
     if spec.startswith("sqlite:///"):
         return SQLiteResultStore(spec[len("sqlite:///"):])
-    if "://" in spec:
-        raise ConfigError(f"unsupported results store {spec!r}: give a file path or "
-                         "sqlite:///path (other databases: implement ResultStore)")
     return SQLiteResultStore(spec)
+
+
+def check_store_spec(spec: str) -> None:
+    """Refuse (``ConfigError``) a store spec :func:`open_store` cannot open, without opening
+    it; the message never holds the spec's password."""
+    if not spec:
+        raise ConfigError("the results store spec is empty: give a file path, sqlite:///path "
+                          "or postgresql://user@host/db")
+    known = ("sqlite:///", "postgresql://", "postgres://")
+    if "://" in spec and not spec.startswith(known):
+        scheme = spec.split("://", 1)[0]
+        raise ConfigError(f"unsupported results store {scheme}://...: give a file path, "
+                          "sqlite:///path or postgresql://user@host/db (other databases: "
+                          "implement ResultStore)")
 
 
 def csv_lines(records: Iterator[Record]) -> Iterator[str]:
