@@ -1,5 +1,6 @@
-"""The results log (results.py): the SQLite store, the picture files, the CSV export, the
-group commit, and the record's one verdict (prediction.Verdict) in its columns."""
+"""The results log (results.py, pgstore.py): the stores (each store test runs on SQLite and on
+PostgreSQL, through the ``store_factory`` fixture), the picture files, the CSV export, the group
+commit, and the record's one verdict (prediction.Verdict) in its columns."""
 from __future__ import annotations
 
 import csv
@@ -31,8 +32,8 @@ def _record(i: int, t: float, anomalous: bool = False, **kw) -> Record:
                   model_checksum="c" * 64, part_id=kw.pop("part_id", f"P{i}"), **kw)
 
 
-def test_store_add_query_filters_and_paging(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_add_query_filters_and_paging(store_factory):
+    store = store_factory()
     ids = store.add([_record(i, 1000.0 + i, anomalous=i % 3 == 0) for i in range(10)])
     assert ids == list(range(1, 11)) and store.count() == 10
     assert [r.id for r in store.query(limit=3)] == [10, 9, 8]
@@ -44,13 +45,15 @@ def test_store_add_query_filters_and_paging(tmp_path):
     rec = store.get(4)
     assert rec.verdict.is_anomalous is True and rec.part_id == "P3" and store.get(99) is None
     store.close()
-    again = open_store(f"sqlite:///{tmp_path / 'r.sqlite'}")   # reopened: all there
+    again = open_store(store_factory.spec)   # reopened: all there
     assert again.count() == 10
-    assert again._write.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if store_factory.kind == "sqlite":
+        assert again._write.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    again.close()
 
 
-def test_store_retention_by_age_and_count(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_retention_by_age_and_count(store_factory):
+    store = store_factory()
     store.add([_record(i, 1000.0 + i) for i in range(10)])
     removed = store.prune(max_age_s=5, now=1010.0)          # older than t=1005
     assert sorted(r.id for r in removed) == [1, 2, 3, 4, 5]
@@ -70,8 +73,8 @@ def test_image_files_write_resolve_delete(tmp_path):
     assert files.delete([rec]) == 2 and files.resolve(paths["overlay"]) is None
 
 
-def test_csv_export_is_parseable_and_neutralises_formulas(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_csv_export_is_parseable_and_neutralises_formulas(store_factory):
+    store = store_factory()
     store.add([_record(1, 1000.0, part_id="=HYPERLINK(\"http://x\")", source="a,b\"c")])
     text = "".join(csv_lines(store.iter_query()))
     rows = list(csv.DictReader(io.StringIO(text)))
@@ -79,8 +82,8 @@ def test_csv_export_is_parseable_and_neutralises_formulas(tmp_path):
     assert rows[0]["time_iso"] == "1970-01-01T00:16:40.000Z" and rows[0]["is_anomalous"] == "0"
 
 
-def test_recorder_group_commits_from_many_threads(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_recorder_group_commits_from_many_threads(store_factory):
+    store = store_factory()
     rec = Recorder(store)
     with ThreadPoolExecutor(16) as pool:
         futures = list(pool.map(lambda i: rec.submit(_record(i, 1000.0 + i)), range(400)))
@@ -89,8 +92,7 @@ def test_recorder_group_commits_from_many_threads(tmp_path):
     assert rec.commits < 400                  # grouped into fewer transactions
     assert rec.call(store.count).result(30) == 400
     rec.close()
-    con = sqlite3.connect(tmp_path / "r.sqlite")
-    assert con.execute("SELECT COUNT(DISTINCT request_id) FROM results").fetchone()[0] == 400
+    assert store_factory.sql("SELECT COUNT(DISTINCT request_id) FROM results") == [(400,)]
 
 
 def test_store_refuses_unknown_schemes(tmp_path):
@@ -107,14 +109,14 @@ def test_store_columns_are_the_schemas_and_the_verdict_fields():
     assert set(COLUMNS) | {"id"} == table and set(VERDICT_FIELDS) <= set(COLUMNS)
 
 
-def test_store_keeps_the_verdict_and_refuses_no_id(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_keeps_the_verdict_and_refuses_no_id(store_factory):
+    store = store_factory()
     [rid] = store.add([_record(7, 1000.0, anomalous=True, anomalous_pixels=42, width=3,
                                height=4)])
     rec = store.get(rid)
     assert rec.verdict == Verdict(7.0, 0.5, True, 10.0, 42)
     assert (rec.width, rec.height) == (3, 4)
-    for huge in (MAX_ID, MAX_ID + 1, 10**30, 0, -1):  # beyond SQLite's INTEGER: no record
+    for huge in (MAX_ID, MAX_ID + 1, 10**30, 0, -1):  # beyond a 64-bit integer: no record
         assert store.get(huge) is None
     assert [r.id for r in store.query(before_id=10**30)] == [rid]
     assert [r.id for r in store.query(limit=10**30)] == [rid]
@@ -149,12 +151,12 @@ def test_record_json_flattens_the_verdict_and_hides_paths():
     assert out["time_iso"] == "1970-01-01T00:16:40.000Z"
 
 
-def test_one_refused_record_does_not_fail_its_group(tmp_path):
+def test_one_refused_record_does_not_fail_its_group(store_factory):
     """The store refuses one record of a group commit: that record's request fails, the
     others committed in the same group succeed."""
     import threading
 
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    store = store_factory()
     add = store.add
 
     def picky(records):

@@ -22,8 +22,14 @@ def api(models, tmp_path_factory):
         yield client, service
 
 
-def test_results_log_query_pictures_and_csv(models, tmp_path):
-    with serving(models["good"], tmp_path) as (client, _):
+def _log(store_factory) -> dict:
+    """The ``serving`` settings of the store under test: the default results.sqlite, or the
+    PostgreSQL database as ``--results-db`` (pictures under the results folder in both)."""
+    return {} if store_factory.kind == "sqlite" else {"results_db": store_factory.spec}
+
+
+def test_results_log_query_pictures_and_csv(models, tmp_path, store_factory):
+    with serving(models["good"], tmp_path, **_log(store_factory)) as (client, _):
         ids = []
         for i in range(3):
             ids.append(client.post(f"/v1/predict?part_id=G{i}", content=good_png(20 + i)).json())
@@ -55,9 +61,11 @@ def test_results_log_query_pictures_and_csv(models, tmp_path):
         assert "path" not in "".join(rec)  # no server paths in JSON
 
 
-def test_retention_removes_records_and_pictures(models, tmp_path):
-    with serving(models["good"], tmp_path, retention_count=2, keep_images="all") as (client,
-                                                                                      service):
+def test_retention_removes_records_and_pictures(models, tmp_path, store_factory):
+    with serving(models["good"], tmp_path, retention_count=2, keep_images="all",
+                 **_log(store_factory)) as (client, service):
+        kind = {"sqlite": "SQLiteResultStore", "postgres": "PostgresResultStore"}
+        assert type(service.store).__name__ == kind[store_factory.kind]
         for i in range(5):
             client.post("/v1/predict", content=good_png(40 + i))
         pictures = list((tmp_path / "results" / "images").rglob("*.*"))

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.serve.results import (
@@ -114,7 +114,8 @@ def redact_url(url: str) -> str:
         pairs = [(k, "***" if k == "password" else v)
                  for k, v in parse_qsl(query, keep_blank_values=True)]
         query = urlencode(pairs, safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    out = f"{parts.scheme}://{netloc}{parts.path}"  # urlunsplit would drop an empty host's //
+    return out + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
 
 
 def _require_psycopg() -> None:
