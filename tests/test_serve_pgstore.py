@@ -53,6 +53,9 @@ def both(postgres_url, tmp_path):
     for store in (lite, pg):
         store.add(_records()[:5])
         store.add(_records()[5:])
+        store.set_label(3, "good", now=1100.0)
+        store.set_label(4, "defect", "a dent", "token:ab", now=1101.5)
+        store.set_label(9, "defect", None, None, now=NAN)  # a NaN time: NULL, as in SQLite
     yield lite, pg
     lite.close()
     pg.close()
@@ -69,6 +72,8 @@ FILTERS = [
     {"since": NAN}, {"until": NAN}, {"since": -INF}, {"until": INF}, {"since": INF},
     {"before_id": 7}, {"before_id": 0}, {"before_id": -5}, {"before_id": MAX_ID},
     {"before_id": MAX_ID + 1}, {"before_id": 10**30}, {"part_id": "P2", "before_id": 10},
+    {"label": "good"}, {"label": "defect"}, {"label": "none"},
+    {"label": "none", "anomalous": True, "before_id": 12},
 ]
 
 
@@ -83,6 +88,9 @@ def test_get_count_pages_and_csv_as_sqlite(both):
     assert lite.count() == pg.count() == 15
     for rid in (1, 7, 13, 15, 16, 0, -1, MAX_ID, MAX_ID + 1, 10**30):
         a, b = lite.get(rid), pg.get(rid)
+        assert (a is None and b is None) or a.as_json() == b.as_json(), rid
+        a, b = lite.set_label(rid, "good", "n", "w", now=5.0), pg.set_label(rid, "good", "n",
+                                                                            "w", now=5.0)
         assert (a is None and b is None) or a.as_json() == b.as_json(), rid
     for page in (1, 4, 1000):
         _same(list(lite.iter_query(page=page)), list(pg.iter_query(page=page)))
@@ -127,6 +135,9 @@ def test_text_with_a_nul_is_refused_and_matches_nothing(postgres_url, tmp_path):
     with pytest.raises(ValueError, match="part_id holds a NUL"):
         pg.add([_record(1, part_id="a\x00b")])
     assert pg.count() == 0 and pg.query(part_id="a\x00b") == []
+    pg.add([_record(2)])
+    with pytest.raises(ValueError, match="note holds a NUL"):
+        pg.set_label(1, "good", "a\x00b")
     lite = SQLiteResultStore(tmp_path / "r.sqlite")
     lite.add([_record(1, part_id="a\x00b")])
     assert [r.part_id for r in lite.query(part_id="a\x00b")] == ["a\x00b"]
@@ -158,6 +169,31 @@ def test_schema_version_recorded_once_when_replicas_start_together(postgres_url)
     assert all(s.count() == 1 for s in stores)
     for s in stores:
         s.close()
+
+
+def test_a_version_1_database_gains_the_label_columns(postgres_url):
+    """A database written before labels (schema version 1, as the first release of this store
+    left it): opened, it is migrated to version 2 and its records read back unlabelled."""
+    from anomaly_hooks.serve.pgstore import MIGRATIONS, SCHEMA_VERSION_TABLE
+
+    version, description, statements = MIGRATIONS[0]
+    assert version == 1
+    with psycopg.connect(postgres_url, autocommit=True) as con:
+        con.execute(SCHEMA_VERSION_TABLE)
+        for statement in statements:
+            con.execute(statement)
+        con.execute("INSERT INTO schema_version (version, description) VALUES (1, %s)",
+                    [description])
+        con.execute("INSERT INTO results (time, request_id, score, normalized_score, "
+                    "is_anomalous, threshold, model_id, model_checksum) VALUES "
+                    "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c')")
+    store = PostgresResultStore(postgres_url)
+    assert store.schema_version() == 2 == SCHEMA_VERSION
+    old = store.get(1)
+    assert old.request_id == "old" and old.label is None and old.verdict.is_anomalous
+    assert store.set_label(1, "defect", "seen", "token:ab").label_by == "token:ab"
+    assert [r.request_id for r in store.query(label="defect")] == ["old"]
+    store.close()
 
 
 def test_a_newer_schema_is_refused(postgres_url):

@@ -34,6 +34,7 @@ from anomaly_hooks.serve.results import (
     MAX_ID,
     Record,
     ResultStore,
+    check_label,
     query_filters,
     record_from_row,
 )
@@ -86,6 +87,13 @@ MIGRATIONS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
         "CREATE INDEX IF NOT EXISTS results_time ON results (time)",
         "CREATE INDEX IF NOT EXISTS results_anomalous ON results (is_anomalous, id)",
         "CREATE INDEX IF NOT EXISTS results_part ON results (part_id, id)",
+    )),
+    (2, "operator labels", (
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS label TEXT",
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS label_note TEXT",
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS label_by TEXT",
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS label_at DOUBLE PRECISION",
+        "CREATE INDEX IF NOT EXISTS results_label ON results (label, id)",
     )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -305,9 +313,9 @@ class PostgresResultStore(ResultStore):
         return ids
 
     def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
-              limit: int = 100) -> List[Record]:
+              limit: int = 100, label=None) -> List[Record]:
         clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
-                                      part_id=part_id, before_id=before_id)
+                                      part_id=part_id, before_id=before_id, label=label)
         if any(isinstance(a, str) and "\x00" in a for a in args):
             return []  # no stored text holds a NUL
         where = (" WHERE " + " AND ".join(c.replace("?", "%s") for c in clauses)
@@ -352,6 +360,23 @@ class PostgresResultStore(ResultStore):
             return rows
 
         return [record_from_row(r) for r in sorted(self._write(delete), key=lambda r: r[0])]
+
+    def set_label(self, record_id: int, label: str, note: Optional[str] = None,
+                  by: Optional[str] = None, *, now: Optional[float] = None
+                  ) -> Optional[Record]:
+        check_label(label, note, by)
+        for name, text in (("note", note), ("by", by)):
+            if text is not None and "\x00" in text:
+                raise ValueError(f"a label's {name} holds a NUL character, which a PostgreSQL "
+                                 "results log cannot store")
+        if not 0 < record_id <= MAX_ID:
+            return None
+        at = time.time() if now is None else float(now)
+        sql = (f"UPDATE results SET label = %s, label_note = %s, label_by = %s, label_at = %s "
+               f"WHERE id = %s RETURNING id, {', '.join(COLUMNS)}")
+        row = self._write(lambda con: con.execute(
+            sql, [label, note, by, _pg_value(at), int(record_id)]).fetchone())
+        return record_from_row(row) if row else None
 
     def close(self) -> None:
         self._pool.close()
