@@ -128,19 +128,20 @@ def test_records_sqlite_refuses_are_refused_whole(both):
     assert a == 16 and b > 16
 
 
-def test_text_with_a_nul_is_refused_and_matches_nothing(postgres_url, tmp_path):
-    """PostgreSQL text cannot hold NUL (SQLite's can): a ValueError naming the field, and a
-    filter holding one matches nothing instead of failing."""
+def test_text_with_a_nul_is_kept_with_a_replacement_character(postgres_url, tmp_path):
+    """PostgreSQL text cannot hold NUL (SQLite's can): U+FFFD is stored in its place, in a
+    record, a label and a filter alike, so the record is kept and found again; the CSV export
+    (which writes U+FFFD for a NUL) is the same from both stores."""
     pg = PostgresResultStore(postgres_url)
-    with pytest.raises(ValueError, match="part_id holds a NUL"):
-        pg.add([_record(1, part_id="a\x00b")])
-    assert pg.count() == 0 and pg.query(part_id="a\x00b") == []
-    pg.add([_record(2)])
-    with pytest.raises(ValueError, match="note holds a NUL"):
-        pg.set_label(1, "good", "a\x00b")
     lite = SQLiteResultStore(tmp_path / "r.sqlite")
-    lite.add([_record(1, part_id="a\x00b")])
+    for store in (pg, lite):
+        store.add([_record(1, part_id="a\x00b", source="\x00=1")])
+        store.set_label(1, "good", "n\x00te", "by\x00", now=5.0)
+    [rec] = pg.query(part_id="a\x00b")
+    assert (rec.part_id, rec.source, rec.label_note, rec.label_by) == (
+        "a\ufffdb", "\ufffd=1", "n\ufffdte", "by\ufffd")
     assert [r.part_id for r in lite.query(part_id="a\x00b")] == ["a\x00b"]
+    assert "".join(csv_lines(pg.iter_query())) == "".join(csv_lines(lite.iter_query()))
     pg.close()
     lite.close()
 

@@ -13,8 +13,9 @@ non-finite numbers stored as NULL), on a database that several service replicas 
   is replaced, and a read or a transaction that had not reached its ``COMMIT`` is retried once
   on a fresh connection (nothing was committed then); a ``COMMIT`` is never retried.
 
-PostgreSQL ``text`` cannot hold a NUL character: a record holding one is refused with a
-``ValueError`` (SQLite stores it), and a filter holding one matches nothing.
+PostgreSQL ``text`` cannot hold a NUL character: this store keeps U+FFFD in its place (as the
+CSV export shows a NUL), in records, labels and filters alike, so a text with a NUL is stored and
+found again (SQLite keeps the NUL itself).
 
 This module is imported only when a ``postgresql://`` store is opened (psycopg is optional).
 """
@@ -316,8 +317,6 @@ class PostgresResultStore(ResultStore):
               limit: int = 100, label=None) -> List[Record]:
         clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
                                       part_id=part_id, before_id=before_id, label=label)
-        if any(isinstance(a, str) and "\x00" in a for a in args):
-            return []  # no stored text holds a NUL
         where = (" WHERE " + " AND ".join(c.replace("?", "%s") for c in clauses)
                  if clauses else "")
         limit = int(limit)
@@ -365,17 +364,13 @@ class PostgresResultStore(ResultStore):
                   by: Optional[str] = None, *, now: Optional[float] = None
                   ) -> Optional[Record]:
         check_label(label, note, by)
-        for name, text in (("note", note), ("by", by)):
-            if text is not None and "\x00" in text:
-                raise ValueError(f"a label's {name} holds a NUL character, which a PostgreSQL "
-                                 "results log cannot store")
         if not 0 < record_id <= MAX_ID:
             return None
         at = time.time() if now is None else float(now)
         sql = (f"UPDATE results SET label = %s, label_note = %s, label_by = %s, label_at = %s "
                f"WHERE id = %s RETURNING id, {', '.join(COLUMNS)}")
         row = self._write(lambda con: con.execute(
-            sql, [label, note, by, _pg_value(at), int(record_id)]).fetchone())
+            sql, [_pg_value(v) for v in (label, note, by, at, int(record_id))]).fetchone())
         return record_from_row(row) if row else None
 
     def close(self) -> None:
@@ -383,22 +378,27 @@ class PostgresResultStore(ResultStore):
 
 
 def _pg_value(value: Any) -> Any:
-    """A filter's value for PostgreSQL: NaN as NULL (SQLite binds NaN as NULL, which matches
-    nothing; PostgreSQL orders NaN above every number, so ``time < NaN`` would match all)."""
+    """A value for PostgreSQL as SQLite would see it: NaN as NULL (SQLite binds NaN as NULL,
+    which matches nothing; PostgreSQL orders NaN above every number, so ``time < NaN`` would
+    match all), a text by :func:`_pg_text`."""
     if isinstance(value, float) and math.isnan(value):
         return None
+    return _pg_text(value)
+
+
+def _pg_text(value: Any) -> Any:
+    """A text PostgreSQL can hold: each NUL character as U+FFFD (the replacement character,
+    as the CSV export writes it); anything else as it is."""
+    if isinstance(value, str) and "\x00" in value:
+        return value.replace("\x00", "\ufffd")
     return value
 
 
 def _to_row(record: Record) -> List[Any]:
-    """The SQL values of :data:`COLUMNS` (non-finite numbers as NULL, by ``Record.flat``);
-    ``ValueError`` for a text holding a NUL character, which PostgreSQL cannot store."""
+    """The SQL values of :data:`COLUMNS` (non-finite numbers as NULL, by ``Record.flat``; a
+    NUL in a text as U+FFFD)."""
     flat = record.flat()
-    for name in COLUMNS:
-        if isinstance(flat[name], str) and "\x00" in flat[name]:
-            raise ValueError(f"{name} holds a NUL character, which a PostgreSQL results log "
-                             "cannot store")
-    return [flat[name] for name in COLUMNS]
+    return [_pg_text(flat[name]) for name in COLUMNS]
 
 
 def _reason(exc: BaseException) -> str:

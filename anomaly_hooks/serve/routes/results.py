@@ -108,8 +108,6 @@ async def label_result(service: ServiceDep, store: StoreDep, record_id: RecordId
     """An operator's verdict on a result, ``good`` or ``defect``, with an optional note; it
     replaces an earlier label. Like the other admin routes it answers only on a server with a
     token; ``label_by`` is that token's fingerprint (never the token)."""
-    if body.note is not None and "\x00" in body.note:
-        raise ServeError(422, "invalid_parameter", "body parameter 'note': no NUL characters")
     assert service.recorder is not None  # there is a store: there is its writer
     try:  # on the writer thread, as every write of the log
         rec = await asyncio.wrap_future(service.recorder.call(
