@@ -252,7 +252,24 @@ def test_commits_wait_for_the_wal_flush_whatever_the_server_default(postgres_url
         con.execute(f"ALTER DATABASE {dbname} SET synchronous_commit = off")
     store = PostgresResultStore(postgres_url)
     assert store._read(lambda c: c.execute("SHOW synchronous_commit").fetchone()[0]) == "on"
+    assert store._read(lambda c: c.execute("SHOW statement_timeout").fetchone()[0]) == "30s"
     store.close()
+
+
+def test_a_lock_held_elsewhere_fails_a_write_after_the_statement_timeout(postgres_url):
+    """A write waiting on a lock another program holds gives up after the statement timeout
+    (as SQLite's busy timeout does) instead of holding the writer thread for ever; it
+    succeeds once the lock is gone."""
+    store = PostgresResultStore(postgres_url, statement_timeout_s=0.5)
+    store.add([_record(1)])
+    with psycopg.connect(postgres_url) as other:
+        other.execute("LOCK TABLE results IN EXCLUSIVE MODE")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            store.add([_record(2)])
+    assert store.add([_record(3)]) and store.count() == 2
+    store.close()
+    with pytest.raises(ValueError, match="statement_timeout_s"):
+        PostgresResultStore(postgres_url, statement_timeout_s=float("nan"))
 
 
 class _FakeConnection:

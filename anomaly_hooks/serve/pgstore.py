@@ -54,6 +54,10 @@ SCHEMES = ("postgresql://", "postgres://")
 MIGRATION_LOCK = int.from_bytes(hashlib.sha256(b"anomaly_hooks.results").digest()[:8], "big",
                                 signed=True)
 CONNECT_TIMEOUT_S = 10
+# libpq defaults a URL may override: a server that vanished (no FIN: a cut cable, a dead VM) is
+# noticed within about a minute instead of the system's two hours
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+              "keepalives_count": 3}
 
 SCHEMA_VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -191,15 +195,19 @@ class ConnectionPool:
 class PostgresResultStore(ResultStore):
     """The results log in a PostgreSQL database (``postgresql://user:pw@host:5432/db``)."""
 
-    def __init__(self, url: str, *, pool_size: int = 8,
-                 synchronous_commit: str = "on") -> None:
+    def __init__(self, url: str, *, pool_size: int = 8, synchronous_commit: str = "on",
+                 statement_timeout_s: float = 30.0) -> None:
         """Connect, create or upgrade the schema. An unreachable server, refused credentials
         or a schema of a newer version are a :class:`ConfigError` naming the URL (without its
-        password) and what to do."""
+        password) and what to do. ``statement_timeout_s`` bounds each statement (a lock held
+        elsewhere), as SQLite's 30 s busy timeout does; 0: no bound."""
         _require_psycopg()
+        if not statement_timeout_s >= 0:
+            raise ValueError(f"statement_timeout_s must be >= 0, not {statement_timeout_s}")
         self.url = url
         self.display_url = redact_url(url)
         self._synchronous_commit = synchronous_commit
+        self._statement_timeout_ms = int(statement_timeout_s * 1000)
         self._pool = ConnectionPool(self._connect, size=pool_size)
         try:
             with self._pool.connection() as con:
@@ -217,13 +225,16 @@ class PostgresResultStore(ResultStore):
         params = psycopg.conninfo.conninfo_to_dict(self.url)
         params.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
         params.setdefault("application_name", "anomaly_hooks")
+        for key, value in KEEPALIVES.items():
+            params.setdefault(key, value)
         try:
             con = psycopg.connect(**params, autocommit=True)
         except psycopg.OperationalError as exc:
             raise ConfigError(self._unreachable(exc)) from None
         try:
-            con.execute("SELECT set_config('synchronous_commit', %s, false)",
-                        [self._synchronous_commit])
+            con.execute("SELECT set_config('synchronous_commit', %s, false), "
+                        "set_config('statement_timeout', %s, false)",
+                        [self._synchronous_commit, str(self._statement_timeout_ms)])
         except BaseException:
             con.close()
             raise
@@ -238,6 +249,8 @@ class PostgresResultStore(ResultStore):
     def _migrate(self, con: Any) -> None:
         """Apply the pending :data:`MIGRATIONS` in one transaction under the advisory lock."""
         with con.transaction():
+            # another replica may be migrating: wait for it, and let a long migration run
+            con.execute("SET LOCAL statement_timeout = 0")
             con.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATION_LOCK])
             con.execute(SCHEMA_VERSION_TABLE)
             current = con.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version"
