@@ -12,7 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional, Sequence
 
-from anomaly_hooks.errors import AnomalyHooksError
+from anomaly_hooks.errors import AnomalyHooksError, ConfigError
 from anomaly_hooks.serve.settings import KEEP_CHOICES, RESULTS_FILE, TOKEN_ENV, ServeSettings
 
 DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
@@ -71,8 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"raise it or give 0 (no cap) (default {d['max_connections_per_client']})")
     r = p.add_argument_group("results log")
     r.add_argument("--results-dir", default=d["results_dir"],
-                   help="folder of the results log (results.sqlite) and kept pictures "
-                   f"(default {d['results_dir']})")
+                   help="folder of the results log (results.sqlite, unless --results-db) and "
+                   f"kept pictures (default {d['results_dir']})")
+    r.add_argument("--results-db", metavar="URL",
+                   help="keep the results log in this database instead of results.sqlite in "
+                   "--results-dir: postgresql://user@host:5432/dbname (the [postgres] extra; "
+                   "several replicas may share one; give the password in PGPASSWORD or "
+                   "~/.pgpass rather than in the URL) or sqlite:///path; kept pictures still go "
+                   "under --results-dir")
     r.add_argument("--no-results", action="store_true", help="keep no results log")
     r.add_argument("--keep-images", choices=KEEP_CHOICES, default=d["keep_images"],
                    help=f"overlay and mask PNGs kept (default {d['keep_images']})")
@@ -120,10 +126,18 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
+        results_db=_results_db(args),
         keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
         sighup_reload=not args.no_sighup).validate()
+
+
+def _results_db(args: argparse.Namespace) -> Optional[str]:
+    """``--results-db``; a ConfigError beside ``--no-results`` (they contradict)."""
+    if args.results_db is not None and args.no_results:
+        raise ConfigError("--results-db and --no-results contradict each other: give one")
+    return args.results_db
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,16 +192,19 @@ def _import_multipart() -> None:
 
 def preflight(settings: ServeSettings) -> None:
     """Refuse now, before the server starts, what would stop it later: the model path, the
-    drift-monitor factory, the results log (its folder a file, its file not a database...).
+    drift-monitor factory, the results log (its folder a file, its file not a database, its
+    database server unreachable...).
     Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
     from anomaly_hooks.serve.modelpaths import check_model_file
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-    from anomaly_hooks.serve.results import SQLiteResultStore
+    from anomaly_hooks.serve.results import SQLiteResultStore, open_store
 
     check_model_file(settings.model)
     if monitor_enabled(settings.monitor):
         load_factory(settings.monitor)
-    if settings.results_dir:
+    if settings.results_db:
+        open_store(settings.results_db).close()  # reachable, schema created or upgraded
+    elif settings.results_dir:
         SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE).close()
 
 

@@ -29,6 +29,7 @@ CODES = (
     (422, "invalid_parameter", "a path, query, form or body parameter is invalid"),
     (422, "reload_failed", "the new model file was refused; the old model keeps serving"),
     (500, "internal_error", "a fault of the server, never of the input"),
+    (501, "not_implemented", "the results store of this server keeps no labels"),
     (503, "not_ready", "the model is not loaded (yet); Retry-After"),
     (503, "overloaded", "the bounded queue is full; Retry-After"),
     (503, "timeout", "the request took longer than the request timeout; Retry-After"),

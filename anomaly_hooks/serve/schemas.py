@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from anomaly_hooks import prediction
 from anomaly_hooks.serve.errors import CODES
+from anomaly_hooks.serve.results import NOTE_MAX
 
 
 class ErrorBody(BaseModel):
@@ -162,9 +163,26 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     width: Optional[int]
     height: Optional[int]
     latency_ms: Optional[float]
+    label: Optional[str] = Field(description="the operator's label: good or defect; null: none")
+    label_note: Optional[str] = Field(description="the operator's note with the label")
+    label_by: Optional[str] = Field(description="who labelled it: token:<fingerprint of the "
+                                    "server's token>")
+    label_at: Optional[float] = Field(description="when it was labelled, Unix seconds (UTC)")
+    label_at_iso: Optional[str]
     overlay_url: Optional[str]
     mask_url: Optional[str]
     thumb_url: Optional[str]
+
+
+class LabelRequest(BaseModel):
+    """An operator's label for a result (``POST /v1/results/{id}/label``): it replaces any
+    earlier one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Literal["good", "defect"] = Field(description="good: not a defect; defect: one")
+    note: Optional[str] = Field(None, max_length=NOTE_MAX,
+                                description=f"why, at most {NOTE_MAX} characters")
 
 
 class ResultPage(BaseModel):

@@ -56,6 +56,7 @@ from anomaly_hooks.serve.results import (
     ResultStore,
     SQLiteResultStore,
     iso_time,
+    open_store,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
 
@@ -125,10 +126,9 @@ class Service:
         self.pool = ThreadPoolExecutor(s.decode_workers, thread_name_prefix="decode")
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
-        if self._store_given is not None or s.results_dir:
-            root = Path(s.results_dir or ".")
-            self.store = self._store_given or SQLiteResultStore(root / RESULTS_FILE)
-            self.files = ImageFiles(root) if s.results_dir else None
+        if self._store_given is not None or s.keeps_results:
+            self.store = self._store_given or self._open_store()
+            self.files = ImageFiles(s.results_dir) if s.results_dir else None
             self.recorder = Recorder(self.store)
         wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
         self.batcher = Batcher(max_batch=s.max_batch, max_wait_s=wait_s,
@@ -144,6 +144,14 @@ class Service:
                 self._sighup = True
             except (NotImplementedError, RuntimeError, ValueError, AttributeError):
                 log.info("SIGHUP reload not available here")
+
+    def _open_store(self) -> ResultStore:
+        """The results log of the settings: ``results_db``, else results.sqlite in
+        ``results_dir``."""
+        s = self.settings
+        if s.results_db:
+            return open_store(s.results_db)
+        return SQLiteResultStore(Path(s.results_dir or ".") / RESULTS_FILE)
 
     def begin_shutdown(self) -> None:
         """The server is stopping: model loads in progress stop now (a reload answers 503

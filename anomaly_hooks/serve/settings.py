@@ -34,7 +34,10 @@ class ServeSettings:
     idle_timeout_s: float = 5.0            # a connection waiting for a request may be silent
     max_connections: int = 1024            # open connections at most (0: no cap)
     max_connections_per_client: int = 64   # per client address, an IPv6 /64 as one (0: no cap)
-    results_dir: Optional[str] = "serve_results"   # None = no results log
+    results_dir: Optional[str] = "serve_results"   # None = no results log (unless results_db)
+    # the results log in a database (postgresql://..., sqlite:///...) instead of results.sqlite
+    # in results_dir; kept pictures still go under results_dir (None: no pictures kept)
+    results_db: Optional[str] = None
     keep_images: str = "anomalous"         # pictures kept in the results log: none|anomalous|all
     thumbnails: bool = True                # a small overlay JPEG per result (the page's list)
     thumb_side: int = 160
@@ -81,10 +84,23 @@ class ServeSettings:
             raise ConfigError("the token must have at least 8 characters")
         if self.models_dir is not None and not os.path.isdir(self.models_dir):
             raise ConfigError(f"models-dir {self.models_dir!r} is not a folder")
+        if self.results_db is not None:
+            from anomaly_hooks.serve.results import check_store_spec
+
+            check_store_spec(self.results_db)
         return self
 
+    @property
+    def keeps_results(self) -> bool:
+        """Whether the service keeps a results log (in results_db or in results_dir)."""
+        return bool(self.results_db or self.results_dir)
+
     def public(self) -> dict:
-        """The settings without the token (for GET /v1/model)."""
+        """The settings without the token nor the database password (for GET /v1/model)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["token"] = "set" if self.token else None
+        if self.results_db:
+            from anomaly_hooks.serve.pgstore import redact_url
+
+            out["results_db"] = redact_url(self.results_db)
         return out
