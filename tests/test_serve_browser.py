@@ -107,7 +107,18 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 3")
                 tags = page.eval_on_selector_all("#recent .tag", "ts => ts.map(t => t.textContent)")
                 assert tags == ["anomalous"] * 3
+                # the operator overrules the newest anomalous verdict: a false alarm
+                page.click("#recent tr:first-child button[data-label='good']")
+                page.wait_for_selector("#recent tr:first-child .tag.labelled-good")
+                assert page.inner_text("#recent tr:first-child .tag.labelled-good") == \
+                    "false alarm"
+                page.wait_for_function("document.getElementById('false-alarms').textContent"
+                                       ".endsWith(': 1')")
                 page.uncheck("#only-anomalous")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
+                page.select_option("#label-filter", "good")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                page.select_option("#label-filter", "")
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
                 shot = page.screenshot(path=str(tmp_path / "serve_page.png"), full_page=True)
                 assert shot[:8] == b"\x89PNG\r\n\x1a\n"

@@ -54,9 +54,11 @@ function operatingRows(t) {
   if (t.target_recall) rows.push(["target recall", pct(t.target_recall)]);
   if (t.scores) rows.push(["good images scored out of sample", String(t.scores.length)]);
   const prov = t.provenance || {};
+  const shown = new Set(rows.map(([k]) => k));
   for (const [key, value] of Object.entries(prov)) {
-    if (value === null || typeof value === "object") continue;
-    rows.push([key.replaceAll("_", " "), String(value)]);
+    const name = key.replaceAll("_", " ");
+    if (value === null || typeof value === "object" || shown.has(name)) continue;
+    rows.push([name, String(value)]);
   }
   return rows;
 }
@@ -65,6 +67,7 @@ async function refreshOperatingPoint() {
   const summary = $("operating-summary"), table = $("operating-table");
   try {
     const info = await api("/v1/model");
+    servingChecksum = info.file_sha256 || null;
     const t = info.threshold || {};
     summary.textContent = `score > ${fmt(t.value)} is anomalous`;
     table.replaceChildren(...operatingRows(t).map(([k, v]) => {
@@ -165,7 +168,7 @@ function renderRecent(rows) {
     tag.className = "tag " + (r.is_anomalous ? "anomalous" : "normal");
     tag.textContent = r.is_anomalous ? "anomalous" : "ok";
     verdict.append(tag);
-    tr.append(thumb, time, who, score, verdict);
+    tr.append(thumb, time, who, score, verdict, labelCell(r));
     tr.addEventListener("click", () => showResult(r, null));
     body.append(tr);
   }
@@ -206,11 +209,68 @@ function drawChart(rows) {
   });
 }
 
+// the operator's word on a verdict: good or defect (an admin route: the page's token)
+const LABEL_TEXT = {
+  good: (r) => r.is_anomalous ? "false alarm" : "confirmed good",
+  defect: (r) => r.is_anomalous ? "confirmed defect" : "missed defect",
+};
+
+function labelCell(r) {
+  const td = document.createElement("td");
+  if (r.label) {
+    const tag = document.createElement("span");
+    tag.className = "tag labelled-" + r.label;
+    tag.textContent = LABEL_TEXT[r.label] ? LABEL_TEXT[r.label](r) : r.label;
+    if (r.label_note) tag.title = r.label_note;
+    td.append(tag);
+  }
+  for (const label of ["good", "defect"]) {
+    if (r.label === label) continue;
+    const b = document.createElement("button");
+    b.type = "button"; b.className = "label"; b.dataset.label = label;
+    b.textContent = LABEL_TEXT[label](r);
+    b.addEventListener("click", (e) => { e.stopPropagation(); setLabel(r.id, label); });
+    td.append(b);
+  }
+  return td;
+}
+
+async function setLabel(id, label) {
+  try {
+    await api(`/v1/results/${id}/label`, {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ label }),
+    });
+    setStatus(`result ${id} labelled ${label}`);
+  } catch (err) {
+    setStatus(`label of result ${id}: ${err.message}`, true);
+  }
+  refreshResults();
+}
+
+let servingChecksum = null;  // the serving model's file_sha256 (from /v1/model)
+
+async function countFalseAlarms() {
+  if (!servingChecksum) return;
+  let n = 0, before = null;
+  for (let page = 0; page < 20; page++) {  // at most 20 pages of 1000
+    const q = "/v1/results?label=good&anomalous=true&limit=1000" + (before ? `&before_id=${before}` : "");
+    const rows = (await api(q)).results;
+    n += rows.filter((r) => r.model_checksum === servingChecksum).length;
+    if (rows.length < 1000) break;
+    before = rows[rows.length - 1].id;
+  }
+  $("false-alarms").textContent = `labelled false alarms of the serving model: ${n}`;
+}
+
 async function refreshResults() {
   try {
     const onlyAnomalous = $("only-anomalous").checked;
-    const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : ""));
+    const label = $("label-filter").value;
+    const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : "") +
+                             (label ? `&label=${label}` : ""));
     renderRecent(recent.results);
+    await countFalseAlarms();
     drawChart((await api("/v1/results?limit=200")).results);
   } catch (err) {
     $("recent-empty").hidden = false;
@@ -259,6 +319,7 @@ async function refreshDrift() {
 
 setupUpload();
 $("only-anomalous").addEventListener("change", refreshResults);
+$("label-filter").addEventListener("change", refreshResults);
 refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
 setInterval(refreshModel, 10000);
 setInterval(refreshOperatingPoint, 30000);
