@@ -250,3 +250,41 @@ def test_install_edge_script(edge, tmp_path):
         r = httpx.post(server.url + "/v1/predict", content=files[-1].read_bytes(), timeout=60)
         assert r.status_code == 200, r.text + server.log()
         assert r.json()["score"] == expected.score and r.json()["is_anomalous"]
+
+
+# ---- the deployment examples (fast: read, not run) ------------------------------------------
+def _deploy_commands():
+    """(the unit's ExecStart, the Dockerfile's CMD, the Dockerfile's RUN lines) as words."""
+    import json
+    import shlex
+
+    unit = (ROOT / "deploy" / "anomaly-hooks-edge.service").read_text()
+    start = next(line.split("=", 1)[1] for line in unit.splitlines()
+                 if line.startswith("ExecStart="))
+    docker = (ROOT / "deploy" / "Dockerfile.edge").read_text().replace("\\\n", " ")
+    lines = docker.splitlines()
+    cmd = json.loads(next(line[len("CMD "):] for line in lines if line.startswith("CMD ")))
+    runs = [line[len("RUN "):] for line in lines if line.startswith("RUN ")]
+    return shlex.split(start), cmd, runs
+
+
+def test_deploy_examples_use_the_install_script_and_the_same_command():
+    """The systemd unit and the Dockerfile run the venv the install script makes, with one
+    ``serve`` command line (the host aside) that the command's own parser accepts."""
+    import argparse
+
+    from anomaly_hooks.serve.cli import add_arguments
+
+    start, cmd, runs = _deploy_commands()
+    assert any("deploy/install-edge.sh /opt/anomaly-hooks" in run for run in runs)
+    assert start[0] == cmd[0] == "/opt/anomaly-hooks/bin/anomaly-hooks" and start[1] == "serve"
+
+    def parsed(words):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = vars(parser.parse_args(words[2:]))
+        assert args["model"].endswith(".onnx")
+        return {k: v for k, v in args.items() if k != "host"}
+
+    assert parsed(start) == parsed(cmd)
+    assert "edge-requirements.txt" in EDGE_SCRIPT.read_text()
