@@ -154,6 +154,41 @@ def test_onnx_model_served_in_process(edge, tmp_path):
         assert client.get("/v1/drift").json() == {"enabled": False}
 
 
+def test_a_pytorch_model_where_torch_is_missing_is_refused_with_what_to_do(monkeypatch):
+    from anomaly_hooks.errors import ModelFileError
+    from anomaly_hooks.serve.engine import engine_class
+
+    monkeypatch.setitem(sys.modules, "anomaly_hooks.serve.engine_torch", None)
+    with pytest.raises(ModelFileError, match="PyTorch cannot be imported here .*serve the "
+                       r"\.onnx file"):
+        engine_class("m.safetensors")
+    assert engine_class("m.onnx").kind == "onnx"
+
+
+def test_reload_switches_between_the_engines(edge, fitted, tmp_path):
+    """An admin reload loads a .safetensors model beside a serving .onnx one and back; each
+    answers with its own engine and the results log keeps both models' rows."""
+    import shutil
+
+    from serve_helpers import TOKEN, good_png
+
+    path, _ = edge
+    folder = tmp_path / "models"
+    folder.mkdir()
+    onnx = Path(shutil.copy(path, folder / "m.onnx"))
+    torch_model = fitted.save(folder / "m.safetensors")
+    with serving(onnx, tmp_path, token=TOKEN) as (client, service):
+        ids = [client.post("/v1/predict", content=good_png(1)).json()["model"]["id"]]
+        for target, kind in ((torch_model, "torch"), (onnx, "onnx")):
+            r = client.post("/v1/admin/reload", json={"path": str(target)})
+            assert r.status_code == 200, r.text
+            assert service.engine.kind == kind and client.get("/v1/model").json()["engine"] == kind
+            body = client.post("/v1/predict", content=good_png(1)).json()
+            ids.append(body["model"]["id"])
+        assert ids[0] == ids[2] != ids[1]
+        assert client.get("/v1/results").json()["count"] == 3
+
+
 def test_onnx_batch_request_matches_the_runtime_batch(edge, tmp_path):
     """A batch request scores its images together: within :data:`BATCH_ULPS` of the
     runtime's batch prediction (module docstring)."""

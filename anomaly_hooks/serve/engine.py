@@ -291,13 +291,19 @@ class ModelEngine:
 
 def engine_class(path: Any) -> Type[ModelEngine]:
     """The engine for a model file, by its suffix: ``.onnx`` -> the ONNX engine (no torch),
-    anything else -> the PyTorch engine."""
+    anything else -> the PyTorch engine (a :class:`ModelFileError` saying what to do where
+    torch cannot be imported)."""
     if str(path).lower().endswith(ONNX_SUFFIX):
         from anomaly_hooks.serve.engine_onnx import OnnxEngine
 
         return OnnxEngine
-    from anomaly_hooks.serve.engine_torch import TorchEngine
-
+    try:
+        from anomaly_hooks.serve.engine_torch import TorchEngine
+    except ImportError as exc:  # an edge install: no PyTorch
+        raise ModelFileError(
+            f"{path}: a PyTorch model file, but PyTorch cannot be imported here ({exc}); "
+            "export the model (anomaly-hooks export, where it was fitted) and serve the "
+            ".onnx file, or install the full package") from None
     return TorchEngine
 
 

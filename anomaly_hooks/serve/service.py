@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 
 import numpy as np
 
-from anomaly_hooks.errors import AnomalyHooksError
+from anomaly_hooks.errors import AnomalyHooksError, ModelFileError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
 from anomaly_hooks.serve.engine import (
@@ -133,7 +133,8 @@ class Service:
         """Thread pools, results log and batcher; the model loads in the background."""
         s = self.settings
         self.loop = asyncio.get_running_loop()
-        engine_class(s.model).prepare_process()
+        with contextlib.suppress(ModelFileError):  # the model's load says it again, as fatal
+            engine_class(s.model).prepare_process()
         self.pool = ThreadPoolExecutor(s.decode_workers, thread_name_prefix="decode")
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
