@@ -323,3 +323,50 @@ def test_deploy_examples_use_the_install_script_and_the_same_command():
 
     assert parsed(start) == parsed(cmd)
     assert "edge-requirements.txt" in EDGE_SCRIPT.read_text()
+
+
+# ---- the operator page of the edge service in a real browser (slow) -------------------------
+@pytest.mark.slow
+def test_edge_page_in_a_browser(edge, tmp_path):
+    """The page of an ONNX service (torch blocked) in headless Chromium: an upload gets its
+    verdict and overlay, and the drift card says why there is no monitor."""
+    import httpx
+    from test_serve_browser import CHROMIUM_ARGS, chromium_or_skip
+
+    exe = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    path, files = edge
+    env = blocked_env(tmp_path)
+    with ServerProcess(path, tmp_path, "--results-dir", str(tmp_path / "results"), env=env,
+                       launcher=[sys.executable, "-c", LAUNCHER]) as server:
+        for f in files[:3]:
+            assert httpx.post(server.url + "/v1/predict", content=f.read_bytes(),
+                              timeout=60).status_code == 200
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                # the browser logs each non-2xx fetch; /v1/drift's 409 is the expected answer
+                page.on("console", lambda msg: problems.append(msg.text)
+                        if msg.type == "error" and "409" not in msg.text else None)
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length >= 3")
+                page.set_input_files("#file", str(files[-1]))
+                page.wait_for_selector("#verdict[data-state]", timeout=60000)
+                assert page.inner_text("#verdict") == "ANOMALOUS"
+                page.wait_for_function("document.getElementById('overlay').naturalWidth > 0")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length >= 4")
+                page.wait_for_function(  # every thumbnail, the new one's too, is shown
+                    "[...document.querySelectorAll('#recent img')].every("
+                    "i => i.complete && i.naturalWidth > 0)")
+                page.wait_for_function(
+                    "document.getElementById('drift-state').textContent === 'not available'")
+                assert "without a drift monitor" in page.inner_text("#drift-message")
+                page.screenshot(path=str(tmp_path / "edge_page.png"), full_page=True)
+            finally:
+                browser.close()
+        assert not problems, problems
+    assert not Path(env["EDGE_TORCH_LOG"]).exists()
