@@ -249,16 +249,17 @@ class ServerProcess:
     on a free loopback port, in its own process group."""
 
     def __init__(self, model: Path, workdir: Path, *args: str, env: Optional[dict] = None,
-                 ready_timeout: float = 180.0) -> None:
+                 ready_timeout: float = 180.0, launcher: Optional[List[str]] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"server_{self.port}.log"
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
+        # launcher: what runs the CLI (default: this Python's ``-m anomaly_hooks.cli``)
+        command = launcher or [sys.executable, "-m", "anomaly_hooks.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "anomaly_hooks.cli", "serve", "--model", str(model),
-             "--port", str(self.port), *args],
+            [*command, "serve", "--model", str(model), "--port", str(self.port), *args],
             cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True)
         self.ready_timeout = ready_timeout

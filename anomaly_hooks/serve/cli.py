@@ -21,7 +21,8 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--model", required=True, help="model file written by fit, or an .onnx "
+                   "file written by export (served by ONNX Runtime, without PyTorch)")
     p.add_argument("--host", default=d["host"],
                    help=f"address to bind (default {d['host']}: this machine only)")
     p.add_argument("--port", type=int, default=d["port"], help=f"default {d['port']}")
@@ -91,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--monitor", default="auto",
                    help="drift monitor factory, module:callable (called with the loaded "
                    "Detector); auto (default): anomaly_hooks.monitor when the model file has a "
-                   "drift reference; none: no monitor")
+                   "drift reference; none: no monitor (an .onnx model runs without one: "
+                   "GET /v1/drift says why)")
     p.add_argument("--no-sighup", action="store_true", help="do not reload the model on SIGHUP")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])

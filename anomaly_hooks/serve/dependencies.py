@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from anomaly_hooks.serve.engine import Engine
+from anomaly_hooks.serve.engine import ModelEngine
 from anomaly_hooks.serve.errors import ServeError
 from anomaly_hooks.serve.results import ResultStore
 from anomaly_hooks.serve.service import Service
@@ -21,12 +21,12 @@ def get_service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
-def serving_engine(service: ServiceDep) -> Engine:
+def serving_engine(service: ServiceDep) -> ModelEngine:
     """The serving model; 503 ``not_ready`` while none is loaded."""
     return service.require_engine()
 
 
-EngineDep = Annotated[Engine, Depends(serving_engine)]
+EngineDep = Annotated[ModelEngine, Depends(serving_engine)]
 
 
 def result_store(service: ServiceDep) -> ResultStore:

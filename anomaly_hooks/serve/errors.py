@@ -21,6 +21,8 @@ CODES = (
     (404, "not_found", "no such route, result or picture; or the results log is off"),
     (405, "method_not_allowed", "wrong HTTP method for the route"),
     (409, "reload_in_progress", "another model reload is running"),
+    (409, "drift_unavailable", "the serving model cannot feed the drift monitor asked for (an "
+     "ONNX export); the message says why"),
     (413, "payload_too_large", "the upload (or request body) exceeds the byte limit"),
     (413, "too_many_pixels", "the image exceeds the pixel limit (decompression-bomb guard)"),
     (413, "too_many_images", "more images in one batch request than allowed"),

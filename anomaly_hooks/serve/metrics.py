@@ -110,10 +110,9 @@ class ServiceMetrics:
         yield ready
         if engine is not None:
             info = GaugeMetricFamily("anomaly_hooks_model_info", "the model being served",
-                                     labels=["model_id", "method", "backbone", "sha256"])
-            det = engine.detector
-            info.add_metric([engine.model_id, str(det.cfg.method), str(det.backbone_name),
-                             engine.sha256], 1.0)
+                                     labels=["model_id", "method", "backbone", "sha256", "engine"])
+            info.add_metric([engine.model_id, engine.method, engine.backbone_name,
+                             engine.sha256, engine.kind], 1.0)
             yield info
             thr = GaugeMetricFamily("anomaly_hooks_model_threshold", "raw score threshold")
             thr.add_metric([], engine.threshold)

@@ -19,21 +19,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.files import regular_file_problem
 from anomaly_hooks.images import display
-from anomaly_hooks.modelfile import check_model_path
 from anomaly_hooks.serve.errors import ServeError
 
 
 def check_model_file(path: str | os.PathLike) -> None:
     """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file
-    (:func:`anomaly_hooks.modelfile.check_model_path`: ``os.stat`` only, nothing opened)."""
-    check_model_path(path)
+    (``os.stat`` only, nothing opened; the rule of
+    :func:`anomaly_hooks.modelfile.check_model_path`, without importing torch)."""
+    problem = regular_file_problem(path, "a model file")
+    if problem is not None:
+        raise ModelFileError(f"{display(path)}: {problem}")
 
 
 def check_model_extent(path: str | os.PathLike) -> int:
     """The size of the model file at ``path`` (a regular file: :func:`check_model_file`),
     checked against the end of the tensor data its header declares; raise
-    :class:`ModelFileError` when they differ. Reads the header only."""
+    :class:`ModelFileError` when they differ. Reads the header only (a ``.safetensors`` file:
+    the PyTorch engine's check)."""
     from anomaly_hooks.modelfile import read_header
 
     label = display(path)

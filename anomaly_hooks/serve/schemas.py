@@ -257,10 +257,18 @@ class ModelInfo(BaseModel):
     input_size: List[int]
     preprocess: Dict[str, Any]
     threshold: Dict[str, Any]
-    fitted_on: int
+    fitted_on: Optional[int] = Field(description="training images (None: an ONNX export, "
+                                     "which does not record it)")
     fit: Dict[str, Any]
-    device: str
-    config: Dict[str, Any]
+    device: str = Field(description="the torch device, or the ONNX Runtime providers")
+    config: Dict[str, Any] = Field(description="the fit's configuration (empty for an ONNX "
+                                   "export)")
+    engine: str = Field("torch", description="torch (a .safetensors model on PyTorch) or onnx "
+                        "(an exported .onnx model on ONNX Runtime, no PyTorch)")
+    drift_unavailable: Optional[str] = Field(
+        None, description="why this model cannot feed a drift monitor (None: it can)")
+    export: Optional[Dict[str, Any]] = Field(
+        None, description="an ONNX model's export record: scorer form, grid, int8, checksums")
     serving: Dict[str, Any] = Field(description="the server's settings (the token as 'set')")
     batching: Batching
     last_reload: Optional[Union[ReloadDone, ReloadRefused]]

@@ -41,14 +41,26 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 
 import numpy as np
 
-from anomaly_hooks.errors import AnomalyHooksError
+from anomaly_hooks.errors import AnomalyHooksError, ModelFileError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
-from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage, load_cancelled
+from anomaly_hooks.serve.engine import (
+    ModelEngine,
+    Outcome,
+    PreparedImage,
+    engine_class,
+    load_cancelled,
+    load_engine,
+)
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder
-from anomaly_hooks.serve.monitoring import MonitorRunner, observed_batch, optional_monitor
+from anomaly_hooks.serve.monitoring import (
+    MonitorRunner,
+    monitor_enabled,
+    observed_batch,
+    optional_monitor,
+)
 from anomaly_hooks.serve.results import (
     ImageFiles,
     Record,
@@ -72,7 +84,7 @@ class Service:
                  store: Optional[ResultStore] = None,
                  on_fatal: Optional[Callable[[str], None]] = None) -> None:
         self.settings = settings
-        self.engine: Optional[Engine] = None
+        self.engine: Optional[ModelEngine] = None
         self.load_error: Optional[str] = None
         self.last_reload: Optional[Dict[str, Any]] = None
         self.started = time.time()
@@ -82,7 +94,7 @@ class Service:
         self._monitor_object = monitor
         # (monitor, the engine whose file built it or None for a given monitor), swapped as one
         # so that the batch thread never pairs a new monitor with an old model's batch
-        self._monitoring: Tuple[Optional[MonitorRunner], Optional[Engine]] = (None, None)
+        self._monitoring: Tuple[Optional[MonitorRunner], Optional[ModelEngine]] = (None, None)
         self._store_given = store
         self.store: Optional[ResultStore] = None
         self.files: Optional[ImageFiles] = None
@@ -122,7 +134,8 @@ class Service:
         """Thread pools, results log and batcher; the model loads in the background."""
         s = self.settings
         self.loop = asyncio.get_running_loop()
-        _init_torch_threads()
+        with contextlib.suppress(ModelFileError):  # the model's load says it again, as fatal
+            engine_class(s.model).prepare_process()
         self.pool = ThreadPoolExecutor(s.decode_workers, thread_name_prefix="decode")
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
@@ -237,7 +250,7 @@ class Service:
         return len(removed)
 
     # -- model -----------------------------------------------------------------------------
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> ModelEngine:
         """The serving model, or 503 ``not_ready`` (loading, or refused: why)."""
         engine = self.engine
         if engine is None:
@@ -276,8 +289,8 @@ class Service:
         finally:
             self._reloading = False
 
-    async def _load_beside(self, target: str, old: Optional[Engine]
-                           ) -> Tuple[Engine, Optional[MonitorRunner]]:
+    async def _load_beside(self, target: str, old: Optional[ModelEngine]
+                           ) -> Tuple[ModelEngine, Optional[MonitorRunner]]:
         """The new engine and its monitor, or the refusal (422) to answer."""
         try:
             new = await self._load(target)
@@ -293,12 +306,13 @@ class Service:
             raise self._refused(target, f"its drift monitor cannot be built: "
                                 f"{error_text(exc)}", old) from None
 
-    async def _load(self, path: str) -> Engine:
-        """:meth:`Engine.load` in the aux pool, stopped by :meth:`begin_shutdown`."""
+    async def _load(self, path: str) -> ModelEngine:
+        """:func:`~.engine.load_engine` (the engine by the file's suffix) in the aux pool,
+        stopped by :meth:`begin_shutdown`."""
         return await self.loop.run_in_executor(self.aux, functools.partial(
-            Engine.load, path, self.settings.device, cancel=self._stopping))
+            load_engine, path, self.settings.device, cancel=self._stopping))
 
-    def _refused(self, target: str, msg: str, old: Optional[Engine]) -> ServeError:
+    def _refused(self, target: str, msg: str, old: Optional[ModelEngine]) -> ServeError:
         """Record and log a refused reload; the error to answer (the old model serves on)."""
         self.metrics.reloads.labels("failed").inc()
         serving = old.model_id if old else None
@@ -313,12 +327,29 @@ class Service:
         """The drift monitor fed by the serving model's batches (None: no monitor)."""
         return self._monitoring[0]
 
-    async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
-        """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
+    @property
+    def drift_unavailable(self) -> Optional[str]:
+        """Why the serving model runs without the drift monitor it was asked for (an engine
+        that cannot feed one: ``GET /v1/drift`` answers 409 with it), else None."""
+        engine = self.engine
+        if (engine is None or self.monitor is not None
+                or not monitor_enabled(self.settings.monitor)):
+            return None
+        return engine.drift_unavailable
+
+    async def _build_monitor(self, engine: ModelEngine) -> Optional[MonitorRunner]:
+        """The configured monitor (``--monitor``) for ``engine``'s model file, or None (also
+        for an engine that cannot feed one: :attr:`drift_unavailable`)."""
+        if engine.drift_unavailable is not None:
+            if monitor_enabled(self.settings.monitor):
+                log.warning("no drift monitor for %s: %s", engine.model_id,
+                            engine.drift_unavailable)
+            return None
         return await self.loop.run_in_executor(self.aux, optional_monitor,
                                                self.settings.monitor, engine.detector)
 
-    async def _monitor_for(self, old: Optional[Engine], new: Engine) -> Optional[MonitorRunner]:
+    async def _monitor_for(self, old: Optional[ModelEngine], new: ModelEngine
+                           ) -> Optional[MonitorRunner]:
         """The monitor to run with ``new``: the same one for a given monitor object or an
         unchanged file (its window carries on), else one built from the new file's reference
         -- a reloaded model has its own reference, and the old one's would see only drift."""
@@ -326,7 +357,7 @@ class Service:
             return self.monitor
         return await self._build_monitor(new)
 
-    def _swap(self, engine: Engine, monitor: Optional[MonitorRunner]) -> None:
+    def _swap(self, engine: ModelEngine, monitor: Optional[MonitorRunner]) -> None:
         """Serve ``engine`` with ``monitor`` from the next batch on (one step on the loop)."""
         previous = self.monitor
         self.engine = engine
@@ -347,7 +378,7 @@ class Service:
         self._tasks.append(self.loop.create_task(run(), name="sighup-reload"))
 
     # -- batches ---------------------------------------------------------------------------
-    def _on_batch(self, engine: Engine, jobs: List[Job], scores: Any, info: BatchInfo,
+    def _on_batch(self, engine: ModelEngine, jobs: List[Job], scores: Any, info: BatchInfo,
                   features: Optional[Dict[str, Any]] = None) -> None:
         self.metrics.batch_size.observe(info.size)
         self.metrics.batch_seconds.observe(info.seconds)
@@ -411,7 +442,7 @@ class Service:
             body.update((k, url) for k, url in record.picture_urls().items() if url)
         return body
 
-    async def _prepare(self, engine: Engine, data: bytes) -> PreparedImage:
+    async def _prepare(self, engine: ModelEngine, data: bytes) -> PreparedImage:
         """Decode and preprocess in the decode pool (a refused upload is counted)."""
         s = self.settings
         try:
@@ -429,7 +460,7 @@ class Service:
         """Which pictures the results log keeps (none without a folder for them)."""
         return self.settings.keep_images if self.files is not None else "none"
 
-    async def _finish(self, engine: Engine, score: float, heat: Any, item: PreparedImage,
+    async def _finish(self, engine: ModelEngine, score: float, heat: Any, item: PreparedImage,
                       heatmap: str) -> Outcome:
         """Verdict and the pictures the response or the results log needs (decode pool)."""
         s = self.settings
@@ -546,7 +577,7 @@ async def until_done(fut: "asyncio.Future[Any]") -> Any:
                 task.uncancel()
 
 
-def check_finite(verdict: Any, engine: Engine) -> None:
+def check_finite(verdict: Any, engine: ModelEngine) -> None:
     """A verdict with a non-finite score, normalised score or threshold is no verdict (a NaN
     score would read as "not anomalous"): 500 ``internal_error``, and nothing is recorded."""
     bad = [f"{name}={value}" for name in ("score", "normalized_score", "threshold")
@@ -558,7 +589,7 @@ def check_finite(verdict: Any, engine: Engine) -> None:
                          "it)")
 
 
-def model_fault(stage: str, exc: BaseException, engine: Engine) -> ServeError:
+def model_fault(stage: str, exc: BaseException, engine: ModelEngine) -> ServeError:
     """500 ``internal_error`` for an unexpected failure of the model's ``stage``."""
     log.error("%s failed on model %s: %s", stage, engine.model_id, error_text(exc))
     return ServeError(500, "internal_error", f"{stage} failed on the model {engine.model_id} "
@@ -585,18 +616,6 @@ def error_text(exc: BaseException) -> str:
         return type(exc).__name__
     known = (AnomalyHooksError, FileNotFoundError, ValueError)
     return text if isinstance(exc, known) else f"{type(exc).__name__}: {text}"
-
-
-def _init_torch_threads() -> None:
-    """Run one parallel torch op on this (the main) thread before any worker thread does.
-
-    Measured here (torch 2.15, libgomp): when the first parallel CPU op of a process runs on a
-    worker thread, every later op on *that* thread is 10-40x slower (a ResNet18 batch: 2-5 s
-    instead of 0.05-0.2 s); one op on the main thread first avoids it. The service loads models
-    on a worker thread, so it does this at start."""
-    import torch
-
-    torch.zeros(1 << 20).add_(1)
 
 
 @functools.lru_cache(maxsize=1)

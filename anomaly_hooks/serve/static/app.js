@@ -12,7 +12,10 @@ async function api(path, options = {}) {
   const body = type.includes("json") ? await response.json() : await response.text();
   if (!response.ok) {
     const message = (body && body.message) ? `${body.code}: ${body.message}` : `HTTP ${response.status}`;
-    throw new Error(message);
+    const err = new Error(message);
+    err.code = body && body.code;
+    err.detail = body && body.message;
+    throw err;
   }
   return body;
 }
@@ -312,6 +315,12 @@ async function refreshDrift() {
       tr.append(a, b); table.append(tr);
     }
   } catch (err) {
+    if (err.code === "drift_unavailable") {  // the model cannot feed a monitor: say why
+      table.replaceChildren();
+      state.textContent = "not available"; state.className = "drift-state off";
+      $("drift-message").textContent = err.detail;
+      return;
+    }
     state.textContent = "unavailable"; state.className = "drift-state error";
     $("drift-message").textContent = err.message;
   }
