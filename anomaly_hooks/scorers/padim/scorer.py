@@ -230,6 +230,13 @@ class PadimScorer(Scorer):
         self._acc = self._store = None
         self.fitted = True
 
+    # -- updates (anomaly_hooks.updating) ---------------------------------------------------
+    def fitted_state(self) -> Dict[str, Any]:
+        """The training images' state (:func:`partial.fitted_state`): the low-rank form's
+        samples, or the dense form's exact sums from its mean, factors and image count."""
+        self.check_fitted()
+        return partial.fitted_state(self.gaussians, self.n_train, self.grid, self.epsilon)
+
     # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
     def out_of_sample_unsupported(self) -> Optional[str]:
         return None
