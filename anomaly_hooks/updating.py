@@ -135,6 +135,8 @@ class UpdateRun:
         self.descriptors: List[np.ndarray] = []
         self.held_images: List[torch.Tensor] = []
         self.cross_fit: Dict[str, Any] = {}
+        self.folds: Optional[int] = None  # the cross-fit's folds of the new images (None: none)
+        self.rescored = False  # the model's images' scores made afresh (rescore_model_images)
         self.collector = new_collector(det) if det.drift_reference_ is not None else None
         self.clock.lap("plan")
 
@@ -219,6 +221,7 @@ class UpdateRun:
             groups = grouping.groups
         n_folds = thr.folds or scorer.out_of_sample_folds
         folds = None
+        self.folds = n_folds
         if n_folds is None:
             partition = np.concatenate([np.arange(self.n_old), self.n_old + groups])
         else:
@@ -226,8 +229,7 @@ class UpdateRun:
             partition = np.concatenate([np.zeros(self.n_old, dtype=np.int64), 1 + folds])
         if int(np.bincount(partition).max()) > 1:
             scorer.set_out_of_sample_groups(partition)
-        self.cross_fit = {**describe_cross_fit(grouping, folds, names),
-                          "model_images": "stored scores of the model they were fitted in"}
+        self.cross_fit = describe_cross_fit(grouping, folds, names)
 
     def finalize(self, merged: Dict[str, Any]) -> Scorer:
         """A fresh scorer fitted from the merged state (with what the out-of-sample scores of
@@ -247,7 +249,10 @@ class UpdateRun:
         if self.out_of_sample:
             n_new = len(self.used)
             patch = scorer.take_out_of_sample_scores()
-            if patch is not None:  # made by finalize for every image: the new ones come last
+            if patch is not None and self.rescore_model_images():
+                good = det.image_scores_from_patches(patch)  # every image, afresh
+                self.rescored = True
+            elif patch is not None:  # made by finalize for every image: the new ones last
                 good = det.image_scores_from_patches(patch[self.n_old:])
             else:
                 good = out_of_sample_scores(det, scorer, [self.train[i] for i in self.used],
@@ -270,6 +275,17 @@ class UpdateRun:
                                       observe=self.collector).scores.tolist())
         self.clock.lap("threshold")
         return good
+
+    def rescore_model_images(self) -> bool:
+        """Whether the out-of-sample scores ``finalize`` made for the images already in the
+        model replace their stored ones: where the model's images were each left out alone
+        (its threshold's provenance says so, and the update leaves them alone too), they are
+        those images' scores under the rule of a fit on all the images (PaDiM's low-rank
+        form: exact leave-one-out of every sample)."""
+        prov = self.det.threshold_.provenance or {}
+        scheme = str(((prov.get("good") or {}).get("out_of_sample") or {}).get("scheme", ""))
+        return (self.folds is None and scheme.startswith("leave-one-image-out")
+                and len(self.det.threshold_.scores or []) == self.n_old)
 
     def defect_scores(self, scorer: Scorer) -> Optional[List[float]]:
         """The labelled defects of ``threshold.defects`` scored by the updated model, where
@@ -301,13 +317,13 @@ class UpdateRun:
         det, cfg = self.det, self.cfg
         old = det.threshold_
         # threshold.folder: the folder, scored again, is every threshold image
-        stored = [] if cfg.threshold.folder else list(old.scores or [])
+        stored = [] if cfg.threshold.folder or self.rescored else list(old.scores or [])
         good = [*stored, *new_good]
         prov: Dict[str, Any] = {
             "set_by": "update", "objective": str(cfg.threshold.objective),
             "parent": {"checksum": self.parent},
             "good": {"source": old.source, "n": len(good), "stored": len(stored),
-                     "added": len(new_good)}}
+                     "scored": len(new_good)}}
         if self.out_of_sample:
             prov["good"]["out_of_sample"] = self.cross_fit
         if defects is not None:
