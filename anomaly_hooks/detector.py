@@ -200,8 +200,8 @@ class Detector:
     def update(self, X: Any, *, progress: bool = False) -> "Detector":
         """Update the fitted model in place with new good images ``X`` (a folder, an MVTec
         root, a list of paths or folders, an iterable of images), without the images it was
-        fitted on, and return ``self`` (as ``fit``; ``copy.deepcopy`` first to keep the old
-        model). PaDiM's update equals a fit on all the images up to float32 rounding;
+        fitted on, and return ``self`` (as ``fit``: save the model first, or load it again,
+        to keep the old one). PaDiM's update equals a fit on all the images up to float32 rounding;
         PatchCore's bank is reselected from the current bank and the new patches by the same
         greedy rule (merge-reduce), within the configured size. The threshold is chosen again
         by the model's out-of-sample rule over all the good images, the drift reference
