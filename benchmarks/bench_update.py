@@ -22,7 +22,6 @@ PatchCore: the merge-reduce's bank differs from the one-shot coreset).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
