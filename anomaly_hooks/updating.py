@@ -205,10 +205,11 @@ class UpdateRun:
 
     def set_groups(self, scorer: Scorer) -> None:
         """All-images: which images the new images' out-of-sample scores leave out together.
-        The new images are grouped as a fit groups them (file names, near-duplicates); a
-        cross-fitting scorer (``threshold.folds`` or its own) cuts them into folds, the images
-        already in the model forming one more fold (never scored); otherwise each image
-        already in the model is alone."""
+        The new images are grouped as a fit groups them (file names, near-duplicates: among
+        the new images only, the model's own images being gone); a cross-fitting scorer
+        (``threshold.folds`` or its own ``K``) cuts them into blocked folds of about the size
+        of a fit's folds on all the images, the images already in the model forming one more
+        fold (never scored); otherwise each image already in the model is alone."""
         thr, n_new = self.cfg.threshold, len(self.used)
         names = self.names()
         desc = np.concatenate(self.descriptors) if self.descriptors else None
@@ -225,7 +226,11 @@ class UpdateRun:
         if n_folds is None:
             partition = np.concatenate([np.arange(self.n_old), self.n_old + groups])
         else:
-            folds = blocked_folds(groups, n_folds)
+            # folds of about the size a fit on all the images cuts (n_total / K images each:
+            # as many images, and their neighbours in the fit order, left out together); a few
+            # new images are one fold, scored by the bank of the model's own images
+            k = max(1, int(round(n_folds * n_new / (self.n_old + n_new))))
+            folds = blocked_folds(groups, k)
             partition = np.concatenate([np.zeros(self.n_old, dtype=np.int64), 1 + folds])
         if int(np.bincount(partition).max()) > 1:
             scorer.set_out_of_sample_groups(partition)

@@ -81,11 +81,12 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
     mean = gauss.mean.detach().cpu().float()
     p, d = mean.shape
     s2 = np.empty((p, d, d), dtype=np.float32)
-    eye = torch.eye(d, dtype=torch.float64)
+    # L L^T in float64 where the factors are (a GPU's float64 products are fast), chunk by chunk
+    eye = torch.eye(d, dtype=torch.float64, device=gauss.chol.device)
     for lo in range(0, p, CHUNK_POSITIONS):
-        chol = gauss.chol[lo:lo + CHUNK_POSITIONS].detach().cpu().double()
+        chol = gauss.chol[lo:lo + CHUNK_POSITIONS].detach().double()
         cov = torch.bmm(chol, chol.transpose(1, 2)).sub_(eye, alpha=epsilon)  # un-regularised
-        s2[lo:lo + chol.shape[0]] = cov.mul_(n - 1).float().numpy()
+        s2[lo:lo + chol.shape[0]] = cov.mul_(n - 1).float().cpu().numpy()
     return {"form": "dense", "n": int(n), "grid": tuple(grid), "shift": _np(mean),
             "s1": np.zeros((p, d), dtype=np.float64), "s2": s2}
 
