@@ -72,7 +72,7 @@ from anomaly_hooks.fitting import (
     score_images,
     split_holdout,
 )
-from anomaly_hooks.grouping import blocked_folds, find_groups
+from anomaly_hooks.grouping import blocked_folds, find_groups, image_descriptors
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
@@ -129,6 +129,15 @@ class UpdateRun:
             else split_holdout(self.cfg, items)
         self.old: Scorer = det.scorer_
         self.old_state = self.old.fitted_state()  # the model keeps what an update needs?
+        # the model's images' grouping descriptors, where the scorer keeps their embeddings and
+        # no file-name pattern groups them (their names are gone): every image is then grouped
+        # and scored out of sample afresh, as a fit on all of them would (see set_groups)
+        self.model_descriptors: Optional[np.ndarray] = None
+        if self.out_of_sample and not thr.groups:
+            emb = self.old.training_embeddings()
+            if emb is not None:
+                self.model_descriptors = image_descriptors(emb)
+                del emb
         self.n_old = int(self.old.n_train)
         self.errors: Dict[str, List[str]] = {"training": [], "threshold": [], "defect": []}
         self.used: List[int] = []
@@ -137,6 +146,7 @@ class UpdateRun:
         self.cross_fit: Dict[str, Any] = {}
         self.folds: Optional[int] = None  # the cross-fit's folds of the new images (None: none)
         self.rescored = False  # the model's images' scores made afresh (rescore_model_images)
+        self.regrouped = False  # every image grouped afresh (regroup)
         self.collector = new_collector(det) if det.drift_reference_ is not None else None
         self.clock.lap("plan")
 
@@ -214,15 +224,18 @@ class UpdateRun:
         names = self.names()
         desc = np.concatenate(self.descriptors) if self.descriptors else None
         self.descriptors = []
+        n_folds = thr.folds or scorer.out_of_sample_folds
+        self.folds = n_folds
+        if self.model_descriptors is not None and desc is not None:
+            self.regroup(scorer, np.concatenate([self.model_descriptors, desc]), n_folds)
+            return
         grouping = None
         groups = np.arange(n_new)
         if n_new >= 2:
             grouping = find_groups(n_new, names, thr.groups, desc, thr.near_duplicates,
                                    self.cfg.seed + SEED_GROUPS)
             groups = grouping.groups
-        n_folds = thr.folds or scorer.out_of_sample_folds
         folds = None
-        self.folds = n_folds
         if n_folds is None:
             partition = np.concatenate([np.arange(self.n_old), self.n_old + groups])
         else:
@@ -235,6 +248,19 @@ class UpdateRun:
         if int(np.bincount(partition).max()) > 1:
             scorer.set_out_of_sample_groups(partition)
         self.cross_fit = describe_cross_fit(grouping, folds, names)
+
+    def regroup(self, scorer: Scorer, desc: np.ndarray, n_folds: Optional[int]) -> None:
+        """All the images grouped and cut into folds as a fit on all of them does
+        (``FitRun.set_groups``), from every image's descriptors."""
+        n = desc.shape[0]
+        grouping = find_groups(n, None, None, desc, self.cfg.threshold.near_duplicates,
+                               self.cfg.seed + SEED_GROUPS)
+        folds = None if n_folds is None else blocked_folds(grouping.groups, n_folds)
+        partition = grouping.groups if folds is None else folds
+        if int(np.bincount(partition).max()) > 1:
+            scorer.set_out_of_sample_groups(partition)
+        self.cross_fit = describe_cross_fit(grouping, folds, None)
+        self.regrouped = True
 
     def finalize(self, merged: Dict[str, Any]) -> Scorer:
         """A fresh scorer fitted from the merged state (with what the out-of-sample scores of
@@ -259,6 +285,9 @@ class UpdateRun:
                 self.rescored = True
             elif patch is not None:  # made by finalize for every image: the new ones last
                 good = det.image_scores_from_patches(patch[self.n_old:])
+            elif self.regrouped:  # groups across old and new images: every image, in one call
+                good = self.second_pass_all(scorer)
+                self.rescored = True
             else:
                 good = out_of_sample_scores(det, scorer, [self.train[i] for i in self.used],
                                             range(self.n_old, self.n_old + n_new))
@@ -281,12 +310,30 @@ class UpdateRun:
         self.clock.lap("threshold")
         return good
 
+    def second_pass_all(self, scorer: Scorer) -> List[float]:
+        """Out-of-sample scores of every image (the model's from the embeddings it keeps, the
+        new ones embedded again), in one call: whole groups, as the fit's second pass."""
+        det = self.det
+        embs = [self.old.training_embeddings().to(det.device)]
+        for batch in det.batches([self.train[i] for i in self.used]):
+            if batch.errors:
+                raise FitError("a new image could not be read again for its out-of-sample "
+                               "score: " + "; ".join(m for _, m in batch.errors))
+            embs.append(det.embed(batch.images, scorer=scorer))
+        emb = torch.cat(embs)
+        del embs
+        with torch.inference_mode():
+            patch = scorer.out_of_sample_scores(emb, list(range(emb.shape[0])))
+        return det.image_scores_from_patches(patch)
+
     def rescore_model_images(self) -> bool:
         """Whether the out-of-sample scores ``finalize`` made for the images already in the
         model replace their stored ones: where the model's images were each left out alone
         (its threshold's provenance says so, and the update leaves them alone too), they are
         those images' scores under the rule of a fit on all the images (PaDiM's low-rank
         form: exact leave-one-out of every sample)."""
+        if self.regrouped:
+            return True
         prov = self.det.threshold_.provenance or {}
         scheme = str(((prov.get("good") or {}).get("out_of_sample") or {}).get("scheme", ""))
         return (self.folds is None and scheme.startswith("leave-one-image-out")

@@ -156,6 +156,12 @@ class Scorer(ABC):
         raise FitError(f"a {self.method} model cannot be updated (its fitted state cannot be "
                        "merged with new images): refit on all the images")
 
+    def training_embeddings(self) -> Optional[torch.Tensor]:
+        """The training images' embeddings ``[n, D, h, w]`` in fit order where the fitted model
+        keeps them (None by default): an update then groups the model's images with the new
+        ones and scores every image out of sample afresh, as a fit on all of them does."""
+        return None
+
     def begin_update(self, n_model: int, n_new: int) -> None:
         """Before the :meth:`partial_fit` calls of ``n_new`` new images joining a model fitted
         on ``n_model`` images (this scorer's state is then merged with the model's
