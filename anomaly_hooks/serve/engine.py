@@ -41,6 +41,7 @@ from anomaly_hooks.serve.errors import ServeError
 from anomaly_hooks.serve.modelpaths import check_model_file
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
+from anomaly_hooks.serve.versions import model_lineage
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -114,6 +115,9 @@ class ModelEngine:
     file_bytes: int
     load_seconds: float
     loaded_at: float = field(default_factory=time.time)
+    #: the summary of the ``lineage`` its file's metadata records (the updates it went
+    #: through; :func:`~.versions.lineage_summary`), None for a model without one
+    lineage: Optional[Dict[str, Any]] = None
 
     kind: ClassVar[str] = "?"
     #: None when the engine feeds a drift monitor; else why it cannot (``/v1/drift`` says it)
@@ -138,11 +142,12 @@ class ModelEngine:
         _check_cancel(cancel)
         det = cls.open_detector(p, device)
         _check_cancel(cancel)
+        lineage = model_lineage(str(p))
         if _signature(p) != before:
             raise ModelFileError(f"{p}: the file changed while it was being loaded; try again "
                                  "once it is completely written (write to a temporary name, "
                                  "then rename)")
-        engine = cls(det, str(p), sha, before[1], 0.0)
+        engine = cls(det, str(p), sha, before[1], 0.0, lineage=lineage)
         if warmup:
             engine.warm_up()
         engine.load_seconds = time.perf_counter() - start
@@ -205,7 +210,7 @@ class ModelEngine:
         return {"model_id": self.model_id, "path": self.path, "file_sha256": self.sha256,
                 "file_bytes": self.file_bytes, "loaded_at": iso_time(self.loaded_at),
                 "load_seconds": round(self.load_seconds, 3), "engine": self.kind,
-                "drift_unavailable": self.drift_unavailable}
+                "drift_unavailable": self.drift_unavailable, "lineage": self.lineage}
 
     # -- the model-specific parts of the three steps ---------------------------------------
     def network_input(self, canonical: np.ndarray) -> Any:

@@ -223,6 +223,83 @@ class ReloadRefused(BaseModel):
     serving: Optional[str]
 
 
+class PromoteResult(ReloadResult):
+    """A promote or a rollback that went through: the version serves from the next batch on."""
+
+    version: str = Field(description="the file name of the version now serving")
+    rollbacks: int = Field(description="versions on the rollback stack now")
+
+
+# ---- versions (--models-dir) ----------------------------------------------------------------
+class LineageSummary(BaseModel):
+    """What a model file's ``lineage`` records (the updates it went through, written by
+    ``anomaly-hooks update``), in short."""
+
+    updates: int = Field(description="updates recorded")
+    images_added: int = Field(description="good images the updates added, all together")
+    parent_checksum: Optional[str] = Field(
+        description="the last update's parent: the checksum recorded in the parent model file")
+    labels_used: Optional[int] = Field(
+        description="labelled defective images the last update's threshold used")
+    last_update: Optional[str] = Field(description="when the last update was made (ISO 8601)")
+    parent_version: Optional[str] = Field(
+        None, description="the file of the models folder that is the parent, where there is one")
+
+
+class VersionRef(BaseModel):
+    """A version of the rollback stack."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="its file name in the models folder")
+    checksum: str = Field(description="its SHA-256")
+    until: Optional[str] = Field(None, description="when it stopped serving")
+
+
+class ServingVersion(BaseModel):
+    """The serving model as a version of the models folder."""
+
+    name: str = Field(description="its file name in the models folder (a path outside it)")
+    checksum: str = Field(description="its SHA-256")
+    since: Optional[str] = Field(description="when it was promoted (or first served)")
+    previous: Optional[VersionRef] = Field(description="what a rollback returns to")
+    rollbacks: int = Field(description="versions on the rollback stack")
+
+
+class ModelVersion(BaseModel):
+    """One model file of the models folder."""
+
+    name: str
+    checksum: Optional[str] = Field(
+        description="the file's SHA-256 (as the service computes it when it loads the file); "
+        "null when the file cannot be served as it is (see problem)")
+    size: int = Field(description="bytes")
+    mtime: float = Field(description="modification time, Unix seconds")
+    mtime_iso: str
+    engine: Optional[str] = Field(description="torch (.safetensors) or onnx")
+    method: Optional[str]
+    model_id: Optional[str] = Field(description="the model id it would serve as")
+    content_checksum: Optional[str] = Field(
+        description="the checksum recorded inside the file (what a lineage's parent names)")
+    lineage: Optional[LineageSummary]
+    problem: Optional[str] = Field(
+        description="why the file cannot be served as it is now (incomplete, being written, "
+        "not a model file); null when it looks complete (the loader verifies it on promote)")
+    serving: bool
+
+
+class VersionList(BaseModel):
+    """The model files of the models folder (``--models-dir``), newest first."""
+
+    folder: str
+    serving: Optional[ServingVersion]
+    count: int
+    versions: List[ModelVersion]
+    history: List[VersionRef] = Field(
+        description="the rollback stack, newest first: history[0] is what a rollback "
+        "returns to")
+
+
 class Backbone(BaseModel):
     """The feature extractor."""
 
@@ -269,6 +346,10 @@ class ModelInfo(BaseModel):
         None, description="why this model cannot feed a drift monitor (None: it can)")
     export: Optional[Dict[str, Any]] = Field(
         None, description="an ONNX model's export record: scorer form, grid, int8, checksums")
+    lineage: Optional[LineageSummary] = Field(
+        None, description="the updates the model file records (null: a model from a fit)")
+    version: Optional[ServingVersion] = Field(
+        None, description="the serving model as a version of --models-dir (null without it)")
     serving: Dict[str, Any] = Field(description="the server's settings (the token as 'set')")
     batching: Batching
     last_reload: Optional[Union[ReloadDone, ReloadRefused]]

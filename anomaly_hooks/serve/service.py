@@ -71,6 +71,7 @@ from anomaly_hooks.serve.results import (
     open_store,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
+from anomaly_hooks.serve.versions import Version, VersionShelf
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -91,6 +92,11 @@ class Service:
         # where POST /v1/admin/reload may load from (fixed at start, symbolic links resolved)
         self.models_dir = os.path.realpath(
             settings.models_dir or os.path.dirname(os.path.abspath(settings.model)))
+        # the model files of --models-dir as versions, and the record of which one serves
+        # (None without --models-dir)
+        self.versions: Optional[VersionShelf] = (
+            VersionShelf(self.models_dir).load() if settings.models_dir else None)
+        self.model_option = os.path.realpath(settings.model)  # --model, as started
         self._monitor_object = monitor
         # (monitor, the engine whose file built it or None for a given monitor), swapped as one
         # so that the batch thread never pairs a new monitor with an old model's batch
@@ -197,10 +203,12 @@ class Service:
 
     async def _initial_load(self) -> None:
         s = self.settings
+        engine = await self._load_promoted()
         # broad catches: whatever stops the model (or its monitor) from loading must reach
         # /readyz and on_fatal; a narrower catch would leave the server "loading" for ever
         try:
-            engine = await self._load(s.model)
+            if engine is None:
+                engine = await self._load(s.model)
         except Exception as exc:  # noqa: BLE001
             if self._stopping.is_set():
                 return None
@@ -214,8 +222,56 @@ class Service:
             self._swap(engine, monitor)
             log.info("serving %s (%s, loaded and warm in %.1f s)", engine.model_id, engine.path,
                      engine.load_seconds)
+            await self._record_start(engine)
         elif monitor is not None and monitor is not self.monitor:
             monitor.close()
+
+    async def _load_promoted(self) -> Optional[ModelEngine]:
+        """The version promoted last, loaded, when the versions record names one for this
+        ``--model`` (a promote outlives a restart; a new ``--model`` on the command line wins);
+        None to load ``--model`` (also when the promoted file cannot be served any more: said
+        in the log)."""
+        shelf = self.versions
+        entry = shelf.serving if shelf is not None else None
+        if (shelf is None or entry is None or shelf.model_option != self.model_option
+                or "/" in entry["name"]):
+            return None
+        path = os.path.join(shelf.folder, entry["name"])
+        if os.path.realpath(path) == self.model_option:
+            return None
+        try:
+            engine = await self._load(path)
+        # broad: whatever refuses the promoted file, --model is served instead
+        except Exception as exc:  # noqa: BLE001
+            if not self._stopping.is_set():
+                log.warning("the promoted version %s cannot be served (%s): serving --model %s",
+                            entry["name"], error_text(exc), self.settings.model)
+            return None
+        if engine.sha256 != entry["checksum"]:
+            log.warning("the promoted version %s has changed since it was promoted (checksum "
+                        "%s, not %s): serving --model %s", entry["name"], engine.sha256[:12],
+                        entry["checksum"][:12], self.settings.model)
+            return None
+        log.info("serving the promoted version %s (the versions record %s) rather than "
+                 "--model %s", entry["name"], shelf.state_path, self.settings.model)
+        self.settings.model = engine.path
+        return engine
+
+    async def _record_start(self, engine: ModelEngine) -> None:
+        """The versions record names the model served at start (written only where a record
+        exists already: a server that never switched models leaves the folder as it is)."""
+        shelf = self.versions
+        if shelf is None:
+            return
+        entry = self._version_entry(engine)
+        serving = shelf.serving or {}
+        if (serving.get("name"), serving.get("checksum"), shelf.model_option) == (
+                entry["name"], entry["checksum"], self.model_option):
+            return
+        shelf.serving = {**entry, "since": iso_time(time.time())}
+        shelf.model_option = self.model_option
+        if shelf.recorded:
+            await self._save_versions()
 
     def _fatal(self, message: str) -> None:
         """The model cannot be served: say why on /readyz and to ``on_fatal``."""
@@ -263,9 +319,15 @@ class Service:
         """The real path of a reload asked for over HTTP; 403 outside :attr:`models_dir`."""
         return inside_folder(path, self.models_dir)
 
-    async def reload(self, path: Optional[str] = None) -> Dict[str, Any]:
+    async def reload(self, path: Optional[str] = None, *, expect_sha256: Optional[str] = None,
+                     rollback_of: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Load ``path`` (default: the current model path) beside the serving model, warm it up,
-        then swap. In-flight requests finish on the model that preprocessed them."""
+        then swap. In-flight requests finish on the model that preprocessed them.
+
+        With ``--models-dir``, the switch is recorded (:attr:`versions`): the model before goes
+        on the rollback stack, or ``rollback_of`` (the stack's top) comes off it.
+        ``expect_sha256``: refuse a file whose checksum is another (it changed since it was
+        listed)."""
         if self._stopping.is_set():
             raise load_cancelled()
         if self._reloading:
@@ -274,7 +336,7 @@ class Service:
         target = path or self.settings.model
         old = self.engine
         try:
-            new, monitor = await self._load_beside(target, old)
+            new, monitor = await self._load_beside(target, old, expect_sha256)
             self._swap(new, monitor)
             self.settings.model = target
             self.load_error = None
@@ -285,11 +347,13 @@ class Service:
                       "seconds": round(new.load_seconds, 3)}
             self.last_reload = {"ok": True, "at": iso_time(time.time()), **result}
             log.info("reloaded: now serving %s (was %s)", new.model_id, result["previous_model_id"])
+            await self._record_switch(old, new, rollback_of)
             return result
         finally:
             self._reloading = False
 
-    async def _load_beside(self, target: str, old: Optional[ModelEngine]
+    async def _load_beside(self, target: str, old: Optional[ModelEngine],
+                           expect_sha256: Optional[str] = None
                            ) -> Tuple[ModelEngine, Optional[MonitorRunner]]:
         """The new engine and its monitor, or the refusal (422) to answer."""
         try:
@@ -300,6 +364,10 @@ class Service:
             if self._stopping.is_set():
                 raise load_cancelled() from None
             raise self._refused(target, error_text(exc), old) from None
+        if expect_sha256 is not None and new.sha256 != expect_sha256:
+            raise self._refused(target, f"its checksum is now {new.sha256[:12]}…, not the "
+                                f"{expect_sha256[:12]}… it was asked for by (the file changed "
+                                "since; list the versions again)", old)
         try:
             return new, await self._monitor_for(old, new)
         except Exception as exc:  # noqa: BLE001  (a monitor factory is the user's code)
@@ -321,6 +389,118 @@ class Service:
         log.error("reload of %s refused: %s", target, msg)
         keep = f"; still serving {serving}" if serving else "; no model is loaded"
         return ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
+
+    # -- versions (--models-dir) -----------------------------------------------------------
+    def require_versions(self) -> VersionShelf:
+        """The versions of ``--models-dir``; 404 on a server started without it."""
+        if self.versions is None:
+            raise ServeError(404, "not_found", "model versions are the files of a models "
+                             "folder: start the server with --models-dir to list, promote and "
+                             "roll back versions")
+        return self.versions
+
+    def _version_entry(self, engine: ModelEngine) -> Dict[str, Any]:
+        assert self.versions is not None
+        return {"name": self.versions.name_of(engine.path), "checksum": engine.sha256}
+
+    async def _record_switch(self, old: Optional[ModelEngine], new: ModelEngine,
+                             rollback_of: Optional[Dict[str, Any]]) -> None:
+        """Record a reload in the versions record (see :meth:`reload`)."""
+        shelf = self.versions
+        if shelf is None:
+            return
+        entry = self._version_entry(new)
+        serving = shelf.serving or {}
+        if (rollback_of is None and old is not None and old.sha256 == new.sha256
+                and (serving.get("name"), serving.get("checksum")) == (entry["name"],
+                                                                        entry["checksum"])):
+            return  # the same file again: nothing to record
+        shelf.switched(self._version_entry(old) if old is not None else None, entry,
+                       rollback_of=rollback_of)
+        shelf.model_option = self.model_option
+        await self._save_versions()
+
+    async def _save_versions(self) -> None:
+        """Write the versions record (atomically); a failure is logged, the switch stands."""
+        shelf = self.versions
+        assert shelf is not None
+        try:
+            await self.loop.run_in_executor(self.aux, shelf.save, shelf.snapshot())
+        except OSError as exc:
+            log.error("the versions record %s could not be written (%s): the rollback stack "
+                      "will not outlive a restart", shelf.state_path, exc)
+
+    def serving_version(self) -> Optional[Dict[str, Any]]:
+        """The serving version for ``GET /v1/model``: its name and checksum, since when, and
+        what a rollback returns to (None without ``--models-dir`` or a model)."""
+        shelf, engine = self.versions, self.engine
+        if shelf is None or engine is None:
+            return None
+        entry = self._version_entry(engine)
+        serving = shelf.serving or {}
+        same = (serving.get("name"), serving.get("checksum")) == (entry["name"],
+                                                                   entry["checksum"])
+        return {**entry, "since": serving.get("since") if same else None,
+                "previous": dict(shelf.history[-1]) if shelf.history else None,
+                "rollbacks": len(shelf.history)}
+
+    async def list_versions(self) -> Dict[str, Any]:
+        """``GET /v1/models/versions``: the folder's versions, newest first, which one
+        serves, and the rollback stack (newest first: ``history[0]`` is what a rollback
+        returns to)."""
+        shelf = self.require_versions()
+        found = await self.loop.run_in_executor(self.aux, shelf.scan, self._stopping)
+        engine = self.engine
+        by_content = {}
+        for v in found:
+            for key in (v.content_checksum, v.checksum):
+                if key:
+                    by_content.setdefault(key, v.name)
+        rows = []
+        for v in found:
+            row = v.as_dict()
+            row["serving"] = bool(engine is not None and v.checksum == engine.sha256
+                                  and v.path == os.path.realpath(engine.path))
+            if row["lineage"] is not None:
+                row["lineage"] = {**row["lineage"], "parent_version": by_content.get(
+                    row["lineage"]["parent_checksum"])}
+            rows.append(row)
+        return {"folder": shelf.folder, "serving": self.serving_version(), "count": len(rows),
+                "versions": rows, "history": [dict(e) for e in reversed(shelf.history)]}
+
+    async def promote(self, ref: str) -> Dict[str, Any]:
+        """Serve the version ``ref`` (a file name of the folder or a checksum prefix): a
+        :meth:`reload` of its file, recorded (the serving one goes on the rollback stack)."""
+        shelf = self.require_versions()
+        if self._reloading:
+            raise ServeError(409, "reload_in_progress", "a model reload is already running")
+        version: Version = await self.loop.run_in_executor(self.aux, shelf.resolve, ref,
+                                                           self._stopping)
+        # by checksum: exactly that content, or nothing
+        expect = version.checksum if ref != version.name else None
+        result = await self.reload(version.path, expect_sha256=expect)
+        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
+
+    async def rollback(self) -> Dict[str, Any]:
+        """Serve the version before the serving one again (the rollback stack's top): 409
+        ``no_previous_version`` when there is none, or when its file is no longer there."""
+        shelf = self.require_versions()
+        if self._reloading:
+            raise ServeError(409, "reload_in_progress", "a model reload is already running")
+        if not shelf.history:
+            raise ServeError(409, "no_previous_version", "there is no earlier version to roll "
+                             "back to: nothing was promoted before the serving version (the "
+                             "rollback stack is empty)")
+        top = shelf.history[-1]
+        version = await self.loop.run_in_executor(
+            self.aux, functools.partial(shelf.by_checksum, top["checksum"], top["name"],
+                                        self._stopping))
+        if version is None:
+            raise ServeError(409, "no_previous_version", f"the previous version {top['name']} "
+                             f"(checksum {top['checksum'][:12]}…) is no longer in the models "
+                             "folder: restore its file, or promote another version")
+        result = await self.reload(version.path, expect_sha256=top["checksum"], rollback_of=top)
+        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
 
     @property
     def monitor(self) -> Optional[MonitorRunner]:

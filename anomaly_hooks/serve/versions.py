@@ -350,12 +350,12 @@ class VersionShelf:
         self.recorded = True
 
     def switched(self, old: Optional[Dict[str, Any]], new: Dict[str, Any],
-                 rollback: bool = False) -> None:
+                 rollback_of: Optional[Dict[str, Any]] = None) -> None:
         """Record a switch of the serving model from ``old`` to ``new`` (``{name, checksum}``
-        each): ``old`` goes on the stack, or, for a rollback, the stack's top comes off."""
-        if rollback:
-            if self.history:
-                self.history.pop()
+        each): ``old`` goes on the stack, or, for a rollback to ``rollback_of`` (the stack's
+        top), that comes off it."""
+        if rollback_of is not None and self.history and self.history[-1] is rollback_of:
+            self.history.pop()
         elif old is not None and old.get("checksum") != new.get("checksum"):
             self.history.append({**old, "until": _now()})
             del self.history[:-MAX_HISTORY]

@@ -37,7 +37,7 @@ async def model_info(service: ServiceDep, engine: EngineDep) -> Dict[str, Any]:
     return {**engine.info(), "serving": service.settings.public(),
             "batching": {"wait_ms": round(b.wait_s * 1000, 3), "batches": b.batches,
                          "seconds_per_image": round(b.seconds_per_image, 6)},
-            "last_reload": service.last_reload,
+            "last_reload": service.last_reload, "version": service.serving_version(),
             "drift_monitor": service.monitor is not None}
 
 
@@ -52,12 +52,15 @@ async def reload(request: Request, service: ServiceDep,
     before finish on the old model. The path comes as ``?path=`` or as ``{"path": ...}``; a
     refused file (422 ``reload_failed``) leaves the old model serving."""
     if path is None:
-        path = await service.with_timeout(_body_path(request))
+        path = await service.with_timeout(body_field(request, "path", PATH_MAX))
     return await service.reload(service.reload_target(path) if path else None)
 
 
-async def _body_path(request: Request) -> Optional[str]:
-    """The ``path`` of a JSON body ``{"path": "..."}`` (None without one)."""
+async def body_field(request: Request, name: str, max_length: int,
+                     strict: bool = False) -> Optional[str]:
+    """The string ``name`` of a JSON body ``{name: "..."}`` (None without one); 422
+    ``invalid_parameter`` for a body that is not such an object (``strict``: one with other
+    keys too)."""
     if not request.headers.get("content-type", "").startswith("application/json"):
         return None
     try:
@@ -66,20 +69,22 @@ async def _body_path(request: Request) -> Optional[str]:
         raise client_gone() from None
     if not raw.strip():
         return None
+    shape = f'{{"{name}": "..."}}'
     if nested_deeper_than(raw, MAX_JSON_DEPTH):
         raise ServeError(422, "invalid_parameter", f"the JSON body is nested deeper than "
-                         f"{MAX_JSON_DEPTH} levels; send {{\"path\": \"...\"}}")
+                         f"{MAX_JSON_DEPTH} levels; send {shape}")
     try:
         payload = json.loads(raw)
     except ValueError:  # JSONDecodeError, and bytes that are not UTF-8
         raise ServeError(422, "invalid_parameter", "the body is not valid JSON") from None
-    if payload is not None and not isinstance(payload, dict):
-        raise ServeError(422, "invalid_parameter", 'the body must be {"path": "..."}')
-    path = (payload or {}).get("path")
-    if path is not None and (not isinstance(path, str) or len(path) > PATH_MAX):
+    if (payload is not None and not isinstance(payload, dict)
+            or strict and set(payload or {}) - {name}):
+        raise ServeError(422, "invalid_parameter", f"the body must be {shape}")
+    value = (payload or {}).get(name)
+    if value is not None and (not isinstance(value, str) or len(value) > max_length):
         raise ServeError(422, "invalid_parameter",
-                         f"path must be a string of at most {PATH_MAX} characters")
-    return path
+                         f"{name} must be a string of at most {max_length} characters")
+    return value
 
 
 def nested_deeper_than(raw: bytes, limit: int) -> bool:
