@@ -55,7 +55,8 @@ def test_model_info(models, fitted, tmp_path):
         assert info["drift_monitor"] is True and info["last_reload"] is None
         # the response model drops nothing the engine reports
         assert set(info) == {*service.engine.info(), "serving", "batching", "last_reload",
-                             "drift_monitor"}
+                             "version", "drift_monitor"}
+        assert info["lineage"] is None and info["version"] is None  # no --models-dir
 
 
 # ---- the admin gate -------------------------------------------------------------------------
