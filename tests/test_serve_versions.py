@@ -27,6 +27,7 @@ from serve_helpers import (  # noqa: E402
     defect_png,
     save_model_variant,
     serving,
+    with_lineage,
 )
 
 from anomaly_hooks.serve.versions import (  # noqa: E402
@@ -40,16 +41,6 @@ models = serve_helpers.models
 
 def sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def with_lineage(src: Path, dst: Path, lineage) -> Path:
-    """A copy of the model file ``src`` whose metadata records ``lineage`` (as
-    ``anomaly-hooks update`` writes it), checksummed as a valid model file."""
-    from anomaly_hooks.modelfile import load_model, read_header, save_model
-
-    tensors, meta = load_model(src)
-    version = int(read_header(src)["__metadata__"]["format_version"])
-    return save_model(dst, tensors, {**meta, "lineage": lineage}, version=version)
 
 
 def content_checksum(path: Path) -> str:

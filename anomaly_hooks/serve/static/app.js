@@ -66,22 +66,51 @@ function operatingRows(t) {
   return rows;
 }
 
+// ---- the serving model: its version of the models folder and its lineage -------------
+const short = (checksum) => checksum ? String(checksum).slice(0, 12) : "–";
+
+function modelRows(info) {
+  const rows = [["model", info.model_id], ["method", info.method],
+                ["file", String(info.path || "").split("/").pop()], ["checksum", short(info.file_sha256)]];
+  const v = info.version;
+  if (v) {
+    rows.push(["version", v.name + (v.since ? ` (since ${localTime(v.since)})` : "")]);
+    rows.push(["rollback to", v.previous ? `${v.previous.name} (${short(v.previous.checksum)})` : "– (none)"]);
+  }
+  const l = info.lineage;
+  if (l) {
+    rows.push(["lineage", `${l.updates} update(s), ${l.images_added} image(s) added`]);
+    if (l.last_update) rows.push(["last update", localTime(l.last_update)]);
+    if (l.parent_checksum) rows.push(["parent", short(l.parent_checksum)]);
+    if (l.labels_used !== null && l.labels_used !== undefined) rows.push(["labels used", String(l.labels_used)]);
+  } else {
+    rows.push(["lineage", "– (as fitted, no updates)"]);
+  }
+  return rows;
+}
+
+function kvRows(rows) {
+  return rows.map(([k, v]) => {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th"); th.textContent = k;
+    const td = document.createElement("td"); td.textContent = v;
+    tr.append(th, td);
+    return tr;
+  });
+}
+
 async function refreshOperatingPoint() {
   const summary = $("operating-summary"), table = $("operating-table");
   try {
     const info = await api("/v1/model");
     servingChecksum = info.file_sha256 || null;
+    $("model-table").replaceChildren(...kvRows(modelRows(info)));
     const t = info.threshold || {};
     summary.textContent = `score > ${fmt(t.value)} is anomalous`;
-    table.replaceChildren(...operatingRows(t).map(([k, v]) => {
-      const tr = document.createElement("tr");
-      const th = document.createElement("th"); th.textContent = k;
-      const td = document.createElement("td"); td.textContent = v;
-      tr.append(th, td);
-      return tr;
-    }));
+    table.replaceChildren(...kvRows(operatingRows(t)));
   } catch (err) {
     summary.textContent = err.message;
+    $("model-table").replaceChildren(...kvRows([["model", err.message]]));
   }
 }
 
@@ -331,6 +360,6 @@ $("only-anomalous").addEventListener("change", refreshResults);
 $("label-filter").addEventListener("change", refreshResults);
 refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
 setInterval(refreshModel, 10000);
-setInterval(refreshOperatingPoint, 30000);
+setInterval(refreshOperatingPoint, 10000);  // the operating point and the model card
 setInterval(refreshResults, 3000);
 setInterval(refreshDrift, 5000);
