@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth, "
                    "and the admin routes are disabled)")
     p.add_argument("--models-dir", help="the folder POST /v1/admin/reload may load model files "
-                   "from (default: the folder of --model)")
+                   "from (default: the folder of --model); given, its model files are versions "
+                   "(GET /v1/models/versions, POST /v1/admin/promote and /v1/admin/rollback)")
     g = p.add_argument_group("batching and limits")
     g.add_argument("--max-batch", type=int, default=d["max_batch"],
                    help=f"images per backbone batch (default {d['max_batch']})")

@@ -23,7 +23,6 @@ This module and everything the service imports besides the torch engine are torc
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -37,8 +36,12 @@ import numpy as np
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
-from anomaly_hooks.serve.errors import ServeError
-from anomaly_hooks.serve.modelpaths import check_model_file
+from anomaly_hooks.serve.modelpaths import (  # noqa: F401  (file_sha256: re-exported)
+    _check_cancel,
+    check_model_file,
+    file_sha256,
+    load_cancelled,
+)
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
 from anomaly_hooks.serve.versions import model_lineage
@@ -46,32 +49,6 @@ from anomaly_hooks.serve.versions import model_lineage
 log = logging.getLogger("anomaly_hooks.serve")
 
 ONNX_SUFFIX = ".onnx"  # an exported model: served by the ONNX engine
-
-
-def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
-                ) -> str:
-    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
-    set."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            _check_cancel(cancel)
-            block = fh.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_cancelled() -> ServeError:
-    """The error of a model load stopped because the server is shutting down."""
-    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
-                      "stopped")
-
-
-def _check_cancel(cancel: Optional[threading.Event]) -> None:
-    if cancel is not None and cancel.is_set():
-        raise load_cancelled()
 
 
 def _signature(path: Path) -> Tuple[int, int, int]:

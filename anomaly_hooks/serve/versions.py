@@ -34,7 +34,7 @@ from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.files import regular_file_problem
 from anomaly_hooks.images import display
 from anomaly_hooks.serve.errors import ServeError
-from anomaly_hooks.serve.modelpaths import inside_folder
+from anomaly_hooks.serve.modelpaths import file_sha256, inside_folder
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -155,8 +155,6 @@ def _describe(path: str, name: str, st: os.stat_result,
               cancel: Optional[threading.Event]) -> Version:
     """Read one file for the listing: its metadata, then its SHA-256; a file that changes
     meanwhile, or whose size is not the one its header declares, has a ``problem``."""
-    from anomaly_hooks.serve.engine import file_sha256
-
     v = Version(name=name, path=path, size=st.st_size, mtime=st.st_mtime)
     try:
         if name.lower().endswith(".onnx"):
