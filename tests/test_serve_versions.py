@@ -449,3 +449,24 @@ def test_kill9_during_promotes_never_serves_a_half_written_model(fitted, shelf_f
         r = httpx.post(again.url + "/v1/predict", content=defect_png(), headers=headers,
                        timeout=60)
         assert r.status_code == 200 and r.json()["model"]["sha256"] == expected
+
+
+def test_an_exported_model_is_a_version_too(fitted, shelf, tmp_path):
+    """An ``.onnx`` export in the folder is listed (its method from its verified metadata) and
+    promoted like any version: the service switches engines."""
+    pytest.importorskip("onnx", reason="the [export] extra is not installed")
+    pytest.importorskip("onnxruntime", reason="ONNX Runtime is not installed")
+    from anomaly_hooks.export import export_onnx
+
+    export_onnx(fitted, shelf / "v5.onnx")
+    with admin_server(shelf, tmp_path) as (client, _):
+        rows = {r["name"]: r for r in client.get("/v1/models/versions").json()["versions"]}
+        row = rows["v5.onnx"]
+        assert row["engine"] == "onnx" and row["method"] == "padim" and not row["problem"]
+        assert row["checksum"] == sha(shelf / "v5.onnx") and row["lineage"] is None
+        r = promote(client, "v5.onnx")
+        assert r.status_code == 200, r.text
+        info = client.get("/v1/model").json()
+        assert info["engine"] == "onnx" and info["version"]["name"] == "v5.onnx"
+        assert client.post("/v1/admin/rollback").json()["version"] == "v1.safetensors"
+        assert client.get("/v1/model").json()["engine"] == "torch"
