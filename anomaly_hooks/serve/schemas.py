@@ -92,6 +92,8 @@ class ModelRef(BaseModel):
 
     id: str
     sha256: str
+    name: str = Field(description="the server's name of the model (default for a server of "
+                      "one --model PATH)")
 
 
 class Timing(BaseModel):
@@ -158,6 +160,8 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     request_id: str
     model_id: str
     model_checksum: str
+    model_name: Optional[str] = Field(description="the server's name of the model that scored "
+                                      "it (null: recorded before models had names)")
     part_id: Optional[str]
     source: Optional[str]
     width: Optional[int]
