@@ -72,10 +72,12 @@ class Health(BaseModel):
 
 
 class Ready(BaseModel):
-    """A model is loaded and warm."""
+    """Every model is loaded and warm."""
 
     ready: bool
-    model_id: str
+    model_id: str = Field(description="the default model's id")
+    models: Optional[Dict[str, str]] = Field(
+        None, description="on a server of several models: each one's id, by name")
 
 
 # ---- predictions ----------------------------------------------------------------------------
@@ -322,9 +324,32 @@ class Batching(BaseModel):
     seconds_per_image: float
 
 
+class ModelSummary(BaseModel):
+    """One model of the server."""
+
+    name: str = Field(description="its name in /v1/models/{name}/...")
+    default: bool = Field(description="the model of the routes without a name")
+    ready: bool
+    model_id: Optional[str]
+    file_sha256: Optional[str]
+    path: str = Field(description="the file it serves (or loads)")
+    engine: Optional[str]
+    method: Optional[str]
+    error: Optional[str] = Field(description="why it could not be loaded at start")
+
+
+class ModelList(BaseModel):
+    """The models this server serves (the first is the default one)."""
+
+    count: int
+    default: str
+    models: List[ModelSummary]
+
+
 class ModelInfo(BaseModel):
     """The serving model, and how it is served."""
 
+    name: str = Field("default", description="its name on this server (/v1/models/{name})")
     model_id: str
     path: str
     file_sha256: str

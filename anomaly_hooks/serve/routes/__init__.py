@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from anomaly_hooks.serve.routes import drift, health, model, page, predict, results, versions
 
-ROUTERS = [health.router, predict.router, results.router, model.router, versions.router,
+# versions before model: /v1/models/versions is not a model named "versions"
+ROUTERS = [health.router, predict.router, results.router, versions.router, model.router,
            drift.router, page.router]
 
 __all__ = ["ROUTERS"]
