@@ -175,7 +175,7 @@ def test_promote_and_rollback(shelf, tmp_path):
         assert client.get("/v1/model").json()["model_id"] == before["model_id"]
         assert record(shelf)["history"] == [] and \
             record(shelf)["serving"]["name"] == "v1.safetensors"
-        assert 'anomaly_hooks_model_reloads_total{result="ok"} 5.0' in client.get(
+        assert 'anomaly_hooks_model_reloads_total{model="default",result="ok"} 5.0' in client.get(
             "/metrics").text
         assert service.settings.model == os.path.realpath(shelf / "v1.safetensors")
     assert not [p for p in shelf.iterdir() if p.name.endswith(".tmp")]  # no leftovers

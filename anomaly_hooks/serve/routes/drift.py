@@ -27,7 +27,7 @@ async def drift(service: ServiceDep) -> Dict[str, Any]:
 
 @router.get("/v1/models/{name}/drift", response_model=DriftStatus,
             response_model_exclude_unset=True, summary="One model's drift monitor status",
-            responses=error_responses(401, 404, 409, 500))
+            responses=error_responses(401, 404, 409, 422, 500))
 async def named_drift(service: ServiceDep, slot: SlotDep) -> Dict[str, Any]:
     """As ``GET /v1/drift``, for the model ``name`` (each model has its own monitor)."""
     return await _status(service, slot)

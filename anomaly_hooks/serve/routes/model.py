@@ -57,7 +57,7 @@ async def model_list(service: ServiceDep) -> Dict[str, Any]:
 
 
 @router.get("/v1/models/{name}", response_model=ModelInfo, response_model_exclude_unset=True,
-            summary="One served model", responses=error_responses(401, 404, 500, 503))
+            summary="One served model", responses=error_responses(401, 404, 422, 500, 503))
 async def named_model_info(service: ServiceDep, slot: SlotDep) -> Dict[str, Any]:
     """As ``GET /v1/model``, for the model ``name`` (404 for a name the server does not
     serve; 503 while it loads)."""
