@@ -205,6 +205,7 @@ class ReloadResult(BaseModel):
     """A reload that went through: the new model serves from the next batch on."""
 
     reloaded: bool
+    model: str = Field("default", description="the name of the model reloaded")
     model_id: str
     previous_model_id: Optional[str]
     path: str

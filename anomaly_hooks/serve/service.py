@@ -393,12 +393,10 @@ class Service:
                 self.settings.model = target
             slot.load_error = None
             self.metrics.reloads.labels(slot.name, "ok").inc()
-            result = {"reloaded": True, "model_id": new.model_id,
+            result = {"reloaded": True, "model": slot.name, "model_id": new.model_id,
                       "previous_model_id": old.model_id if old else None, "path": target,
                       "unchanged": bool(old and old.sha256 == new.sha256),
                       "seconds": round(new.load_seconds, 3)}
-            if len(self.slots) > 1:
-                result["model"] = slot.name
             slot.last_reload = {"ok": True, "at": iso_time(time.time()), **result}
             log.info("reloaded%s: now serving %s (was %s)", self._as(slot), new.model_id,
                      result["previous_model_id"])
