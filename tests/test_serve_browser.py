@@ -154,6 +154,57 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
 
 
 @pytest.mark.slow
+def test_operator_page_model_selector(chromium, fitted, tmp_path):
+    """A server of two models: the page offers both; the selected one scores the upload, and
+    the Model card and the recent list are that model's."""
+    from playwright.sync_api import sync_playwright
+
+    a = save_model_variant(fitted, tmp_path / "a.safetensors")
+    b = save_model_variant(fitted, tmp_path / "b.safetensors", threshold_factor=3.0)
+    upload = tmp_path / "part.png"
+    upload.write_bytes(defect_png(5))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with ServerProcess(f"line-a={a}", tmp_path, "--model", f"line-b={b}", "--token", TOKEN,
+                       "--results-dir", str(tmp_path / "results")) as server:
+        r = httpx.post(server.url + "/v1/models/line-a/predict?part_id=A-1",
+                       content=good_png(1), headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                        headless=True)
+            try:
+                context = browser.new_context(
+                    http_credentials={"username": "operator", "password": TOKEN})
+                page = context.new_page()
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.on("console", lambda msg: problems.append(msg.text)
+                        if msg.type == "error" else None)
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_function("!document.getElementById('model-select').hidden && "
+                                       "document.getElementById('model-select').options"
+                                       ".length === 2")
+                assert page.eval_on_selector("#model-select", "s => s.value") == "line-a"
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                page.select_option("#model-select", "line-b")
+                page.wait_for_function("document.getElementById('model-table').textContent"
+                                       ".includes('(line-b)')")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 0")
+                page.set_input_files("#file", str(upload))
+                page.wait_for_selector("#verdict[data-state]", timeout=60000)
+                shown = float(page.inner_text("#r-threshold"))
+                assert shown == pytest.approx(3 * fitted.threshold_.value, rel=1e-3)
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                assert "line-b" in page.inner_text("#model-id") or \
+                    page.inner_text("#model-id").startswith("padim-")
+            finally:
+                browser.close()
+        rows = httpx.get(server.url + "/v1/results", headers=auth, timeout=30).json()["results"]
+        assert [r["model_name"] for r in rows] == ["line-b", "line-a"]
+        assert not problems, problems
+
+
+@pytest.mark.slow
 def test_api_docs_render_offline(chromium, fitted, tmp_path):
     """``/docs`` (Swagger UI) renders the served OpenAPI document in a real browser that may
     reach nothing but the server: every operation is listed."""

@@ -124,6 +124,7 @@ class Service:
         # set when the server begins to stop: model loads (hashing a big file) stop at once
         self._stopping = threading.Event()
         self._last_trim = 0.0
+        self._load_lock = asyncio.Lock()  # model loads, one at a time (see _load)
         self._tasks: List[asyncio.Task] = []
         self._sighup = False
 
@@ -430,9 +431,15 @@ class Service:
 
     async def _load(self, path: str) -> ModelEngine:
         """:func:`~.engine.load_engine` (the engine by the file's suffix) in the aux pool,
-        stopped by :meth:`begin_shutdown`."""
-        return await self.loop.run_in_executor(self.aux, functools.partial(
-            load_engine, path, self.settings.device, cancel=self._stopping))
+        stopped by :meth:`begin_shutdown`; one load at a time, whatever the model.
+
+        One at a time: building a model touches process-wide state (a backbone initialised
+        from a seed draws from torch's global random generator; two loads at once drew each
+        other's numbers, and the second model was refused for weights that differ from its
+        fit's), and it leaves the other aux thread to the routes meanwhile."""
+        async with self._load_lock:
+            return await self.loop.run_in_executor(self.aux, functools.partial(
+                load_engine, path, self.settings.device, cancel=self._stopping))
 
     def _refused(self, slot: ModelSlot, target: str, msg: str, old: Optional[ModelEngine]
                  ) -> ServeError:
