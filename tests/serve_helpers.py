@@ -164,6 +164,16 @@ def save_model_variant(det, path: Path, threshold_factor: float = 1.0) -> Path:
     return Path(path)
 
 
+def with_lineage(src: Path, dst: Path, lineage) -> Path:
+    """A copy of the model file ``src`` whose metadata records ``lineage`` (as
+    ``anomaly-hooks update`` writes it), checksummed as a valid model file."""
+    from anomaly_hooks.modelfile import load_model, read_header, save_model
+
+    tensors, meta = load_model(src)
+    version = int(read_header(Path(src))["__metadata__"]["format_version"])
+    return save_model(dst, tensors, {**meta, "lineage": lineage}, version=version)
+
+
 def model_variants(det, root: Path) -> Dict[str, Path]:
     """The model files the service tests load: ``good``, ``strict`` (threshold x3: another
     file), ``damaged`` (64 bytes of tensor data zeroed: the checksum fails) and ``text``."""

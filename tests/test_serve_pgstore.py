@@ -189,11 +189,38 @@ def test_a_version_1_database_gains_the_label_columns(postgres_url):
                     "is_anomalous, threshold, model_id, model_checksum) VALUES "
                     "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c')")
     store = PostgresResultStore(postgres_url)
-    assert store.schema_version() == 2 == SCHEMA_VERSION
+    assert store.schema_version() == 3 == SCHEMA_VERSION
     old = store.get(1)
     assert old.request_id == "old" and old.label is None and old.verdict.is_anomalous
+    assert old.model_name is None
     assert store.set_label(1, "defect", "seen", "token:ab").label_by == "token:ab"
     assert [r.request_id for r in store.query(label="defect")] == ["old"]
+    store.close()
+
+
+def test_a_version_2_database_gains_the_model_name_column(postgres_url):
+    """A database written before model names (schema version 2): opened, it is migrated to
+    version 3 (a nullable ``model_name``); old records have none, new ones carry theirs, and
+    the model filter finds them."""
+    from anomaly_hooks.serve.pgstore import MIGRATIONS, SCHEMA_VERSION_TABLE
+
+    with psycopg.connect(postgres_url, autocommit=True) as con:
+        con.execute(SCHEMA_VERSION_TABLE)
+        for version, description, statements in MIGRATIONS[:2]:
+            for statement in statements:
+                con.execute(statement)
+            con.execute("INSERT INTO schema_version (version, description) VALUES (%s, %s)",
+                        [version, description])
+        con.execute("INSERT INTO results (time, request_id, score, normalized_score, "
+                    "is_anomalous, threshold, model_id, model_checksum, label) VALUES "
+                    "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c', 'good')")
+    store = PostgresResultStore(postgres_url)
+    assert store.schema_version() == 3
+    old = store.get(1)
+    assert old.model_name is None and old.label == "good"
+    store.add([_record(2, model_name="line-2")])
+    assert [r.model_name for r in store.query(model="line-2")] == ["line-2"]
+    assert len(store.query()) == 2 and store.query(model="nothing") == []
     store.close()
 
 

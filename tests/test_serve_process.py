@@ -329,7 +329,7 @@ def test_http_batching_and_monitor_plugin(model_files, tmp_path):
             time.sleep(0.1)
         assert httpx.get(server.url + "/v1/drift").json()["enabled"] is True
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'anomaly_hooks_drift{key="observed"} 8.0' in metrics
+        assert 'anomaly_hooks_drift{key="observed",model="default"} 8.0' in metrics
         # hostile HTTP: a huge header, a lying Content-Length; the server stays up
         # (uvicorn answers 400 and closes while the client may still be sending the header:
         # the kernel then resets the connection before the client reads the answer; either

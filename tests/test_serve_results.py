@@ -16,6 +16,7 @@ from anomaly_hooks.serve.results import (
     COLUMNS,
     MAX_ID,
     SCHEMA,
+    SCHEMA_VERSION,
     ImageFiles,
     Record,
     Recorder,
@@ -247,8 +248,8 @@ def test_a_version_1_sqlite_log_gains_the_label_columns(tmp_path):
     """A log written before labels (schema version 1): opened, it gets the label columns
     (version 2), its records read back unlabelled and can be labelled."""
     v1 = SCHEMA.replace(",\n    label TEXT,\n    label_note TEXT,\n    label_by TEXT,\n"
-                        "    label_at REAL", "")
-    assert "label" not in v1
+                        "    label_at REAL", "").replace("    model_name TEXT,\n", "")
+    assert "label" not in v1 and "model_name" not in v1
     con = sqlite3.connect(tmp_path / "r.sqlite")
     con.executescript(v1)
     con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
@@ -260,9 +261,37 @@ def test_a_version_1_sqlite_log_gains_the_label_columns(tmp_path):
     store = SQLiteResultStore(tmp_path / "r.sqlite")
     assert store.get(1).label is None and store.query(label="none")[0].request_id == "old"
     assert store.set_label(1, "good").label == "good"
-    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     store.close()
     SQLiteResultStore(tmp_path / "r.sqlite").close()  # opened again: nothing left to do
+
+
+def test_a_version_2_sqlite_log_gains_the_model_name_column(tmp_path):
+    """A log written before model names (schema version 2): opened, it gets the nullable
+    ``model_name`` column (version 3); its records read back without a name, new ones carry
+    theirs, and the model filter finds them."""
+    v2 = SCHEMA.replace("    model_name TEXT,\n", "")
+    assert "model_name" not in v2 and "label" in v2
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    con.executescript(v2)
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum, label) VALUES (1000.0, 'old', 2.5, 0.7, "
+                "1, 2.0, 'm', 'c', 'good')")
+    con.execute("PRAGMA user_version=2")
+    con.commit()
+    con.close()
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 3
+    old = store.get(1)
+    assert old.model_name is None and old.label == "good"
+    new = Record(time=2000.0, request_id="new", verdict=old.verdict, model_id="m",
+                 model_checksum="c", model_name="line-2")
+    store.add([new])
+    assert [r.request_id for r in store.query(model="line-2")] == ["new"]
+    assert [r.request_id for r in store.query()] == ["new", "old"]
+    assert store.query(model="nothing") == []
+    store.close()
+    SQLiteResultStore(tmp_path / "r.sqlite").close()
 
 
 def test_a_store_without_labels_says_so():

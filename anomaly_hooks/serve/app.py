@@ -75,7 +75,8 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
 def body_limits(settings: ServeSettings) -> Callable[[str], int]:
     """The request-body limit of each path (bytes)."""
     def limit_for(path: str) -> int:
-        if path == "/v1/predict/batch":
+        if path == "/v1/predict/batch" or (path.startswith("/v1/models/")
+                                           and path.endswith("/predict/batch")):
             return settings.max_upload_bytes * settings.max_batch_files + MULTIPART_SLACK
         if path.startswith(("/v1/admin/", "/v1/results/")):  # a reload or a label: JSON
             return ADMIN_BODY_LIMIT

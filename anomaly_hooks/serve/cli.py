@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError
-from anomaly_hooks.serve.settings import KEEP_CHOICES, RESULTS_FILE, TOKEN_ENV, ServeSettings
+from anomaly_hooks.serve.settings import (
+    KEEP_CHOICES,
+    RESULTS_FILE,
+    TOKEN_ENV,
+    ServeSettings,
+    parse_models,
+)
 
 DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -21,8 +27,11 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--model", required=True, help="model file written by fit, or an .onnx "
-                   "file written by export (served by ONNX Runtime, without PyTorch)")
+    p.add_argument("--model", required=True, action="append", metavar="[NAME=]PATH",
+                   help="model file written by fit, or an .onnx file written by export "
+                   "(served by ONNX Runtime, without PyTorch); repeat as --model NAME=PATH to "
+                   "serve several models (/v1/models/NAME/predict; the first is the default "
+                   "model of the routes without a name)")
     p.add_argument("--host", default=d["host"],
                    help=f"address to bind (default {d['host']}: this machine only)")
     p.add_argument("--port", type=int, default=d["port"], help=f"default {d['port']}")
@@ -31,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth, "
                    "and the admin routes are disabled)")
     p.add_argument("--models-dir", help="the folder POST /v1/admin/reload may load model files "
-                   "from (default: the folder of --model)")
+                   "from (default: the folder of --model); given, its model files are versions "
+                   "(GET /v1/models/versions, POST /v1/admin/promote and /v1/admin/rollback)")
     g = p.add_argument_group("batching and limits")
     g.add_argument("--max-batch", type=int, default=d["max_batch"],
                    help=f"images per backbone batch (default {d['max_batch']})")
@@ -118,8 +128,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    values = args.model if isinstance(args.model, list) else [args.model]
+    models = parse_models(values)
     return ServeSettings(
-        model=args.model, host=args.host, port=args.port, device=args.device,
+        model=next(iter(models.values())), models=models, host=args.host, port=args.port,
+        device=args.device,
         token=args.token, models_dir=args.models_dir, max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, decode_workers=args.decode_workers,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
@@ -173,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings, on_fatal=on_fatal)
     server = build_server(app, settings, args.log_level)
     server_box.append(server)
-    log.info("loading %s; the page will be at http://%s:%d/", settings.model,
+    log.info("loading %s; the page will be at http://%s:%d/",
+             ", ".join(f"{n}={p}" for n, p in (settings.models or {}).items())
+             if len(settings.models or {}) > 1 else settings.model,
              settings.host if ":" not in settings.host else f"[{settings.host}]", settings.port)
     server.run()
     if fatal:
@@ -201,7 +216,8 @@ def preflight(settings: ServeSettings) -> None:
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
     from anomaly_hooks.serve.results import SQLiteResultStore, open_store
 
-    check_model_file(settings.model)
+    for path in (settings.models or {}).values():
+        check_model_file(path)
     if monitor_enabled(settings.monitor):
         load_factory(settings.monitor)
     if settings.results_db:

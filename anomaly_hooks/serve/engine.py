@@ -23,7 +23,6 @@ This module and everything the service imports besides the torch engine are torc
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -37,40 +36,19 @@ import numpy as np
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
-from anomaly_hooks.serve.errors import ServeError
-from anomaly_hooks.serve.modelpaths import check_model_file
+from anomaly_hooks.serve.modelpaths import (  # noqa: F401  (file_sha256: re-exported)
+    _check_cancel,
+    check_model_file,
+    file_sha256,
+    load_cancelled,
+)
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
+from anomaly_hooks.serve.versions import model_lineage
 
 log = logging.getLogger("anomaly_hooks.serve")
 
 ONNX_SUFFIX = ".onnx"  # an exported model: served by the ONNX engine
-
-
-def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
-                ) -> str:
-    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
-    set."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            _check_cancel(cancel)
-            block = fh.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_cancelled() -> ServeError:
-    """The error of a model load stopped because the server is shutting down."""
-    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
-                      "stopped")
-
-
-def _check_cancel(cancel: Optional[threading.Event]) -> None:
-    if cancel is not None and cancel.is_set():
-        raise load_cancelled()
 
 
 def _signature(path: Path) -> Tuple[int, int, int]:
@@ -114,6 +92,9 @@ class ModelEngine:
     file_bytes: int
     load_seconds: float
     loaded_at: float = field(default_factory=time.time)
+    #: the summary of the ``lineage`` its file's metadata records (the updates it went
+    #: through; :func:`~.versions.lineage_summary`), None for a model without one
+    lineage: Optional[Dict[str, Any]] = None
 
     kind: ClassVar[str] = "?"
     #: None when the engine feeds a drift monitor; else why it cannot (``/v1/drift`` says it)
@@ -138,11 +119,12 @@ class ModelEngine:
         _check_cancel(cancel)
         det = cls.open_detector(p, device)
         _check_cancel(cancel)
+        lineage = model_lineage(str(p))
         if _signature(p) != before:
             raise ModelFileError(f"{p}: the file changed while it was being loaded; try again "
                                  "once it is completely written (write to a temporary name, "
                                  "then rename)")
-        engine = cls(det, str(p), sha, before[1], 0.0)
+        engine = cls(det, str(p), sha, before[1], 0.0, lineage=lineage)
         if warmup:
             engine.warm_up()
         engine.load_seconds = time.perf_counter() - start
@@ -205,7 +187,7 @@ class ModelEngine:
         return {"model_id": self.model_id, "path": self.path, "file_sha256": self.sha256,
                 "file_bytes": self.file_bytes, "loaded_at": iso_time(self.loaded_at),
                 "load_seconds": round(self.load_seconds, 3), "engine": self.kind,
-                "drift_unavailable": self.drift_unavailable}
+                "drift_unavailable": self.drift_unavailable, "lineage": self.lineage}
 
     # -- the model-specific parts of the three steps ---------------------------------------
     def network_input(self, canonical: np.ndarray) -> Any:

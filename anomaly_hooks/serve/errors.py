@@ -21,6 +21,8 @@ CODES = (
     (404, "not_found", "no such route, result or picture; or the results log is off"),
     (405, "method_not_allowed", "wrong HTTP method for the route"),
     (409, "reload_in_progress", "another model reload is running"),
+    (409, "no_previous_version", "a rollback without an earlier version, or whose file is no "
+     "longer in the models folder"),
     (409, "drift_unavailable", "the serving model cannot feed the drift monitor asked for (an "
      "ONNX export); the message says why"),
     (413, "payload_too_large", "the upload (or request body) exceeds the byte limit"),

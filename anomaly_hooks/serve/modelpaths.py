@@ -11,10 +11,14 @@
 * :func:`inside_folder`: the admin reload route loads files from one folder only (the serving
   model's, or ``--models-dir``); symbolic links and ``..`` are resolved first, so neither can
   lead out of it.
+* :func:`file_sha256`: a model file's checksum as the service computes it (its load, and the
+  versions of ``--models-dir``), stopped when the server is stopping.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -98,3 +102,29 @@ def inside_folder(path: str, folder: str) -> str:
                          "reload loads model files from that folder only (the server's "
                          "--models-dir, by default the folder of the model it started with)")
     return real
+
+
+def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
+                ) -> str:
+    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
+    set."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            _check_cancel(cancel)
+            block = fh.read(chunk)
+            if not block:
+                break
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_cancelled() -> ServeError:
+    """The error of a model load stopped because the server is shutting down."""
+    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
+                      "stopped")
+
+
+def _check_cancel(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise load_cancelled()

@@ -100,6 +100,10 @@ MIGRATIONS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
         "ALTER TABLE results ADD COLUMN IF NOT EXISTS label_at DOUBLE PRECISION",
         "CREATE INDEX IF NOT EXISTS results_label ON results (label, id)",
     )),
+    (3, "model names", (
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS model_name TEXT",
+        "CREATE INDEX IF NOT EXISTS results_model ON results (model_name, id)",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -327,9 +331,10 @@ class PostgresResultStore(ResultStore):
         return ids
 
     def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
-              limit: int = 100, label=None) -> List[Record]:
+              limit: int = 100, label=None, model=None) -> List[Record]:
         clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
-                                      part_id=part_id, before_id=before_id, label=label)
+                                      part_id=part_id, before_id=before_id, label=label,
+                                      model=model)
         where = (" WHERE " + " AND ".join(c.replace("?", "%s") for c in clauses)
                  if clauses else "")
         limit = int(limit)

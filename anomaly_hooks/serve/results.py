@@ -48,6 +48,7 @@ class Record:
     verdict: Verdict
     model_id: str
     model_checksum: str
+    model_name: Optional[str] = None     # the server's name of the model (None: before names)
     part_id: Optional[str] = None
     source: Optional[str] = None
     width: Optional[int] = None
@@ -92,7 +93,7 @@ PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
                "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id",
-               "label", "label_note", "label_by", "label_at_iso"]
+               "label", "label_note", "label_by", "label_at_iso", "model_name"]
 LABELS = ("good", "defect")             # what an operator may say of a result
 LABEL_FILTERS = LABELS + ("none",)      # query(label=...): none = not labelled
 NOTE_MAX = 500                          # characters of a label's note
@@ -132,9 +133,11 @@ class ResultStore(abc.ABC):
     def query(self, *, since: Optional[float] = None, until: Optional[float] = None,
               anomalous: Optional[bool] = None, part_id: Optional[str] = None,
               before_id: Optional[int] = None, limit: int = 100,
-              label: Optional[str] = None) -> List[Record]:
+              label: Optional[str] = None, model: Optional[str] = None) -> List[Record]:
         """Newest first: records with ``since <= time < until``, id < before_id (paging);
-        ``label``: good, defect, or none (not labelled); ValueError for another."""
+        ``label``: good, defect, or none (not labelled); ValueError for another; ``model``:
+        the records of the model of that name only (the caller passes it only when it
+        filters by model: a store written before model names need not take it)."""
 
     @abc.abstractmethod
     def get(self, record_id: int) -> Optional[Record]:
@@ -182,8 +185,8 @@ class ResultStore(abc.ABC):
 
 def query_filters(*, since: Optional[float] = None, until: Optional[float] = None,
                   anomalous: Optional[bool] = None, part_id: Optional[str] = None,
-                  before_id: Optional[int] = None, label: Optional[str] = None
-                  ) -> Tuple[List[str], List[Any]]:
+                  before_id: Optional[int] = None, label: Optional[str] = None,
+                  model: Optional[str] = None) -> Tuple[List[str], List[Any]]:
     """The SQL conditions of :meth:`ResultStore.query`'s filters (each with at most one ``?``
     placeholder) and their values, in order: every store applies the same filters.
     ValueError for a label filter other than :data:`LABEL_FILTERS`."""
@@ -210,6 +213,9 @@ def query_filters(*, since: Optional[float] = None, until: Optional[float] = Non
     if part_id is not None:
         clauses.append("part_id = ?")
         args.append(part_id)
+    if model is not None:
+        clauses.append("model_name = ?")
+        args.append(model)
     if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
         clauses.append("id < ?")
         args.append(int(before_id))
@@ -238,6 +244,7 @@ CREATE TABLE IF NOT EXISTS results (
     threshold REAL NOT NULL,
     model_id TEXT NOT NULL,
     model_checksum TEXT NOT NULL,
+    model_name TEXT,
     part_id TEXT,
     source TEXT,
     anomalous_pixels INTEGER,
@@ -256,10 +263,13 @@ CREATE INDEX IF NOT EXISTS results_time ON results (time);
 CREATE INDEX IF NOT EXISTS results_anomalous ON results (is_anomalous, id);
 CREATE INDEX IF NOT EXISTS results_part ON results (part_id, id);
 """
-# version 2: the operator's label; a version-1 log (no label columns) gets them added
-LABEL_COLUMNS = {"label": "TEXT", "label_note": "TEXT", "label_by": "TEXT", "label_at": "REAL"}
-LABEL_INDEX = "CREATE INDEX IF NOT EXISTS results_label ON results (label, id)"
-SCHEMA_VERSION = 2
+# version 2: the operator's label; version 3: the model's name (several models in one
+# service). An older log gets the columns it lacks added when it is opened.
+ADDED_COLUMNS = {"label": "TEXT", "label_note": "TEXT", "label_by": "TEXT", "label_at": "REAL",
+                 "model_name": "TEXT"}
+ADDED_INDEXES = ("CREATE INDEX IF NOT EXISTS results_label ON results (label, id)",
+                 "CREATE INDEX IF NOT EXISTS results_model ON results (model_name, id)")
+SCHEMA_VERSION = 3
 
 
 class SQLiteResultStore(ResultStore):
@@ -306,10 +316,11 @@ class SQLiteResultStore(ResultStore):
             for statement in filter(str.strip, SCHEMA.split(";")):
                 con.execute(statement)
             have = {row[1] for row in con.execute("PRAGMA table_info(results)")}
-            for name, kind in LABEL_COLUMNS.items():
+            for name, kind in ADDED_COLUMNS.items():
                 if name not in have:
                     con.execute(f"ALTER TABLE results ADD COLUMN {name} {kind}")
-            con.execute(LABEL_INDEX)
+            for index in ADDED_INDEXES:
+                con.execute(index)
             con.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             con.execute("COMMIT")
         except BaseException:
@@ -353,9 +364,10 @@ class SQLiteResultStore(ResultStore):
         return ids
 
     def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
-              limit: int = 100, label=None) -> List[Record]:
+              limit: int = 100, label=None, model=None) -> List[Record]:
         clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
-                                      part_id=part_id, before_id=before_id, label=label)
+                                      part_id=part_id, before_id=before_id, label=label,
+                                      model=model)
         where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
         rows = self._reader().execute(
             f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",

@@ -36,6 +36,8 @@ PartId = Annotated[Optional[str], Query(max_length=200, description="only this p
 RecordId = Annotated[int, Path(ge=1, le=MAX_ID, description="the result's id")]
 Label = Annotated[Optional[Literal["good", "defect", "none"]], Query(
     description="only results an operator labelled good, or defect; none: not labelled")]
+Model = Annotated[Optional[str], Query(max_length=64, description="only the results of the "
+                                       "model of this name (GET /v1/models)")]
 _ERRORS = error_responses(401, 404, 422, 500)
 
 
@@ -46,9 +48,9 @@ async def results(service: ServiceDep, store: StoreDep, since: Since = None, unt
                   before_id: Annotated[Optional[int], Query(
                       ge=1, le=MAX_ID, description="only ids below this (paging)")] = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                  label: Label = None) -> Dict[str, Any]:
+                  label: Label = None, model: Model = None) -> Dict[str, Any]:
     """Newest first, at most ``limit``; ``next_before_id`` pages on."""
-    f = _filters(since, until, anomalous, part_id, label)
+    f = _filters(since, until, anomalous, part_id, label, model)
     rows = await service.loop.run_in_executor(
         service.aux, functools.partial(store.query, before_id=before_id, limit=limit, **f))
     return {"count": len(rows), "results": [r.as_json() for r in rows],
@@ -60,10 +62,11 @@ async def results(service: ServiceDep, store: StoreDep, since: Since = None, unt
 async def results_csv(store: StoreDep, since: Since = None, until: Until = None,
                       anomalous: Anomalous = None, part_id: PartId = None,
                       limit: Annotated[Optional[int], Query(ge=1, le=MAX_ID)] = None,
-                      label: Label = None) -> StreamingResponse:
+                      label: Label = None, model: Model = None) -> StreamingResponse:
     """The same filters as ``/v1/results``; cells that a spreadsheet would run as a formula
     are neutralised."""
-    rows = store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id, label))
+    rows = store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id, label,
+                                                    model))
     return StreamingResponse(csv_lines(rows), media_type="text/csv; charset=utf-8",
                              headers={"Content-Disposition": 'attachment; filename="results.csv"'})
 
@@ -130,12 +133,18 @@ def token_fingerprint(token: Optional[str]) -> str:
 
 
 def _filters(since: Optional[str], until: Optional[str], anomalous: Optional[bool],
-             part_id: Optional[str], label: Optional[str] = None) -> Dict[str, Any]:
-    """The store's query filters of the routes' parameters (``label`` only when given: a
-    store plug-in written before labels takes no such filter)."""
-    out = {"since": parse_time(since, "since"), "until": parse_time(until, "until"),
-           "anomalous": anomalous, "part_id": part_id}
-    return {**out, "label": label} if label is not None else out
+             part_id: Optional[str], label: Optional[str] = None,
+             model: Optional[str] = None) -> Dict[str, Any]:
+    """The store's query filters of the routes' parameters (``label`` and ``model`` only when
+    given: a store plug-in written before them takes no such filter)."""
+    out: Dict[str, Any] = {"since": parse_time(since, "since"),
+                           "until": parse_time(until, "until"), "anomalous": anomalous,
+                           "part_id": part_id}
+    if label is not None:
+        out["label"] = label
+    if model is not None:
+        out["model"] = model
+    return out
 
 
 def parse_time(value: Optional[str], name: str) -> Optional[float]:

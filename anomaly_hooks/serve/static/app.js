@@ -31,8 +31,50 @@ function localTime(iso) {
   return isNaN(d) ? iso : d.toLocaleString();
 }
 
+// ---- which model: a server may serve several (GET /v1/models); the page works on one ----
+let currentModel = null;  // the selected model's name; null: the server has one model
+
+function modelUrl(suffix, single) {
+  return currentModel === null ? single : `/v1/models/${encodeURIComponent(currentModel)}${suffix}`;
+}
+
+async function loadModels() {
+  const select = $("model-select");
+  try {
+    const listed = await api("/v1/models");
+    if (listed.count < 2) { currentModel = null; return listed; }
+    const names = listed.models.map((m) => m.name);
+    if (!names.includes(currentModel)) currentModel = listed.default;
+    if (select.options.length !== names.length ||
+        [...select.options].some((o, i) => o.value !== names[i])) {
+      select.replaceChildren(...names.map((name) => {
+        const option = document.createElement("option");
+        option.value = name; option.textContent = name;
+        return option;
+      }));
+    }
+    select.value = currentModel;
+    select.hidden = false; $("model-select-label").hidden = false;
+    return listed;
+  } catch (err) {
+    return null;
+  }
+}
+
+function selectModel() {
+  currentModel = $("model-select").value;
+  refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
+}
+
 // ---- model state --------------------------------------------------------------------
 async function refreshModel() {
+  const listed = await loadModels();
+  const mine = listed && currentModel !== null ? listed.models.find((m) => m.name === currentModel) : null;
+  if (mine) {  // several models: the selected one's state
+    $("model-id").textContent = mine.ready ? mine.model_id : (mine.error || "loading…");
+    $("ready-dot").className = mine.ready ? "dot ok" : "dot bad";
+    return;
+  }
   try {
     const ready = await api("/readyz");
     $("model-id").textContent = ready.model_id;
@@ -66,22 +108,52 @@ function operatingRows(t) {
   return rows;
 }
 
+// ---- the serving model: its version of the models folder and its lineage -------------
+const short = (checksum) => checksum ? String(checksum).slice(0, 12) : "–";
+
+function modelRows(info) {
+  const rows = [["model", info.model_id + (currentModel !== null ? ` (${info.name})` : "")],
+                ["method", info.method],
+                ["file", String(info.path || "").split("/").pop()], ["checksum", short(info.file_sha256)]];
+  const v = info.version;
+  if (v) {
+    rows.push(["version", v.name + (v.since ? ` (since ${localTime(v.since)})` : "")]);
+    rows.push(["rollback to", v.previous ? `${v.previous.name} (${short(v.previous.checksum)})` : "– (none)"]);
+  }
+  const l = info.lineage;
+  if (l) {
+    rows.push(["lineage", `${l.updates} update(s), ${l.images_added} image(s) added`]);
+    if (l.last_update) rows.push(["last update", localTime(l.last_update)]);
+    if (l.parent_checksum) rows.push(["parent", short(l.parent_checksum)]);
+    if (l.labels_used !== null && l.labels_used !== undefined) rows.push(["labels used", String(l.labels_used)]);
+  } else {
+    rows.push(["lineage", "– (as fitted, no updates)"]);
+  }
+  return rows;
+}
+
+function kvRows(rows) {
+  return rows.map(([k, v]) => {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th"); th.textContent = k;
+    const td = document.createElement("td"); td.textContent = v;
+    tr.append(th, td);
+    return tr;
+  });
+}
+
 async function refreshOperatingPoint() {
   const summary = $("operating-summary"), table = $("operating-table");
   try {
-    const info = await api("/v1/model");
+    const info = await api(modelUrl("", "/v1/model"));
     servingChecksum = info.file_sha256 || null;
+    $("model-table").replaceChildren(...kvRows(modelRows(info)));
     const t = info.threshold || {};
     summary.textContent = `score > ${fmt(t.value)} is anomalous`;
-    table.replaceChildren(...operatingRows(t).map(([k, v]) => {
-      const tr = document.createElement("tr");
-      const th = document.createElement("th"); th.textContent = k;
-      const td = document.createElement("td"); td.textContent = v;
-      tr.append(th, td);
-      return tr;
-    }));
+    table.replaceChildren(...kvRows(operatingRows(t)));
   } catch (err) {
     summary.textContent = err.message;
+    $("model-table").replaceChildren(...kvRows([["model", err.message]]));
   }
 }
 
@@ -124,7 +196,7 @@ async function inspect(file) {
   setStatus(`inspecting ${file.name}…`);
   const started = performance.now();
   try {
-    const res = await api("/v1/predict?heatmap=png", { method: "POST", body: form });
+    const res = await api(modelUrl("/predict", "/v1/predict") + "?heatmap=png", { method: "POST", body: form });
     if (lastObjectUrl) URL.revokeObjectURL(lastObjectUrl);
     lastObjectUrl = URL.createObjectURL(file);
     showResult(res, lastObjectUrl);
@@ -270,11 +342,12 @@ async function refreshResults() {
   try {
     const onlyAnomalous = $("only-anomalous").checked;
     const label = $("label-filter").value;
+    const model = currentModel === null ? "" : `&model=${encodeURIComponent(currentModel)}`;
     const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : "") +
-                             (label ? `&label=${label}` : ""));
+                             (label ? `&label=${label}` : "") + model);
     renderRecent(recent.results);
     await countFalseAlarms();
-    drawChart((await api("/v1/results?limit=200")).results);
+    drawChart((await api("/v1/results?limit=200" + model)).results);
   } catch (err) {
     $("recent-empty").hidden = false;
     $("recent-empty").textContent = err.message;
@@ -294,7 +367,7 @@ function leaves(obj, prefix = "", out = []) {
 async function refreshDrift() {
   const state = $("drift-state"), table = $("drift-table");
   try {
-    const status = await api("/v1/drift");
+    const status = await api(modelUrl("/drift", "/v1/drift"));
     table.replaceChildren();
     if (!status.enabled) {
       state.textContent = "not enabled";
@@ -329,8 +402,12 @@ async function refreshDrift() {
 setupUpload();
 $("only-anomalous").addEventListener("change", refreshResults);
 $("label-filter").addEventListener("change", refreshResults);
-refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
+$("model-select").addEventListener("change", selectModel);
+// the model list first: on a server of several models, every panel shows the selected one
+loadModels().finally(() => {
+  refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
+});
 setInterval(refreshModel, 10000);
-setInterval(refreshOperatingPoint, 30000);
+setInterval(refreshOperatingPoint, 10000);  // the operating point and the model card
 setInterval(refreshResults, 3000);
 setInterval(refreshDrift, 5000);
