@@ -70,7 +70,9 @@ def resolve_layers(model: nn.Module, layers: Sequence[str]) -> Dict[str, nn.Modu
     return {name: modules[name] for name in layers}
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
+def first_tensor(output: Any) -> torch.Tensor:
+    """A tapped module's output as one tensor ``[B, C, H, W]``: the tensor itself, or the first
+    of a tuple or list (modules returning several); a clear error for anything else."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -153,7 +155,7 @@ class HookFeatureExtractor:
         if store is None:  # the model is being used outside the extractor: stay passive
             return
         if name not in store:
-            store[name] = _first_tensor(output)
+            store[name] = first_tensor(output)
             store.setdefault("__order__", []).append(name)
         if name == self._last and len(store) - 1 == len(self.layers):
             raise _StopForward
@@ -265,7 +267,7 @@ def describe_layers(model: nn.Module, input_size: Sequence[int] = (224, 224),
             seen[name][1] += 1
             return
         try:
-            shape = tuple(_first_tensor(output).shape)
+            shape = tuple(first_tensor(output).shape)
         except ConfigError:
             shape = ()
         seen[name] = [type(module).__name__, 1, shape]

@@ -276,7 +276,7 @@ class StoreFactory:
         self.opened: List[Any] = []
 
     def __call__(self) -> Any:
-        from anomaly_hooks.serve.results import open_store
+        from anomaly_hooks.serve.stores import open_store
 
         store = open_store(self.spec)
         self.opened.append(store)

@@ -90,9 +90,9 @@ def one_by_one(path: Path, files) -> list:
 
 # ---- in process (fast) ----------------------------------------------------------------------
 def test_the_engine_is_chosen_by_the_file_suffix():
-    from anomaly_hooks.serve.engine import engine_class
     from anomaly_hooks.serve.engine_onnx import OnnxEngine
     from anomaly_hooks.serve.engine_torch import TorchEngine
+    from anomaly_hooks.serve.engines import engine_class
 
     assert engine_class("a/m.onnx") is engine_class("M.ONNX") is OnnxEngine
     assert engine_class("m.safetensors") is engine_class("m.onnx.bak") is TorchEngine
@@ -157,7 +157,7 @@ def test_onnx_model_served_in_process(edge, tmp_path):
 
 def test_a_pytorch_model_where_torch_is_missing_is_refused_with_what_to_do(monkeypatch):
     from anomaly_hooks.errors import ModelFileError
-    from anomaly_hooks.serve.engine import engine_class
+    from anomaly_hooks.serve.engines import engine_class
 
     monkeypatch.setitem(sys.modules, "anomaly_hooks.serve.engine_torch", None)
     with pytest.raises(ModelFileError, match="PyTorch cannot be imported here .*serve the "

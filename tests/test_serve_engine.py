@@ -15,7 +15,7 @@ from serve_helpers import encode
 
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.prediction import Verdict
-from anomaly_hooks.serve.engine import Engine
+from anomaly_hooks.serve.engine_torch import TorchEngine as Engine
 
 
 @pytest.fixture(scope="module")

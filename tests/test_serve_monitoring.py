@@ -9,7 +9,7 @@ import pytest
 import torch
 from serve_helpers import StandInMonitor
 
-from anomaly_hooks.serve.engine import Engine
+from anomaly_hooks.serve.engine_torch import TorchEngine as Engine
 from anomaly_hooks.serve.monitoring import MonitorRunner, numeric_leaves, observed_batch
 
 

@@ -23,8 +23,8 @@ from anomaly_hooks.serve.results import (
     ResultStore,
     SQLiteResultStore,
     csv_lines,
-    open_store,
 )
+from anomaly_hooks.serve.stores import open_store
 
 
 def _record(i: int, t: float, anomalous: bool = False, **kw) -> Record:

@@ -297,7 +297,7 @@ def test_hostile_reload_targets_are_refused_before_their_data_is_read(models, tm
 def test_hashing_stops_when_the_server_begins_to_stop(tmp_path):
     """The model file's hashing checks the stop flag every chunk: a 4 GB file stops within
     a fraction of a second of the flag."""
-    from anomaly_hooks.serve.engine import file_sha256
+    from anomaly_hooks.serve.modelpaths import file_sha256
 
     big = tmp_path / "big.bin"
     with open(big, "wb") as fh:

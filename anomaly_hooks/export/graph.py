@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anomaly_hooks.embedding import PatchEmbedder
-from anomaly_hooks.extractor import _first_tensor
+from anomaly_hooks.extractor import first_tensor
 from anomaly_hooks.heatmap import anomaly_maps
 
 
@@ -58,7 +58,7 @@ class TruncatedBackbone(nn.Module):
 
         def hook(name: str, out: Any) -> None:
             if name not in store:
-                store[name] = _first_tensor(out)
+                store[name] = first_tensor(out)
             if self.stop and name == self.last and len(store) == len(self.layers):
                 raise _Stop
 

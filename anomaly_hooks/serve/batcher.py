@@ -12,7 +12,7 @@ later and miss the next batch: the load splits into small, costlier batches that
 again) or pure added latency for a fast GPU model; 5 % of a batch bounds the added latency to 5 %
 of the inference time while letting the returning clients join.
 
-Each job carries the :class:`~anomaly_hooks.serve.engine.Engine` that preprocessed it: a batch
+Each job carries the :class:`~anomaly_hooks.serve.engine.ModelEngine` that preprocessed it: a batch
 only holds jobs of one engine, so requests admitted before a model reload finish on the old model
 (same preprocessing, same threshold) and the new model takes the later ones.
 

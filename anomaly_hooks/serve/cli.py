@@ -214,7 +214,8 @@ def preflight(settings: ServeSettings) -> None:
     Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
     from anomaly_hooks.serve.modelpaths import check_model_file
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-    from anomaly_hooks.serve.results import SQLiteResultStore, open_store
+    from anomaly_hooks.serve.results import SQLiteResultStore
+    from anomaly_hooks.serve.stores import open_store
 
     for path in (settings.models or {}).values():
         check_model_file(path)

@@ -10,7 +10,7 @@ Together they compute exactly what the model's own ``predict`` computes (tested)
 is formed from concurrent requests. :class:`ModelEngine` is the interface the service relies on
 (those three steps, :meth:`~ModelEngine.load` with its checks, :meth:`~ModelEngine.warm_up`,
 :meth:`~ModelEngine.info`, the identity); two implementations, chosen by the model file's
-suffix (:func:`engine_class`):
+suffix (:func:`~anomaly_hooks.serve.engines.engine_class`):
 
 * :class:`~anomaly_hooks.serve.engine_torch.TorchEngine` (``.safetensors``, any other suffix):
   the PyTorch :class:`~anomaly_hooks.detector.Detector`, with the drift monitor's layer taps;
@@ -29,18 +29,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
-from anomaly_hooks.serve.modelpaths import (  # noqa: F401  (file_sha256: re-exported)
-    _check_cancel,
+from anomaly_hooks.serve.modelpaths import (
+    check_cancel,
     check_model_file,
     file_sha256,
-    load_cancelled,
 )
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
@@ -116,9 +115,9 @@ class ModelEngine:
         before = _signature(p)
         cls.check_file(p)
         sha = file_sha256(p, cancel=cancel)
-        _check_cancel(cancel)
+        check_cancel(cancel)
         det = cls.open_detector(p, device)
-        _check_cancel(cancel)
+        check_cancel(cancel)
         lineage = model_lineage(str(p))
         if _signature(p) != before:
             raise ModelFileError(f"{p}: the file changed while it was being loaded; try again "
@@ -269,35 +268,3 @@ class ModelEngine:
                 out.thumb_jpg = pictures.jpeg_bytes(
                     blend(base, colorize(small, 0.0, vmax), mask=small > thr.value), thumb_side)
         return out
-
-
-def engine_class(path: Any) -> Type[ModelEngine]:
-    """The engine for a model file, by its suffix: ``.onnx`` -> the ONNX engine (no torch),
-    anything else -> the PyTorch engine (a :class:`ModelFileError` saying what to do where
-    torch cannot be imported)."""
-    if str(path).lower().endswith(ONNX_SUFFIX):
-        from anomaly_hooks.serve.engine_onnx import OnnxEngine
-
-        return OnnxEngine
-    try:
-        from anomaly_hooks.serve.engine_torch import TorchEngine
-    except ImportError as exc:  # an edge install: no PyTorch
-        raise ModelFileError(
-            f"{path}: a PyTorch model file, but PyTorch cannot be imported here ({exc}); "
-            "export the model (anomaly-hooks export, where it was fitted) and serve the "
-            ".onnx file, or install the full package") from None
-    return TorchEngine
-
-
-def load_engine(path: str, device: Optional[str] = None, warmup: bool = True,
-                cancel: Optional[threading.Event] = None) -> ModelEngine:
-    """:meth:`ModelEngine.load` of the engine :func:`engine_class` picks for ``path``."""
-    return engine_class(path).load(path, device, warmup=warmup, cancel=cancel)
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: the PyTorch engine only when asked for
-    if name == "Engine":  # its name from before the ONNX engine
-        from anomaly_hooks.serve.engine_torch import TorchEngine
-
-        return TorchEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

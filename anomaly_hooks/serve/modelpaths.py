@@ -111,7 +111,7 @@ def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Eve
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
-            _check_cancel(cancel)
+            check_cancel(cancel)
             block = fh.read(chunk)
             if not block:
                 break
@@ -125,6 +125,8 @@ def load_cancelled() -> ServeError:
                       "stopped")
 
 
-def _check_cancel(cancel: Optional[threading.Event]) -> None:
+def check_cancel(cancel: Optional[threading.Event]) -> None:
+    """Raise :func:`load_cancelled` when ``cancel`` is set (a load's steps call it between
+    their long parts, so that a shutdown stops a reload)."""
     if cancel is not None and cancel.is_set():
         raise load_cancelled()

@@ -495,33 +495,6 @@ _ROW_TYPES = {"id": _integer, "time": _real, "score": _real, "normalized_score":
               "model_id": _required_text, "model_checksum": _required_text}
 
 
-def open_store(spec: str) -> ResultStore:
-    """A store from a spec: a file path or ``sqlite:///path`` (SQLite), or a
-    ``postgresql://`` / ``postgres://`` URL (PostgreSQL: the ``[postgres]`` extra)."""
-    check_store_spec(spec)
-    if spec.startswith(("postgresql://", "postgres://")):
-        from anomaly_hooks.serve.pgstore import PostgresResultStore  # psycopg: optional
-
-        return PostgresResultStore(spec)
-    if spec.startswith("sqlite:///"):
-        return SQLiteResultStore(spec[len("sqlite:///"):])
-    return SQLiteResultStore(spec)
-
-
-def check_store_spec(spec: str) -> None:
-    """Refuse (``ConfigError``) a store spec :func:`open_store` cannot open, without opening
-    it; the message never holds the spec's password."""
-    if not spec:
-        raise ConfigError("the results store spec is empty: give a file path, sqlite:///path "
-                          "or postgresql://user@host/db")
-    known = ("sqlite:///", "postgresql://", "postgres://")
-    if "://" in spec and not spec.startswith(known):
-        scheme = spec.split("://", 1)[0]
-        raise ConfigError(f"unsupported results store {scheme}://...: give a file path, "
-                          "sqlite:///path or postgresql://user@host/db (other databases: "
-                          "implement ResultStore)")
-
-
 def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     """The CSV export, a chunk of lines at a time (header first)."""
     buf = io.StringIO()

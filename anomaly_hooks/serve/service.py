@@ -48,13 +48,11 @@ from anomaly_hooks.serve.engine import (
     ModelEngine,
     Outcome,
     PreparedImage,
-    engine_class,
-    load_cancelled,
-    load_engine,
 )
+from anomaly_hooks.serve.engines import engine_class, load_engine
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
-from anomaly_hooks.serve.modelpaths import inside_folder
+from anomaly_hooks.serve.modelpaths import inside_folder, load_cancelled
 from anomaly_hooks.serve.monitoring import (
     MonitorRunner,
     monitor_enabled,
@@ -68,10 +66,10 @@ from anomaly_hooks.serve.results import (
     ResultStore,
     SQLiteResultStore,
     iso_time,
-    open_store,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
 from anomaly_hooks.serve.slots import ModelSlot
+from anomaly_hooks.serve.stores import open_store
 from anomaly_hooks.serve.versions import Version, VersionShelf
 
 log = logging.getLogger("anomaly_hooks.serve")
@@ -430,7 +428,7 @@ class Service:
                                 f"{error_text(exc)}", old) from None
 
     async def _load(self, path: str) -> ModelEngine:
-        """:func:`~.engine.load_engine` (the engine by the file's suffix) in the aux pool,
+        """:func:`~.engines.load_engine` (the engine by the file's suffix) in the aux pool,
         stopped by :meth:`begin_shutdown`; one load at a time, whatever the model.
 
         One at a time: building a model touches process-wide state (a backbone initialised

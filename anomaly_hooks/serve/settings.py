@@ -98,7 +98,7 @@ class ServeSettings:
         if self.models_dir is not None and not os.path.isdir(self.models_dir):
             raise ConfigError(f"models-dir {self.models_dir!r} is not a folder")
         if self.results_db is not None:
-            from anomaly_hooks.serve.results import check_store_spec
+            from anomaly_hooks.serve.stores import check_store_spec
 
             check_store_spec(self.results_db)
         return self
