@@ -122,3 +122,28 @@ def rewrite_safetensors_header(src: Path, dst: Path, edit) -> None:
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     dst.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+
+
+@pytest.fixture(scope="session")
+def padim_file(fitted, tmp_path_factory) -> Path:
+    """The ``fitted`` detector saved (low-rank PaDiM, format 2); tests copy it, never edit it."""
+    return fitted.save(tmp_path_factory.mktemp("padim") / "padim.safetensors")
+
+
+def one_error_line(err: str) -> str:
+    """The single ``error:`` line of a command's stderr (no traceback, no second error)."""
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def fuzz_settings(max_examples: int):
+    """Hypothesis settings for the fuzz tests: reproducible (derandomised, no example
+    database), no deadline, function-scoped fixtures allowed (each example writes its own
+    files under the same tmp_path)."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
