@@ -137,13 +137,3 @@ def one_error_line(err: str) -> str:
     assert len(lines) == 1, err
     return lines[0]
 
-
-def fuzz_settings(max_examples: int):
-    """Hypothesis settings for the fuzz tests: reproducible (derandomised, no example
-    database), no deadline, function-scoped fixtures allowed (each example writes its own
-    files under the same tmp_path)."""
-    from hypothesis import HealthCheck, settings
-
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
