@@ -15,7 +15,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 warnings.filterwarnings("ignore", message="backbone.weights is null")
 
 # The suite builds the same seeded random backbones hundreds of times: hand out bit-identical
-# copies instead of re-running the init (~25 s of the quick suite; tests/test_detector.py checks
+# copies instead of re-running the init (~25 s of the quick suite; tests/test_backbones.py checks
 # that a copy equals a fresh build).
 from anomaly_hooks.backbones import keep_random_backbones  # noqa: E402
 

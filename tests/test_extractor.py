@@ -192,7 +192,6 @@ def test_threads_get_their_own_outputs(resnet18):
 
 
 def _fresh_resnet18() -> nn.Module:
-    import torchvision
 
     torch.manual_seed(0)
     return torchvision.models.resnet18(weights=None).eval()
@@ -223,41 +222,11 @@ def test_channels_last_and_autocast_close_to_float32(precision, device):
         HookFeatureExtractor(_fresh_resnet18(), ["layer2"], precision="int8")
 
 
-def test_kept_random_backbones_are_bit_identical_copies():
-    """keep_random_backbones (the suite turns it on in conftest): a kept backbone's copy equals
-    a fresh seeded build, a change to one copy does not reach the next, other seeds are other
-    weights, torch's global generator is left as it was, and turning it off builds afresh."""
-    from anomaly_hooks import backbones
-
-    def fresh(seed):
-        with backbones._seeded(seed):
-            return torchvision.models.resnet18(weights=None)
-
-    backbones.keep_random_backbones(4)
-    first = backbones.build_backbone("resnet18", None, seed=3)  # built (and kept)
-    rng = torch.random.get_rng_state()
-    copy1 = backbones.build_backbone("resnet18", None, seed=3)  # a copy of the kept one
-    assert torch.equal(rng, torch.random.get_rng_state())
-    reference = fresh(3)
-    for model in (first, copy1):
-        ref_state = reference.state_dict()
-        state = model.state_dict()
-        assert state.keys() == ref_state.keys()
-        assert all(torch.equal(state[k], ref_state[k]) for k in state)
-    assert backbones.fingerprint(copy1) == backbones.fingerprint(reference)
-    with torch.no_grad():  # neither the built model nor a copy is the kept one
-        first.conv1.weight.zero_()
-        copy1.conv1.weight.zero_()
-    copy2 = backbones.build_backbone("resnet18", None, seed=3)
-    assert torch.equal(copy2.conv1.weight, reference.conv1.weight) and copy2 is not copy1
-    other = backbones.build_backbone("resnet18", None, seed=4)
-    assert not torch.equal(other.conv1.weight, reference.conv1.weight)
-    with pytest.raises(ValueError, match="max_kept=-1"):
-        backbones.keep_random_backbones(-1)
+def test_close_during_a_forward_pass_gives_the_closed_error(resnet18):
+    ext = HookFeatureExtractor(resnet18, ["layer1", "layer2"], probe_size=(64, 64))
+    handle = resnet18.layer1.register_forward_hook(lambda *a: ext.close())
     try:
-        backbones.keep_random_backbones(0)
-        assert not backbones._KEPT
-        assert backbones.fingerprint(backbones.build_backbone("resnet18", None, seed=3)) == \
-            backbones.fingerprint(reference)
+        with pytest.raises(RuntimeError, match=r"^the extractor is closed; create a new one$"):
+            ext(torch.rand(1, 3, 64, 64))
     finally:
-        backbones.keep_random_backbones(4)
+        handle.remove()

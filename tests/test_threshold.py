@@ -4,6 +4,7 @@ evaluation's false-alarm rate, and the failure paths."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -399,3 +400,19 @@ def test_a_fit_never_writes_a_threshold_a_model_file_refuses():
     with pytest.warns(UserWarning, match="hardly differ"):
         with pytest.raises(FitError, match="would flag every part"):
             calibrate_threshold([0.0] * 8, cfg, "all-images")
+
+
+# ---- identical training images -----------------------------------------------------------
+def test_identical_good_images_warn_about_the_threshold(small_cfg):
+    same = [textured_images(1)[0]] * 10
+    with pytest.warns(UserWarning, match=r"the 2 threshold images' scores hardly differ "
+                                         r"\(spread 0 around .*\): they look like copies of "
+                                         r"the training images"):
+        Detector.from_config(small_cfg).fit(same, progress=False)
+
+
+def test_varied_good_images_do_not_warn(small_cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", "backbone.weights is null")
+        Detector.from_config(small_cfg).fit(textured_images(12), progress=False)
