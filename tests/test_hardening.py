@@ -8,7 +8,6 @@ import csv
 import io
 import json
 import os
-import re
 import resource
 import signal
 import struct
@@ -28,13 +27,11 @@ from PIL import Image
 
 from anomaly_hooks import Detector
 from anomaly_hooks.cli import main
-from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.images import (
     DEFAULT_MAX_PIXELS,
 )
 from anomaly_hooks.modelfile import load_model, save_model
-from anomaly_hooks.outputs import csv_cell, out_name
 
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -77,33 +74,6 @@ def _error_line(err: str) -> str:
 # =========================================================================================
 # Failed 1: score output names stay inside --out, unique, never absolute, never ".."
 # =========================================================================================
-@pytest.mark.parametrize("path, root, expected", [
-    ("/x.png", "/", "x"),                       # one level below /: was the absolute "/x"
-    ("/data/part.png", "/", "data_part"),
-    ("/data/part.png", "/data", "part"),
-    ("in/good/000.png", "in", "good_000"),
-    ("../../etc/passwd.png", "../..", "etc_passwd"),
-    ("a/..hidden.png", "a", "hidden"),
-    ("a/b c\nd\te.png", "a", "b_c_d_e"),
-    ("a/caf\u00e9 \u6f22\u5b57.png", "a", "caf\u00e9_\u6f22\u5b57"),
-    ("a/\udcff\udcfe.png", "a", "__"),            # undecodable bytes in a name
-    ("a/....png", "a", "_"),
-    ("/elsewhere/x.png", "/not/its/root", "x"),  # not under the root: its own name
-])
-def test_out_name_is_relative_and_clean(path, root, expected):
-    assert out_name(Path(path), Path(root), set()) == expected
-
-
-def test_out_names_unique_short_and_case_insensitive():
-    used: set = set()
-    names = [out_name(Path(p), Path("r"), used) for p in
-             ("r/a.png", "r/a.jpg", "r/A.png", "r/a_2.png", "r/sub/x.png", "r/sub_x.png")]
-    assert names == ["a", "a_2", "A_3", "a_2_2", "sub_x", "sub_x_2"]
-    assert len({n.casefold() for n in names}) == len(names)
-    long = out_name(Path("r/" + "\u00e9" * 300 + ".png"), Path("r"), used)
-    assert len(long.encode("utf-8")) <= 150 and "/" not in long
-    other = out_name(Path("r/" + "\u00e9" * 299 + "x.png"), Path("r"), used)
-    assert other != long  # a hash of the whole name keeps long names apart
 
 
 def test_score_writes_only_inside_out_even_through_a_planted_link(model_file, tmp_path):
@@ -220,144 +190,17 @@ def test_memory_of_scoring_the_largest_image_the_default_guard_accepts(tmp_path,
 # =========================================================================================
 # Failed 7: deeply nested configs are refused before the YAML parser
 # =========================================================================================
-@pytest.mark.slow
-def test_deep_config_file_and_override_refused_in_a_fresh_process(tmp_path):
-    """200 KB of '[' killed the interpreter (SIGSEGV in the C YAML parser): now a ConfigError,
-    checked in a child process so a crash would show as a signal, not end this run."""
-    (tmp_path / "deep.yaml").write_text("[" * 200_000)
-    (tmp_path / "deep_block.yaml").write_text("".join(" " * i + "- a:\n" for i in range(200)))
-    code = (
-        "import sys\nfrom anomaly_hooks.config import load_config, ConfigError\n"
-        "for src, ov in ((sys.argv[1], []), (sys.argv[2], []), (None, ['seed=' + '[' * 60000]),"
-        " (None, ['padim.n_features=' + '{a: ' * 100 + '1' + '}' * 100])):\n"
-        "    try:\n        load_config(src, ov)\n    except ConfigError as exc:\n"
-        "        print(str(exc)[:200])\n")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "deep.yaml"),
-                          str(tmp_path / "deep_block.yaml")], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, (run.returncode, run.stderr)
-    lines = run.stdout.splitlines()
-    assert len(lines) == 4
-    assert re.fullmatch(rf"config file {re.escape(str(tmp_path / 'deep.yaml'))} is nested "
-                        r"2000\d\d levels deep; the limit is 32", lines[0])
-    assert re.fullmatch(rf"config file {re.escape(str(tmp_path / 'deep_block.yaml'))} is "
-                        r"nested \d+ levels deep; the limit is 32", lines[1])
-    assert lines[2] == (f"override {('seed=' + '[' * 35)!r}... is 60,005 characters long; the "
-                        "limit is 10,000: a config is a few hundred lines at most")
-    head = ("padim.n_features=" + "{a: " * 100)[:40]
-    assert re.fullmatch(rf"override {re.escape(repr(head))}\.\.\. is nested 10\d levels deep; "
-                        r"the limit is 32", lines[3])
-
-
-def test_big_config_file_and_deep_mapping_refused(tmp_path):
-    big = tmp_path / "big.yaml"
-    big.write_text("# padding\n" * 200_000)
-    with pytest.raises(ConfigError, match=r"big.yaml is 2,000,000 bytes; the limit is 1,048,576"):
-        load_config(big)
-    deep: dict = {}
-    node = deep
-    for _ in range(100):
-        node["a"] = {}
-        node = node["a"]
-    with pytest.raises(ConfigError, match="the config is nested more than 32 levels deep"):
-        load_config({"padim": deep})
-    shared = [0] * 10
-    for _ in range(8):
-        shared = [shared] * 10  # 10**8 values by reference
-    with pytest.raises(ConfigError, match="more than 100,000 values"):
-        load_config({"backbone": {"layers": shared}})
-
-
-def test_the_shipped_configs_pass_the_guards():
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
-        load_config(path)
 
 
 # =========================================================================================
 # Weak: config values
 # =========================================================================================
-@pytest.mark.parametrize("override, message", [
-    ("threshold.margin=.inf", "threshold.margin=inf is not allowed: a finite number"),
-    ("padim.epsilon=inf", "padim.epsilon=inf is not allowed: a finite number"),
-    ("threshold.quantile=nan", "threshold.quantile=nan is not allowed: a finite number"),
-    ("resources.memory_limit_gb=-.inf", "resources.memory_limit_gb=-inf is not allowed: a "
-                                        "finite number"),
-    (f"seed={2 ** 64}", f"seed={2 ** 64} is not allowed: an integer within 64 bits"),
-    ("seed=-1", "seed=-1 is not allowed: an integer in [0, 2**63)"),
-    (f"patchcore.k={10 ** 30}", f"patchcore.k={10 ** 30} is not allowed: an integer within 64 "
-                                "bits"),
-    ("device=cuda:abc", "device='cuda:abc' is not allowed: auto, cpu, cuda or cuda:N (N a "
-                        "device number)"),
-    ("device=cudax", "device='cudax' is not allowed"),
-    ("device=cuda:-1", "device='cuda:-1' is not allowed"),
-    ("data.num_workers=100000", "data.num_workers=100000 is not allowed: 0 to 256"),
-    ("preprocess.resize=100000", "preprocess.resize=[100000, 100000] is not allowed: an int or "
-                                 "[height, width] of ints in 1..8192"),
-    ("seed=[1,", "cannot parse overrides ['seed=[1,']: "),
-    ("output=${nope}", "config: "),
-])
-def test_config_edge_values_name_the_key(override, message):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
-    assert message in str(err.value)
-
-
-def test_valid_devices_and_seeds_pass():
-    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
-        assert load_config(None, [f"device={device}"]).device == device
-    assert load_config(None, [f"seed={2 ** 63 - 1}"]).seed == 2 ** 63 - 1
-
-
-@pytest.mark.parametrize("text, message", [
-    ("- a\n- b\n", "the top level must be a mapping of sections (method:, backbone:, ...), not "
-                   "a list"),
-    ("method: padim\npadim: [unclosed\n", "cannot parse config file"),
-    ("just a string\n", "the top level must be a mapping of sections (method:, backbone:, "
-                         "...), not a str"),
-    ("a: &x [1]\nb: *x\n", "bad key"),
-])
-def test_yaml_top_level_and_syntax_errors(tmp_path, text, message):
-    path = tmp_path / "c.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[")):
-        load_config(path)
 
 
 def test_cli_yaml_list_is_one_error_line(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("- 1\n- 2\n")
     assert main(["fit", "--config", str(tmp_path / "c.yaml"), "--data", str(tmp_path)]) == 2
     assert "the top level must be a mapping" in _error_line(capsys.readouterr().err)
-
-
-yaml_chars = st.sampled_from(list("[]{}:-,?&*!|>#%@`'\" \n\t.=$") + ["method", "padim", "seed",
-                             "${", "}", "inf", "nan", "1e999", "0x", "~", "null", "- ", ": ",
-                             "backbone", "layers", "\u00e9", "\x00"])
-
-
-@FUZZ
-@given(text=st.lists(yaml_chars, max_size=60).map("".join))
-@pytest.mark.slow
-def test_fuzz_config_yaml_text(tmp_path, text):
-    path = tmp_path / "fuzz.yaml"
-    path.write_text(text, encoding="utf-8", errors="surrogatepass")
-    try:
-        load_config(path)
-    except ConfigError as exc:
-        assert str(exc)
-
-
-@FUZZ
-@given(key=st.sampled_from(["seed", "device", "threshold.margin", "padim.epsilon",
-                            "preprocess.resize", "backbone.layers", "data.batch_size", "bogus",
-                            "padim", "a.b.c", ""]),
-       value=st.lists(yaml_chars, max_size=40).map("".join))
-@pytest.mark.slow
-def test_fuzz_config_overrides(key, value):
-    try:
-        load_config(None, [f"{key}={value}"])
-    except ConfigError as exc:
-        assert str(exc)
 
 
 # =========================================================================================
@@ -621,18 +464,6 @@ def test_full_disk_during_fit_save_is_one_error_line(tmp_path):
     assert "cannot write the model file" in _error_line(run.stderr) or \
         "File too large" in _error_line(run.stderr)
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*.tmp"))
-
-
-@pytest.mark.parametrize("value, cell", [
-    ("=HYPERLINK(\"x\")", "'=HYPERLINK(\"x\")"), ("+1", "'+1"), ("-2+3", "'-2+3"),
-    ("@SUM(A1)", "'@SUM(A1)"), ("\t=1", "'\t=1"), ("\r=1", "'\r=1"), ("plain.png", "plain.png"),
-    (" =1+1", "' =1+1"), ("\n=1", "'\n=1"), ("  \n @x", "'  \n @x"),
-    ("\uff1dSUM(A1)", "'\uff1dSUM(A1)"),
-    ("\uff0b1", "'\uff0b1"), ("a\x00b", "a\ufffdb"), ("\x00=1", "\ufffd=1"), ("a = b", "a = b"),
-    (-0.5, -0.5), (3, 3),
-])
-def test_csv_cells_cannot_run_as_formulas(value, cell):
-    assert csv_cell(value) == cell
 
 
 def test_results_csv_escapes_formula_names(model_file, tmp_path, monkeypatch):
