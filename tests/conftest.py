@@ -56,6 +56,27 @@ def wrn50() -> torch.nn.Module:
     return torchvision.models.wide_resnet50_2(weights=None).eval()
 
 
+# ---- float tolerances -------------------------------------------------------------------
+F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23: the spacing of float32 numbers at 1.0
+
+
+def f32_tol(n_ops: int, scale: float = 1.0) -> float:
+    """A float32 tolerance derived from the computation: ``n_ops * F32_EPS * scale``.
+
+    Each float32 operation (add, multiply, divide, a conversion) rounds its result to the
+    nearest float32, a relative error of at most F32_EPS / 2. A chain of ``n_ops`` such roundings
+    on values of magnitude at most ``scale`` errs by at most ``n_ops * F32_EPS / 2 * scale``, so
+    two float32 implementations of the same formula (different order, fused or not) differ by at
+    most ``n_ops * F32_EPS * scale``, and a float32 result differs from a float64 reference by
+    at most half that. For a sum or dot product of ``n`` terms ``n_ops`` is ``n`` (the bound
+    of any summation order) and ``scale`` the sum of the terms' magnitudes.
+
+    Use it as ``atol`` with ``rtol=0`` and ``scale`` the largest magnitude involved, or with
+    ``scale=1`` as an ``rtol`` where every value has the same relative error.
+    """
+    return n_ops * F32_EPS * scale
+
+
 def textured_images(n: int, size=(96, 112), seed: int = 0) -> list[np.ndarray]:
     """Good images: a smooth striped texture with mild noise, uint8 HxWx3."""
     rng = np.random.default_rng(seed)
