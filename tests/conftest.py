@@ -77,6 +77,14 @@ def f32_tol(n_ops: int, scale: float = 1.0) -> float:
     return n_ops * F32_EPS * scale
 
 
+F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52
+
+
+def f64_tol(n_ops: int, scale: float = 1.0) -> float:
+    """``f32_tol`` for float64 computations: ``n_ops * F64_EPS * scale``."""
+    return n_ops * F64_EPS * scale
+
+
 def textured_images(n: int, size=(96, 112), seed: int = 0) -> list[np.ndarray]:
     """Good images: a smooth striped texture with mild noise, uint8 HxWx3."""
     rng = np.random.default_rng(seed)
