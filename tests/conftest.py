@@ -77,6 +77,16 @@ def f32_tol(n_ops: int, scale: float = 1.0) -> float:
     return n_ops * F32_EPS * scale
 
 
+def resample_tolerance(in_size, value_range: float, max_abs: float) -> float:
+    """The largest difference two float32 implementations of one bilinear / antialiased resize
+    may show. Each computes the source coordinate ``scale * (dst + 0.5) - 0.5`` in its own
+    order and precision: the coordinates, hence the interpolation weights, may differ by a few
+    ulps of the input size (``2 eps (H + W)``); a weight error moves an output by at most that
+    error times the value range. The weighted sums then round each output by a few ulps of the
+    values (``8 eps max|x|``)."""
+    return F32_EPS * (2 * (in_size[0] + in_size[1]) * value_range + 8 * max_abs)
+
+
 F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52
 
 

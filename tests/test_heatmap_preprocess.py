@@ -1,12 +1,10 @@
 """The heatmap blur against scipy and the preprocessing against torchvision.transforms.v2."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
-from conftest import f32_tol, f64_tol
+from conftest import f32_tol, f64_tol, resample_tolerance
 from scipy import ndimage
 
 from anomaly_hooks.heatmap import anomaly_maps, gaussian_blur
@@ -68,11 +66,8 @@ def test_preprocessing_equals_torchvision_transforms_v2(resize, crop, size):
     got = pre(image)
     ref = v2.Compose(steps)(image)
     assert got.shape == ref.shape == (3, *pre.input_size)
-    # float32 on both sides: the antialiased resize, a weighted sum over each axis's taps (2
-    # roundings a tap, values in [0, 1]; its error then scaled by 1 / std), and the
-    # normalisation (x - mean) / std (2 roundings of the result)
-    taps = sum(2 * math.ceil(max(a / b, 1.0)) + 1 for a, b in zip(size, resize))
-    atol = f32_tol(2 * taps, 1 / min(pre.std)) + f32_tol(2, float(ref.abs().max()))
+    # two float32 antialiased resizes of values in [0, 1], normalised: a range of 1 / std
+    atol = resample_tolerance(size, 1 / min(pre.std), float(ref.abs().max()))
     torch.testing.assert_close(got, ref, rtol=0, atol=atol)
 
 
