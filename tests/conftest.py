@@ -1,6 +1,7 @@
 """Shared fixtures: small seeded random-init backbones, the sample data, the shared real data."""
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -85,6 +86,17 @@ def resample_tolerance(in_size, value_range: float, max_abs: float) -> float:
     error times the value range. The weighted sums then round each output by a few ulps of the
     values (``8 eps max|x|``)."""
     return F32_EPS * (2 * (in_size[0] + in_size[1]) * value_range + 8 * max_abs)
+
+
+def backbone_rtol(convolutions: int = 13, fan_in: int = 3 * 3 * 256) -> float:
+    """Relative tolerance for a score computed twice through a float32 backbone by different
+    kernels (another batch size or composition, another thread count or process, another
+    device): each of ``convolutions`` layers sums up to ``fan_in`` products in its own order.
+    Rounding errors of random sign grow as sqrt(fan_in) * eps per layer (the statistical
+    estimate: the worst case, fan_in * eps, needs every rounding to go the same way), and add
+    over the layers: ``convolutions * sqrt(fan_in) * F32_EPS``. The defaults are ResNet18's up
+    to layer3 (13 convolutions of at most 3 * 3 * 256 inputs): 7.4e-5."""
+    return convolutions * math.sqrt(fan_in) * F32_EPS
 
 
 F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, textured_images, with_defect
+from conftest import ROOT, backbone_rtol, f64_tol, textured_images, with_defect
 from image_files import make_bad_files, png_bytes, write_good
 from PIL import Image
 
@@ -68,7 +68,8 @@ def test_decision_function_equals_predict_scores(fitted, tmp_path):
     assert scores.dtype == np.float64 and scores.shape == (6,)
     assert scores.tolist() == [p.score for p in fitted.predict(inputs, batch_size=4)]
     single = fitted.decision_function(imgs[-1])
-    assert single.shape == (1,) and single[0] == pytest.approx(scores[-1], rel=1e-5)  # other batch
+    # another batch: other kernels in the backbone (conftest.backbone_rtol)
+    assert single.shape == (1,) and single[0] == pytest.approx(scores[-1], rel=backbone_rtol())
     assert scores.argmax() == 5  # the defect
 
 
@@ -116,15 +117,16 @@ def test_threshold_is_computed_from_the_threshold_images_scores(small_cfg, tmp_p
                                      det.cfg.threshold.quantile, det.cfg.threshold.margin)
     got = det.threshold_
     assert got.n_images == ref.n_images == 5
-    for field in ("value", "good_min", "good_median", "good_max"):
-        assert getattr(got, field) == pytest.approx(getattr(ref, field), rel=1e-5), field
+    for field in ("value", "good_min", "good_median", "good_max"):  # scored in other batches
+        assert getattr(got, field) == pytest.approx(getattr(ref, field),
+                                                    rel=backbone_rtol()), field
 
 
 def test_list_predict_equals_single(fitted):
     imgs = textured_images(3, seed=4)
     batch = fitted.predict(imgs, batch_size=3)
-    for img, p in zip(imgs, batch):
-        assert p.score == pytest.approx(fitted.predict(img).score, rel=1e-5)
+    for img, p in zip(imgs, batch):  # a batch of 3 and of 1: other kernels in the backbone
+        assert p.score == pytest.approx(fitted.predict(img).score, rel=backbone_rtol())
 
 
 @pytest.mark.slow
@@ -194,9 +196,14 @@ def test_separate_threshold_folder(small_cfg, tmp_path):
     assert det.fit_info_["n_train"] == 6 and det.threshold_.n_images == 3
     t = det.fit_timings_  # the accumulate phase is split into its parts, which it contains
     parts = [t[f"accumulate: {k}"] for k in ("waiting for images", "features", "statistics")]
-    assert all(p > 0 for p in parts[1:]) and sum(parts) <= t["accumulate"] + 1e-6
+    # each lap, a difference of two close perf_counter readings, is exact (Sterbenz); the
+    # parts' laps lie inside the accumulate lap, so only summing them rounds: 3 batches of 3
+    # laps, then the 3 parts added here
+    assert all(p > 0 for p in parts[1:])
+    assert sum(parts) <= t["accumulate"] * (1 + f64_tol(3 * 3 + 3))
     steps = ("plan", "begin", "accumulate", "finalize", "threshold", "drift reference")
-    assert t["total"] == pytest.approx(sum(t[k] for k in steps), rel=1e-9)
+    # the total telescopes the steps' exact laps: only the sums round
+    assert t["total"] == pytest.approx(sum(t[k] for k in steps), rel=f64_tol(2 * len(steps)))
 
 
 def test_config_errors_name_the_key(small_cfg):
