@@ -99,6 +99,18 @@ def backbone_rtol(convolutions: int = 13, fan_in: int = 3 * 3 * 256) -> float:
     return convolutions * math.sqrt(fan_in) * F32_EPS
 
 
+def knn_distance_tol(queries: torch.Tensor, bank: torch.Tensor,
+                     dist: torch.Tensor) -> torch.Tensor:
+    """Absolute tolerances (``dist``'s shape ``[m, k]``) of float32 nearest-neighbour distances
+    of ``queries`` ``[m, D]`` to ``bank`` ``[N, D]`` against float64 ones (``dist``). The fast
+    form d**2 = |q|**2 + |b|**2 - 2 q.b (a D-term dot product, the norms, two additions: D + 3
+    roundings of magnitudes up to |q|**2 + |b|**2) errs in d**2 by at most E; the square root
+    makes that min(E / (2 d), sqrt(E)) in d (the second near d = 0), plus its own rounding."""
+    q, b, d = queries.double().cpu(), bank.double().cpu(), dist.double().cpu()
+    e = f32_tol(q.shape[1] + 3) * ((q ** 2).sum(1, keepdim=True) + (b ** 2).sum(1).max())
+    return torch.minimum(e / (2 * d), e.sqrt()) + f32_tol(1) * d
+
+
 F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SAMPLE, f32_tol
+from gaussian_bounds import accumulation_tolerances, batches
 
 from anomaly_hooks import distributed
 from anomaly_hooks.config import load_config
@@ -73,37 +74,6 @@ def float64_gaussians(det: Detector, scorer, train) -> tuple[torch.Tensor, torch
     mean = x.mean(dim=1)
     xc = x - mean.unsqueeze(1)
     return mean, xc.transpose(1, 2) @ xc / (x.shape[1] - 1), x
-
-
-def accumulation_tolerances(x: torch.Tensor, shifts: list,
-                            epsilon: float = 0.01) -> tuple[float, torch.Tensor]:
-    """Tolerances of a float32 GaussianAccumulator fit of the samples ``x`` ``[P, n, D]``
-    against float64: (mean, covariance entries ``[P, D, D]``). The accumulator centres the
-    samples on a shift K, the mean of one of the batches ``shifts`` (``[lo, hi)`` index
-    ranges), sums them in float32 within a batch (at most ``hi - lo`` terms) and in float64
-    across batches, sums their outer products in float32 over all n, and stores the results in
-    float32; factorising Sigma + epsilon I adds D + 1 roundings and reading the float32 factor
-    back 2, relative to that matrix.
-    Mean: its own rounding, plus the centring's and the batch sum's roundings of centred values
-    (|x - K| <= 2 m, m = max |x - mean|). Covariance entry (i, j): n roundings of a sum bounded
-    by sqrt(Q_ii Q_jj) (Cauchy-Schwarz), Q the second moment about K: the variance plus
-    (mean - K)**2; then D + 3 of sqrt(A_ii A_jj), A = Q + epsilon I."""
-    n, d = x.shape[1], x.shape[2]
-    mean = x.mean(dim=1)
-    m = float((x - mean.unsqueeze(1)).abs().max())
-    batch = max(hi - lo for lo, hi in shifts)
-    mean_tol = f32_tol(1, float(mean.abs().max())) + f32_tol(1 + batch, 2 * m)
-    off = torch.stack([(mean - x[:, lo:hi].mean(dim=1)).abs() for lo, hi in shifts]).amax(0)
-    q = x.var(dim=1) + off ** 2  # [P, D]
-    a = q + epsilon
-    cov_tol = (f32_tol(n) * (q.unsqueeze(2) * q.unsqueeze(1)).sqrt()
-               + f32_tol(d + 3) * (a.unsqueeze(2) * a.unsqueeze(1)).sqrt())
-    return mean_tol, cov_tol
-
-
-def batches(n: int, size: int) -> list:
-    """The ``[lo, hi)`` batches of ``n`` training images fitted ``size`` at a time."""
-    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
 def covariance(g) -> torch.Tensor:
