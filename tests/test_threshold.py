@@ -1,6 +1,6 @@
-"""Thresholds from every good image (issue 16): exact leave-one-out PaDiM distances, PatchCore's
-nearest-foreign-point scores, the tail-model calibration, what the model file records, the
-evaluation's false-alarm rate, and the failure paths."""
+"""Thresholds from every good image: exact leave-one-out PaDiM distances, PatchCore's
+nearest-foreign-point scores, the tail-model calibration, what the model file records, false
+alarms on unseen good images, the failure paths, and the warning about identical images."""
 from __future__ import annotations
 
 import math
@@ -395,35 +395,6 @@ def test_memory_estimate_counts_the_samples_kept_for_leave_one_out(small_cfg):
                                                   det.preprocessor.input_size, 50)[part]
     positions = sizes["all-images"] // (50 * 40 * 4)
     assert sizes["holdout"] == 0 and sizes["all-images"] == positions * 50 * 40 * 4 > 0
-
-
-@pytest.mark.slow
-def test_evaluation_reports_the_stored_thresholds_false_alarms(tmp_path, monkeypatch):
-    """FAR on test/good, precision and recall at the stored threshold (recomputed here from the
-    per-image records), the ROC operating point drawn on the report's ROC."""
-    from test_evaluate import _sample_subset, _small_overrides
-
-    from anomaly_hooks.evaluation import report
-    from anomaly_hooks.evaluation.datasets import mvtec
-    from anomaly_hooks.evaluation.runner import evaluate, format_markdown
-
-    marked = []
-    real = report._mark_operating_point
-    monkeypatch.setattr(report, "_mark_operating_point",
-                        lambda ax, *point: (marked.append(point), real(ax, *point)))
-    ds = mvtec(_sample_subset(tmp_path))
-    res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "r", progress=False)
-    s = res.summary
-    labels = np.array([r["label"] for r in res.images])
-    flagged = np.array([r["score"] > s["threshold"] for r in res.images])
-    assert s["threshold_far"] == flagged[labels == 0].mean()
-    assert s["threshold_recall"] == flagged[labels == 1].mean()
-    assert s["threshold_source"] == "all-images" and s["threshold_target_far"] == 0.01
-    assert s["threshold_n_images"] == len(s["threshold_scores"]) == 12
-    assert marked == [(s["threshold_far"], s["threshold_recall"], 0.01,
-                       s["threshold_far_interval"])]
-    assert (tmp_path / "r" / "roc.png").is_file()
-    assert "thr. FAR (test good)" in format_markdown([res])
 
 
 def test_a_fit_never_writes_a_threshold_a_model_file_refuses():
