@@ -53,3 +53,50 @@ def distance_rtol(cov64: torch.Tensor, cov_tol: torch.Tensor, epsilon: float,
         lam[:, 0] = lambda_min
     norm = cov_tol.diagonal(dim1=1, dim2=2).sum(1)
     return norm / (2 * lam[:, 0]) + f32_tol(d, 1.0) * (lam[:, -1] / lam[:, 0]).sqrt()
+
+
+def shifts_of_splits(n: int, splits) -> list:
+    """The ``[lo, hi)`` batches of ``n`` samples cut at the indices ``splits``."""
+    edges = [0, *[int(s) for s in splits if 0 < int(s) < n], n]
+    return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+
+
+def mahalanobis_rtol(train: torch.Tensor, test: torch.Tensor, shifts: list, epsilon: float,
+                     dist: torch.Tensor) -> torch.Tensor:
+    """Relative tolerances ``[P, T]`` of float32 Mahalanobis distances of ``test`` ``[P, T, D]``
+    to a float32 fit of ``train`` ``[P, n, D]`` (batches ``shifts``), against the float64
+    distances ``dist`` ``[P, T]``. First order in each float32 rounding, with v = x - mean,
+    A = Sigma + epsilon I = L L^T, z = L^-1 v, w = A^-1 v, d**2 = v.w, |.| elementwise:
+
+    - the covariance's float32 sums of n outer products of the samples centred on the shift
+      K (|x_k - K| <= |x_k - mean| + |mean - K|, :func:`accumulation_tolerances`), each entry
+      within f32_tol(n) / (n - 1) sum_k |x_k - K|_i |x_k - K|_j, or by Cauchy-Schwarz within
+      f32_tol(n) sqrt(Q_ii Q_jj) (Q: the second moments about K): d**2 moves by |w^T dA w| <=
+      the smaller of f32_tol(n) / (n - 1) sum_k (|w|^T |x_k - K|)**2 and
+      f32_tol(n) (sum_i |w_i| sqrt(Q_ii))**2;
+    - the factorisation (L L^T = A + dA, |dA| <= (D + 1) eps / 2 |L| |L|^T):
+      f32_tol(D + 1) / 2 | |L|^T |w| |**2;
+    - the triangular solve (backward stable: |dL| <= D eps / 2 |L|): f32_tol(D) |w|^T |L| |z|;
+    - v itself (x and the mean rounded once each, the mean within its accumulation tolerance):
+      2 |w|^T |dv|.
+
+    d moves by half of d**2's relative change."""
+    n, d = train.shape[1], train.shape[-1]
+    mean = train.mean(dim=1)
+    centred = train - mean.unsqueeze(1)
+    a = centred.transpose(1, 2) @ centred / (n - 1) + epsilon * torch.eye(d, dtype=train.dtype)
+    chol = torch.linalg.cholesky(a)
+    v = (test - mean.unsqueeze(1)).transpose(1, 2)  # [P, D, T]
+    z = torch.linalg.solve_triangular(chol, v, upper=False)
+    w = torch.cholesky_solve(v, chol)
+    mean_tol, _ = accumulation_tolerances(train, shifts, epsilon)
+    off = torch.stack([(mean - train[:, lo:hi].mean(dim=1)).abs() for lo, hi in shifts]).amax(0)
+    far = centred.abs() + off.unsqueeze(1)  # [P, n, D]: |x_k - K| at most
+    q_sqrt = (train.var(dim=1) + off ** 2).sqrt().unsqueeze(2)  # [P, D, 1]
+    stats = torch.minimum(f32_tol(n) / (n - 1) * ((far @ w.abs()) ** 2).sum(1),  # [P, T]
+                          f32_tol(n) * (w.abs() * q_sqrt).sum(1) ** 2)
+    factor = f32_tol(d + 1) / 2 * ((chol.abs().transpose(1, 2) @ w.abs()) ** 2).sum(1)
+    solve = f32_tol(d) * (w.abs() * (chol.abs() @ z.abs())).sum(1)
+    dv = f32_tol(1) * (test.abs() + mean.abs().unsqueeze(1)) + mean_tol  # [P, T, D]
+    inputs = 2 * (w.abs() * dv.transpose(1, 2)).sum(1)
+    return (stats + factor + solve + inputs) / (2 * dist ** 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gaussian_bounds import accumulation_tolerances, batches, mahalanobis_rtol, shifts_of_splits
 from scipy.spatial.distance import mahalanobis
 
 from anomaly_hooks.config import ConfigError, load_config
@@ -40,11 +41,14 @@ def test_streaming_mean_cov_equal_numpy(buffer_samples, device):
     chunks = list(acc.covariances())
     assert [lo for lo, _ in chunks] == [0]  # all 6 positions are in the first chunk
     cov = chunks[0][1].cpu()
+    # the accumulator's float32 roundings (gaussian_bounds), batches as fed
+    mean_tol, cov_tol = accumulation_tolerances(torch.from_numpy(x).permute(2, 0, 1),
+                                                shifts_of_splits(23, [5, 6, 15]))
     for p in range(x.shape[2]):
-        # the model keeps the mean in float32: float32 precision is what matters
-        np.testing.assert_allclose(acc.mean()[p].cpu().numpy(), x[:, :, p].mean(0), rtol=1e-7)
+        np.testing.assert_allclose(acc.mean()[p].cpu().numpy(), x[:, :, p].mean(0), rtol=0,
+                                   atol=mean_tol)
         ref = np.cov(x[:, :, p], rowvar=False)
-        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        assert np.all(np.abs(cov[p].numpy() - ref) <= cov_tol[p].numpy())
     with pytest.raises(RuntimeError, match="already computed"):
         list(acc.covariances())
     with pytest.raises(RuntimeError, match="already computed"):
@@ -63,9 +67,13 @@ def test_many_images_keep_float32_sums_accurate():
         acc.update(torch.from_numpy(x[lo:lo + 32]).float().permute(1, 0, 2))
     x32 = torch.from_numpy(x).float().double().numpy()
     cov = dict(acc.covariances())[0]
+    # the accumulator's float32 roundings (gaussian_bounds): the far-off first batch's mean is
+    # the shift, so the second moments about it (variance + 3 sd squared) set the scale
+    _, cov_tol = accumulation_tolerances(torch.from_numpy(x32).permute(1, 0, 2),
+                                         batches(2000, 32))
     for p in range(3):
         ref = np.cov(x32[:, p], rowvar=False)
-        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        assert np.all(np.abs(cov[p].numpy() - ref) <= cov_tol[p].numpy())
 
 
 def test_accumulator_rejects_a_different_grid():
@@ -102,6 +110,16 @@ def _fit(emb: torch.Tensor, covariance: str, splits=(12,), begin: bool = True,
     return scorer
 
 
+def _distance_rtol(train: torch.Tensor, test: torch.Tensor, splits, ref: np.ndarray) -> np.ndarray:
+    """gaussian_bounds.mahalanobis_rtol for ``[N, D, h, w]`` embeddings fed in ``splits``,
+    as ``[T, h * w]`` like _reference's distances ``ref``."""
+    x = train.double().flatten(2).permute(2, 0, 1)
+    t = test.double().flatten(2).permute(2, 0, 1)
+    dist = torch.from_numpy(ref).t()
+    rtol = mahalanobis_rtol(x, t, shifts_of_splits(x.shape[1], splits), 0.01, dist)
+    return rtol.t().numpy()
+
+
 @pytest.mark.parametrize("covariance", ["dense", "lowrank", "auto"])
 def test_mahalanobis_equals_scipy(covariance, device):
     """23 images of 6 dimensions: more images than dimensions, every form still exact."""
@@ -110,7 +128,8 @@ def test_mahalanobis_equals_scipy(covariance, device):
     assert scorer.gaussians.kind == ("lowrank" if covariance == "lowrank" else "dense")
     test = _embeddings(n=3, seed=1)
     got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
-    np.testing.assert_allclose(got, _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (12,), ref) * ref)
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank"])
@@ -126,8 +145,9 @@ def test_fewer_images_than_dimensions(covariance, device):
     test = torch.cat([test, emb[3:4]])  # a training image too (small distances)
     scorer = _fit(emb, covariance, splits=(4, 5), device=device)
     got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
-    rtol = 2e-5 if covariance == "lowrank" else 2e-3
-    np.testing.assert_allclose(got, _reference(emb.float(), test.float()), rtol=rtol)
+    ref = _reference(emb.float(), test.float())
+    rtol = _distance_rtol(emb.float().double(), test.float().double(), (4, 5), ref)
+    assert np.all(np.abs(got - ref) <= rtol * ref)
 
 
 def test_auto_picks_lowrank_for_few_images_and_dense_for_many():
@@ -150,8 +170,9 @@ def test_auto_without_begin_switches_to_dense_when_the_images_outnumber_lowrank(
     small = _fit(emb[:8], "auto", splits=(3,), begin=False)
     assert small.gaussians.kind == "lowrank"
     test = _embeddings(n=2, d=20, seed=4)
-    np.testing.assert_allclose(switched.score(test.float()).flatten(1).numpy(),
-                               _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    got = switched.score(test.float()).flatten(1).numpy()
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (5, 8, 20), ref) * ref)
 
 
 def test_sample_store_grows_and_keeps_every_sample():
@@ -177,8 +198,9 @@ def test_fewer_images_than_announced():
     assert scorer.gaussians.kind == "lowrank" and scorer.gaussians.y.shape[1] == 10
     assert scorer.gaussians.y.is_contiguous()
     test = _embeddings(n=2, d=30, seed=6)
-    np.testing.assert_allclose(scorer.score(test.float()).flatten(1).numpy(),
-                               _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    got = scorer.score(test.float()).flatten(1).numpy()
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (), ref) * ref)
     with pytest.raises(RuntimeError, match="already fitted"):
         scorer.partial_fit(emb.float())
 
