@@ -112,6 +112,7 @@ def knn_distance_tol(queries: torch.Tensor, bank: torch.Tensor,
 
 
 F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52
+F16_EPS = float(np.finfo(np.float16).eps)  # 2**-10
 
 
 def f64_tol(n_ops: int, scale: float = 1.0) -> float:

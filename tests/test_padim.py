@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import F16_EPS, f32_tol
 from gaussian_bounds import accumulation_tolerances, batches, mahalanobis_rtol, shifts_of_splits
 from scipy.spatial.distance import mahalanobis
 
@@ -226,7 +227,14 @@ def test_inverse_cholesky_equals_float64_lapack(m, device):
     got = inverse_cholesky(gram.to(device)).cpu()
     ref = _inverse_factor64(gram)
     assert bool((got.triu(1) == 0).all())
-    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
+    # normwise first-order bounds: the float32 factorisation's backward error (m + 1 roundings
+    # of |G|) moves C by |dC| / |C| <= kappa(G) m eps (Sun); the inversion, X = C^-1, moves by
+    # |X| kappa(C) times that, plus its own m roundings: |dX| <= f32_tol(2 m, kappa(G)^1.5) |X|
+    # with kappa(C) = sqrt(kappa(G)) and |X| = 1 / sqrt(lambda_min) (2-norms, bounding entries)
+    lam = torch.linalg.eigvalsh(gram.double())
+    kappa = lam[:, -1] / lam[:, 0]
+    atol = float((f32_tol(2 * m) * kappa ** 1.5 / lam[:, 0].sqrt()).max())
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=atol)
 
 
 def test_inverse_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definite():
@@ -284,6 +292,7 @@ def test_subset_before_upsampling_equals_after():
 
 def test_float16_factors_score_close_to_float32(device):
     emb = _embeddings(n=40, d=8, h=4, w=4).float().to(device)
+    test = _embeddings(n=3, d=8, h=4, w=4, seed=2).float()
     layers = [LayerInfo("a", 8, 4)]
     scores = {}
     for dtype in ("float32", "float16"):
@@ -292,9 +301,25 @@ def test_float16_factors_score_close_to_float32(device):
         scorer.partial_fit(emb)
         scorer.finalize()
         assert scorer.gaussians.chol.dtype == getattr(torch, dtype)
-        scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float()
-                                     .to(device)).cpu()
-    torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)
+        scores[dtype] = scorer.score(test.to(device)).cpu()
+    # the factor's entries rounded to float16 (relative F16_EPS / 2 each), then solved in
+    # float32: first order, d**2 = |L^-1 v|**2 moves by 2 |z^T L^-1 dL z| <= F16_EPS |w|^T |L| |z|
+    # (z = L^-1 v, w = L^-T z, from the float64 fit), d by that over 2 d; plus both paths'
+    # float32 roundings (gaussian_bounds.mahalanobis_rtol)
+    x = emb.double().cpu().flatten(2).permute(2, 0, 1)  # [P, n, D]
+    t = test.double().cpu().flatten(2).permute(2, 0, 1)  # [P, T, D]
+    mean = x.mean(dim=1, keepdim=True)
+    centred = x - mean
+    chol = torch.linalg.cholesky(centred.transpose(1, 2) @ centred / (x.shape[1] - 1)
+                                 + 0.01 * torch.eye(8, dtype=torch.float64))
+    v = (t - mean).transpose(1, 2)
+    z = torch.linalg.solve_triangular(chol, v, upper=False)
+    w = torch.cholesky_solve(v, chol)
+    d64 = z.norm(dim=1)  # [P, T]
+    half = F16_EPS * (w.abs() * (chol.abs() @ z.abs())).sum(1) / (2 * d64 ** 2)
+    rtol = half + 2 * mahalanobis_rtol(x, t, [(0, x.shape[1])], 0.01, d64)
+    got, ref = scores["float16"].double().flatten(1).t(), scores["float32"].double().flatten(1).t()
+    assert bool(((got - ref).abs() <= rtol * ref).all())
 
 
 def test_fit_under_inference_mode_then_finalize_outside():
