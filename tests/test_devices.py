@@ -220,7 +220,9 @@ def test_float32_features_match_float64_with_tf32_allowed_by_the_caller(resnet18
         ref.model.double()
         expected = ref(x.double())["layer3"]
     err = float((got - expected).abs().max() / expected.abs().max())
-    assert err < 1e-5, err
+    # float32 rounding through the convolutions to layer3 (conftest.backbone_rtol); TF32's
+    # 10-bit mantissa would be off by ~1e-3
+    assert err < backbone_rtol(), err
 
 
 # -- memory guard ---------------------------------------------------------------------------

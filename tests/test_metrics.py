@@ -197,8 +197,10 @@ def test_pro_hand_computed_4x4():
     amap[3, 3], amap[3, 2] = 0.6, 0.25
     fpr, pro = _brute_pro_curve([mask], [amap])
     # thresholds 0.9, 0.8, 0.6, 0.3, 0.25, 0.2, 0.1 (12 normal pixels)
-    np.testing.assert_allclose(fpr, [0, 0, 0, 1 / 12, 1 / 12, 2 / 12, 2 / 12, 1, 1])
-    np.testing.assert_allclose(pro, [0, .25, .5, .5, .75, .75, 1, 1, 1])
+    # counts divided (one rounding), overlaps averaged over one region (a few)
+    np.testing.assert_allclose(fpr, [0, 0, 0, 1 / 12, 1 / 12, 2 / 12, 2 / 12, 1, 1], rtol=0,
+                               atol=f64_tol(1))
+    np.testing.assert_allclose(pro, [0, .25, .5, .5, .75, .75, 1, 1, 1], rtol=0, atol=f64_tol(4))
     # the library's compact curve keeps a subset of these points (same polyline)
     points = set(zip(np.round(fpr, 12), np.round(pro, 12)))
     c_fpr, c_pro = M.pro_curve([mask], [amap])
