@@ -10,7 +10,7 @@ on average, and > 5 % one time in six for ``n = 37``). A *fitted* tail uses all 
 
 Models (``threshold.tail``):
 
-* ``gumbel_upper`` (default): the Gumbel (type-I extreme value) distribution fitted by maximum
+* ``gumbel_upper``: the Gumbel (type-I extreme value) distribution fitted by maximum
   likelihood to the upper half of the scores, the lower half left-censored (counted as "below
   the median", values unused); ``t = mu - beta ln(-ln(1 - alpha))``. An image score is the
   maximum of a heatmap over tens of thousands of pixels, and maxima of light-tailed patch

@@ -1,4 +1,4 @@
-"""Command-line interface: ``anomaly-hooks fit|threshold|score|evaluate|layers|serve|export ...``
+"""Command-line interface: ``anomaly-hooks fit|threshold|update|score|evaluate|layers|serve|export``
 (also ``scripts/fit.py`` etc.).
 
 Errors about the input (any :class:`AnomalyHooksError`, and ``OSError`` such as a missing or
@@ -66,6 +66,17 @@ def _threshold_parser(sub) -> None:
     p.add_argument("--tail", choices=["auto", "gumbel_upper", "gumbel", "empirical",
                                       "conformal"], help="objective far's rule (default auto)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
+
+
+def _update_parser(sub) -> None:
+    p = sub.add_parser("update", help="update a fitted model with new good images (no refit "
+                                      "on the old ones); write it to --out")
+    p.add_argument("--model", required=True, help="model file written by fit (or update)")
+    p.add_argument("--good", required=True, nargs="+", metavar="DIR",
+                   help="folders (or MVTec roots) of new good images")
+    p.add_argument("--out", required=True, help="the updated model's path (not --model's)")
+    p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _score_parser(sub) -> None:
@@ -220,6 +231,40 @@ def cmd_threshold(args: argparse.Namespace) -> int:
         print(det.save(args.out))
     else:
         print("nothing written: give --out M2 to write the model with this threshold")
+    return 0
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    """Update a model with new good images; print what changed; write the new model file."""
+    from anomaly_hooks.data import resolve_items
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.modelfile import check_model_path, file_checksum
+
+    check_model_path(args.model)
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {display(out)} is a folder: give the model file's path")
+    if out.resolve() == Path(args.model).resolve() or (out.exists() and
+                                                      os.path.samefile(out, args.model)):
+        raise ConfigError(f"--out is the --model file ({display(out)}): write the updated "
+                          "model to a new path (the parent stays as it was, for its lineage)")
+    _writable_folder(out.parent, "--out folder")
+    items = [item for folder in args.good for item in resolve_items(folder, training=True)]
+    det = Detector.load(args.model, device=args.device)
+    parent = file_checksum(args.model)
+    old = det.threshold_
+    start = time.perf_counter()
+    det.update(items, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    entry, thr = det.lineage_[-1], det.threshold_
+    size = det.scorer_.summary()
+    model = ", ".join(f"{k} {v}" for k, v in {"n_train": det.scorer_.n_train, **size}.items()
+                      if k != "patches")
+    print(f"added {entry['images_added']} images in {seconds:.1f} s: {model}")
+    print(f"threshold {thr.value:.5g} (was {old.value:.5g}) from {thr.n_images} good images "
+          f"({thr.describe()})")
+    print(f"parent {parent}; updates in the lineage: {len(det.lineage_)}")
+    print(det.save(out))
     return 0
 
 
@@ -421,7 +466,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"fit": cmd_fit, "score": cmd_score, "evaluate": cmd_evaluate, "layers": cmd_layers,
-            "serve": cmd_serve, "export": cmd_export, "threshold": cmd_threshold}
+            "serve": cmd_serve, "export": cmd_export, "threshold": cmd_threshold,
+            "update": cmd_update}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _fit_parser(sub)
     _threshold_parser(sub)
+    _update_parser(sub)
     _score_parser(sub)
     _evaluate_parser(sub)
     _layers_parser(sub)

@@ -67,7 +67,7 @@ class PreprocessConfig:
 
 @dataclass
 class ThresholdConfig:
-    """Decision threshold from good images only (README: "Threshold")."""
+    """Decision threshold from good images only (docs/threshold.md)."""
 
     # all-images: fit on every good image, score each as if unseen (PaDiM: exact leave-one-out;
     # PatchCore: nearest bank point of another image); holdout: keep holdout_fraction of them

@@ -28,7 +28,8 @@ from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitRun
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image
-from anomaly_hooks.modelfile import load_model, save_model
+from anomaly_hooks.modelfile import content_checksum, file_checksum, load_model, save_model
+from anomaly_hooks.modelmeta import check_lineage
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.monitor.stats import layer_statistics
@@ -89,7 +90,7 @@ class Detector:
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
         self._backbone_fingerprint: Optional[str] = None  # on first use (see the property)
-        # a module the caller gave is copied (theirs is left as it was, see the README);
+        # a module the caller gave is copied (theirs is left as it was, see docs/python-api.md);
         # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
                                               probe_size=probe_size(
@@ -103,6 +104,9 @@ class Detector:
         tiled.attach(self)
         # drift monitor fed by every predict (see drift_monitor()); None = not monitored
         self.monitor: Optional[DriftMonitor] = None
+        # the checksum of the model file this fitted state was loaded from or saved to (None:
+        # changed since, or never saved): an update's parent (lineage_)
+        self.source_checksum: Optional[str] = None
 
     @property
     def backbone_fingerprint(self) -> str:
@@ -190,7 +194,45 @@ class Detector:
 
         self._check_fitted()
         self.threshold_ = recalibrate(self, good=good, defects=defects, **options)
+        self.source_checksum = None
         return self
+
+    def update(self, X: Any, *, progress: bool = False) -> "Detector":
+        """Update the fitted model in place with new good images ``X`` (a folder, an MVTec
+        root, a list of paths or folders, an iterable of images), without the images it was
+        fitted on, and return ``self`` (as ``fit``: save the model first, or load it again,
+        to keep the old one). PaDiM's update equals a fit on all the images up to float32 rounding;
+        PatchCore's bank is reselected from the current bank and the new patches by the same
+        greedy rule (merge-reduce), within the configured size. The threshold is chosen again
+        by the model's out-of-sample rule over all the good images, the drift reference
+        pools the new images in, and ``lineage_`` records the update (saved with the model).
+        Raises :class:`FitError` for a model that cannot be updated (tiled; PaDiM with float16
+        factors; no stored good scores), saying what to do; a failed update leaves the model
+        as it was. See :mod:`anomaly_hooks.updating`."""
+        from anomaly_hooks.updating import update
+
+        self._check_fitted()
+        update(self, X, progress=progress)
+        return self
+
+    @property
+    def lineage_(self) -> List[Dict[str, Any]]:
+        """The updates this model went through, oldest first: ``{parent_checksum,
+        images_added, labels_used, time}`` each (``[]`` for a model straight from a fit)."""
+        self._check_fitted()
+        return list(self.__dict__.get("_lineage", []))
+
+    @lineage_.setter
+    def lineage_(self, value: Sequence[Dict[str, Any]]) -> None:
+        self.__dict__["_lineage"] = [dict(entry) for entry in value]
+
+    def checksum(self) -> str:
+        """The checksum :meth:`save` would record for this model (what an update records as
+        its parent when the model was neither loaded nor saved since it changed). Hashes
+        every tensor: about a second per GB."""
+        self._check_fitted()
+        tensors, meta, _ = self._saved_content()
+        return content_checksum(tensors, meta)
 
     def new_scorer(self) -> Scorer:
         """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
@@ -405,6 +447,13 @@ class Detector:
     def save(self, path: Union[str, Path]) -> Path:
         """Write the model atomically (safetensors + JSON metadata). Returns the path."""
         self._check_fitted()
+        tensors, meta, version = self._saved_content()
+        out = save_model(path, tensors, meta, version=version)
+        self.source_checksum = file_checksum(out)
+        return out
+
+    def _saved_content(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
+        """(tensors, metadata, format version) of the model file :meth:`save` writes."""
         tensors, scorer_meta = self.scorer_.state()
         drift_tensors, drift_meta = drift.reference_state(self.drift_reference_)
         config = to_container(self.cfg)
@@ -425,8 +474,10 @@ class Detector:
             "torch_version": torch.__version__.split("+")[0],
             **drift_meta,
         }
+        if self.lineage_:  # absent for a fitted model: its file is as before updates existed
+            meta["lineage"] = self.lineage_
         tensors = {**tensors, **{k: torch.from_numpy(v) for k, v in drift_tensors.items()}}
-        return save_model(path, tensors, meta, version=self.scorer_.format_version())
+        return tensors, meta, self.scorer_.format_version()
 
     @classmethod
     def load(cls, path: Union[str, Path], *, device: Optional[str] = None,
@@ -448,7 +499,9 @@ class Detector:
         # asked for by the caller: a requirement (ConfigError); else the saved preference
         dev = resolve_device(device) if device is not None else None
         try:
-            return cls._from_saved(path, tensors, meta, dev, backbone)
+            det = cls._from_saved(path, tensors, meta, dev, backbone)
+            det.source_checksum = file_checksum(path)
+            return det
         except ModelFileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -482,18 +535,15 @@ class Detector:
         det.threshold_ = Threshold.from_dict(meta["threshold"])
         det.fit_info_ = dict(meta.get("fit", {}))
         det.drift_reference_ = drift.reference_from_saved(tensors, meta)
+        det.lineage_ = check_lineage(meta.get("lineage", []))
         tiled.restore(det, meta["preprocess"])  # a tiled model's working frame
         return det
 
     def export_onnx(self, path: Union[str, Path], **kwargs: Any) -> Path:
         """Write the predict path as one ONNX graph for the torch-free runtime (needs the
         ``[export]`` extra); see :func:`anomaly_hooks.export.onnx.export_onnx` for ``kwargs``."""
-        from anomaly_hooks.errors import ExportError
         from anomaly_hooks.export.onnx import export_onnx
 
-        if self.tiling is not None:
-            raise ExportError("the ONNX export of a tiled (high-resolution) model is not "
-                              "available yet: predict with the PyTorch Detector")
         return export_onnx(self, path, **kwargs)
 
     def close(self) -> None:

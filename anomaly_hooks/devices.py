@@ -83,7 +83,7 @@ def resolve_saved_device(name: str) -> torch.device:
     """The device a saved model was fitted for, as a *preference*: where it is not available
     here (a model fitted on a GPU machine, loaded on a CPU-only host, or ``cuda:N`` on a machine
     with fewer GPUs) this warns and uses ``auto`` instead. Scores then differ from the fitting
-    machine's only by float32 rounding (README, "Determinism")."""
+    machine's only by float32 rounding (docs/determinism.md)."""
     try:
         return resolve_device(name)
     except ConfigError as exc:

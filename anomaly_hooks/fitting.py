@@ -485,6 +485,8 @@ class FitRun:
         det.scorer_, det.threshold_, det.memory_estimate_ = self.scorer, threshold, self.memory
         det.drift_reference_ = reference
         det.monitor = None  # a monitor of the previous fit compares with its reference
+        det.lineage_ = []  # a fit starts a new lineage (updates append to it)
+        det.source_checksum = None  # saved by no file yet
         det.fit_info_ = {"n_train": self.n_used, "n_threshold": len(good),
                          "skipped": self.errors["training"] + self.errors["threshold"],
                          "threshold_source": self.plan.folder or self.plan.source,

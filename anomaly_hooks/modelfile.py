@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -42,6 +42,24 @@ def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
         if t.numel():
             digest.update(t.view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def dump_meta(meta: Dict[str, Any]) -> str:
+    """The metadata as a model file stores it (sorted keys, compact)."""
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"))
+
+
+def content_checksum(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> str:
+    """The checksum :func:`save_model` records for ``tensors`` and ``meta``, without writing
+    a file."""
+    return checksum(dump_meta(meta), {k: v.detach().to("cpu").contiguous()
+                                      for k, v in tensors.items()})
+
+
+def file_checksum(path: str | os.PathLike) -> Optional[str]:
+    """The checksum recorded in a model file's header (read without the tensors, not
+    verified: :func:`load_model` verifies it)."""
+    return read_header(Path(path))["__metadata__"].get("checksum")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -78,9 +96,9 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    meta_json = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-    header = {"format": FORMAT_NAME, "format_version": str(version), "meta": meta_json,
-              "checksum": checksum(meta_json, tensors)}
+    text = dump_meta(meta)
+    header = {"format": FORMAT_NAME, "format_version": str(version), "meta": text,
+              "checksum": checksum(text, tensors)}
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)

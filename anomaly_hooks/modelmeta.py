@@ -21,6 +21,7 @@ import json
 import math
 import re
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from anomaly_hooks.calibration import TAILS
@@ -40,6 +41,8 @@ THRESHOLD_REQUIRED = ("value", "scale", "quantile", "margin", "n_images", "good_
                       "good_median", "good_max")
 PREPROCESS_KEYS = ("resize", "crop", "mean", "std")
 LAYER_KEYS = ("name", "channels", "stride")
+LINEAGE_KEYS = ("parent_checksum", "images_added", "labels_used", "time")
+MAX_LINEAGE = 100_000  # updates recorded in one model file
 
 
 class MetadataError(ModelFileError):
@@ -372,6 +375,38 @@ def check_layers(data: Any, field: str = "layers") -> List[Dict[str, Any]]:
     return out
 
 
+def check_lineage(data: Any, field: str = "lineage") -> List[Dict[str, Any]]:
+    """The updates a model went through (:mod:`anomaly_hooks.updating`), oldest first: a
+    list of at most :data:`MAX_LINEAGE` objects, each with exactly ``parent_checksum`` (the
+    parent model file's SHA-256, 64 lowercase hex digits), ``images_added`` (an integer >= 1),
+    ``labels_used`` (labelled defective images the new threshold used, an integer >= 0) and
+    ``time`` (ISO 8601 with its UTC offset, as ``datetime.isoformat`` writes it)."""
+    if not isinstance(data, list) or len(data) > MAX_LINEAGE:
+        raise refuse(field, data, f"a list of at most {MAX_LINEAGE} updates")
+    out = []
+    for i, entry in enumerate(data):
+        where = f"{field}[{i}]"
+        check_keys(entry, where, LINEAGE_KEYS, LINEAGE_KEYS)
+        when = text(entry["time"], f"{where}.time", None, "an ISO 8601 time with its offset",
+                    max_len=64)
+        try:
+            stamp = datetime.fromisoformat(when)
+        except ValueError:
+            raise refuse(f"{where}.time", when, "an ISO 8601 time with its offset") from None
+        if stamp.tzinfo is None:
+            raise refuse(f"{where}.time", when, "an ISO 8601 time with its offset (e.g. "
+                         "+00:00)")
+        out.append({"parent_checksum": text(entry["parent_checksum"],
+                                            f"{where}.parent_checksum", r"[0-9a-f]{64}",
+                                            "a SHA-256 (64 lowercase hex digits)"),
+                    "images_added": integer(entry["images_added"], f"{where}.images_added", 1,
+                                            (1 << 63) - 1),
+                    "labels_used": integer(entry["labels_used"], f"{where}.labels_used", 0,
+                                           (1 << 63) - 1),
+                    "time": when})
+    return out
+
+
 def check_max_pixels(value: Any, field: str = "max_pixels") -> int:
     """The decompression-bomb limit: an integer in ``1..2**40`` (the config's range): the
     guard against huge images must not be switched off by the file."""
@@ -389,12 +424,14 @@ def check_model_meta(meta: Mapping[str, Any]) -> None:
     """The shared fields of a ``.safetensors`` model's metadata, where present (a loader that
     needs a missing one refuses the file itself): the threshold, the preprocessing (also the
     config's, which the detector is built from, and the two must agree), the layers and the
-    config's ``data.max_pixels``."""
+    config's ``data.max_pixels``, and the lineage of an updated model."""
     pre = check_preprocess(meta["preprocess"]) if "preprocess" in meta else None
     if "threshold" in meta:
         check_threshold(meta["threshold"])
     if "layers" in meta:
         check_layers(meta["layers"])
+    if "lineage" in meta:
+        check_lineage(meta["lineage"])
     config = meta.get("config")
     if not isinstance(config, dict):
         return
@@ -410,5 +447,5 @@ def check_model_meta(meta: Mapping[str, Any]) -> None:
 
 
 __all__ = ["MAX_DEPTH", "MAX_JSON_CHARS", "MAX_PIXELS", "MetadataError", "about",
-           "check_depth", "check_layers", "check_max_pixels", "check_model_meta",
+           "check_depth", "check_layers", "check_lineage", "check_max_pixels", "check_model_meta",
            "check_preprocess", "check_threshold", "parse_json"]

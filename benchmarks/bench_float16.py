@@ -27,6 +27,7 @@ from omegaconf import read_write
 from anomaly_hooks import Detector, load_config
 from anomaly_hooks.evaluation.datasets import open_dataset
 from anomaly_hooks.evaluation.metrics import image_auroc
+from anomaly_hooks.scorers.patchcore.config import BankDtype
 from benchmarks.measure import machine, write_json
 
 BATCH = 32
@@ -39,7 +40,7 @@ def to_float16(det: Detector) -> None:
         sc.gaussians.chol = sc.gaussians.chol.half()
     else:  # what a bank_dtype=float16 fit stores, with its index rebuilt
         with read_write(sc.cfg):
-            sc.cfg.bank_dtype = "float16"
+            sc.cfg.bank_dtype = BankDtype["float16"]
         sc.set_bank(sc.bank)
 
 

@@ -4,7 +4,7 @@
 Usage::
 
     python benchmarks/bench_threshold.py [--data ROOT ...] [--methods padim patchcore]
-        [--objectives far f1 recall] [--defects 10] [--target-recall 0.9] [--out DIR]
+        [--objectives far f1 recall] [--defects 10] [--target-recall 0.9] [--device cpu] [--out DIR]
         [--shots PARTS SHOTS]
 
 For every data set (MVTec layout; default the three under ``../shared/data``) and method (the
@@ -60,7 +60,7 @@ def run(root: Path, method: str, objective: str, args: argparse.Namespace,
         extra: tuple = ()) -> dict:
     """One evaluation; the figures of the module docstring."""
     config = REPO / "configs" / f"{method}_effnet_lite0.yaml"
-    overrides = ["device=cpu", f"threshold.objective={objective}", *extra]
+    overrides = [f"device={args.device}", f"threshold.objective={objective}", *extra]
     if objective == "recall":
         overrides.append(f"threshold.target_recall={args.target_recall}")
     start = time.perf_counter()
@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["padim", "patchcore"])
     p.add_argument("--objectives", nargs="+", default=["far", "f1", "recall"])
     p.add_argument("--defects", type=int, default=10)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--target-recall", type=float, default=0.9)
     p.add_argument("--shots", type=int, nargs=2, metavar=("PARTS", "SHOTS"))
     p.add_argument("--out", default="bench_threshold", help="results.json and the re-shot set")

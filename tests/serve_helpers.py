@@ -164,6 +164,16 @@ def save_model_variant(det, path: Path, threshold_factor: float = 1.0) -> Path:
     return Path(path)
 
 
+def with_lineage(src: Path, dst: Path, lineage) -> Path:
+    """A copy of the model file ``src`` whose metadata records ``lineage`` (as
+    ``anomaly-hooks update`` writes it), checksummed as a valid model file."""
+    from anomaly_hooks.modelfile import load_model, read_header, save_model
+
+    tensors, meta = load_model(src)
+    version = int(read_header(Path(src))["__metadata__"]["format_version"])
+    return save_model(dst, tensors, {**meta, "lineage": lineage}, version=version)
+
+
 def model_variants(det, root: Path) -> Dict[str, Path]:
     """The model files the service tests load: ``good``, ``strict`` (threshold x3: another
     file), ``damaged`` (64 bytes of tensor data zeroed: the checksum fails) and ``text``."""
@@ -249,16 +259,17 @@ class ServerProcess:
     on a free loopback port, in its own process group."""
 
     def __init__(self, model: Path, workdir: Path, *args: str, env: Optional[dict] = None,
-                 ready_timeout: float = 180.0) -> None:
+                 ready_timeout: float = 180.0, launcher: Optional[List[str]] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"server_{self.port}.log"
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
+        # launcher: what runs the CLI (default: this Python's ``-m anomaly_hooks.cli``)
+        command = launcher or [sys.executable, "-m", "anomaly_hooks.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "anomaly_hooks.cli", "serve", "--model", str(model),
-             "--port", str(self.port), *args],
+            [*command, "serve", "--model", str(model), "--port", str(self.port), *args],
             cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True)
         self.ready_timeout = ready_timeout

@@ -205,6 +205,13 @@ def test_cli_without_ray_says_which_extra(monkeypatch, capsys, tmp_path):
     assert "anomaly_hooks[ray]" in capsys.readouterr().err
 
 
+def test_a_tiled_config_is_refused_before_any_worker_starts(tmp_path):
+    """The working frame is decided from all the training images: not on shards."""
+    cfg = load_config(small_cfg(tmp_path), tiling={"enabled": True, "tile": 96, "overlap": 32})
+    with pytest.raises(ConfigError, match="tiled .* without --ray"):
+        distributed.fit(cfg, address="local:1", num_workers=1)
+
+
 # -- local Ray ------------------------------------------------------------------------------
 @needs_ray
 def test_unreachable_address_fails_fast():

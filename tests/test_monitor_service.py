@@ -116,8 +116,8 @@ def test_injected_drift_shows_in_v1_drift_of_a_real_server(monitored, tmp_path):
         assert st["state"] == "drift" and st["alarm"] and st["alarming"], st
         assert 4 < st["first_alarm_image"] <= 8, st  # within one window of the drift
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'anomaly_hooks_drift{key="alarm"} 1.0' in metrics
-        assert 'anomaly_hooks_drift_state{state="drift"} 1.0' in metrics
+        assert 'anomaly_hooks_drift{key="alarm",model="default"} 1.0' in metrics
+        assert 'anomaly_hooks_drift_state{model="default",state="drift"} 1.0' in metrics
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from conftest import f32_tol, knn_distance_tol, textured_images, with_defect
 
 from anomaly_hooks import Detector
 from anomaly_hooks.config import load_config
+from anomaly_hooks.devices import CUDA_BLOCK_ELEMENTS
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.patchcore.coreset import (
     StreamingCoreset,
@@ -22,7 +23,7 @@ from anomaly_hooks.scorers.patchcore.coreset import (
     greedy_dense,
     random_projection,
 )
-from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors
+from anomaly_hooks.scorers.patchcore.knn import WIDEN_BYTES, NearestNeighbors
 from anomaly_hooks.scorers.patchcore.scorer import PatchCoreScorer
 
 
@@ -690,14 +691,17 @@ def test_cuda_fit_peak_is_one_copy_of_the_patches(monkeypatch):
     for _ in range(n // b):
         scorer.partial_fit(torch.randn(b, d, h, w, device=dev))
     scorer.finalize()
-    assert peak["bytes"] < features_bytes * (1 + 2 * b / n)
+    # the buffer, the batch in and its embedding out, and the caching allocator's rounding
+    # of each live block to 2 MiB; twice the features would be 51 MB more
+    batch_bytes = features_bytes * b // n
+    assert peak["bytes"] < features_bytes + 2 * batch_bytes + 4 * (2 << 20)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: measures the GPU "
                     "allocator's peak")
 def test_cuda_float16_bank_search_holds_no_float32_copy():
-    """Searching a float16 bank on CUDA peaks far below one float32 copy of it (1 GB here;
-    the search's own blocks are ~0.3 GB)."""
+    """Searching a float16 bank on CUDA peaks below one float32 copy of it (1 GB here): the
+    search's working set is fixed (0.6 GB measured on an H100), whatever the bank's size."""
     bank = torch.randn(1_000_000, 256, device="cuda").half()
     index = NearestNeighbors(bank, backend="torch")
     q = torch.randn(4096, 256, device="cuda")
@@ -707,4 +711,9 @@ def test_cuda_float16_bank_search_holds_no_float32_copy():
     base = torch.cuda.memory_allocated()
     index.search(q, 1)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base < 0.5 * bank.numel() * 4
+    # one widened bank block, one query x block distance matrix and topk's workspace of the
+    # same size: a fixed working set, below one float32 copy of the bank (1 GB)
+    working_set = WIDEN_BYTES + 2 * CUDA_BLOCK_ELEMENTS * 4
+    assert working_set < bank.numel() * 4
+    slack = 64 << 20  # the queries, the allocator rounding
+    assert torch.cuda.max_memory_allocated() - base < working_set + slack

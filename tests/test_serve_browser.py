@@ -18,7 +18,13 @@ pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
 from conftest import ROOT  # noqa: E402
-from serve_helpers import ServerProcess, defect_png, good_png, save_model_variant  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    ServerProcess,
+    defect_png,
+    good_png,
+    save_model_variant,
+    with_lineage,
+)
 
 TOKEN = "browser-test-token"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -50,13 +56,17 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
     exe = chromium
     from playwright.sync_api import sync_playwright
 
-    model = save_model_variant(fitted, tmp_path / "model.safetensors")
+    shelf = tmp_path / "models"
+    model = save_model_variant(fitted, shelf / "model.safetensors")
+    with_lineage(model, shelf / "updated.safetensors", [
+        {"parent_checksum": "a" * 64, "images_added": 12, "labels_used": 3,
+         "time": "2026-01-02T03:04:05+00:00"}])
     upload = tmp_path / "scratched_part.png"
     upload.write_bytes(defect_png(77))
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
     with ServerProcess(model, tmp_path, "--token", TOKEN, "--results-dir",
                        str(tmp_path / "results"), "--monitor", "serve_helpers:standin_factory",
-                       env=env) as server:
+                       "--models-dir", str(shelf), env=env) as server:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         for i in range(6):  # some history for the list and the chart
             body = defect_png(i) if i in (1, 4) else good_png(i)
@@ -95,19 +105,103 @@ def test_operator_page_upload_verdict_overlay_screenshot(chromium, fitted, tmp_p
                 page.wait_for_function(
                     "document.getElementById('drift-state').textContent === 'ok'")
                 assert "observed" in page.inner_text("#drift-table")
+                # the operating point: the model's threshold and what it was chosen for
+                page.wait_for_function(
+                    "document.querySelectorAll('#operating-table tr').length >= 3")
+                operating = page.inner_text("#operating-table")
+                assert "objective" in operating and "expected false alarms" in operating
+                value = fitted.threshold_.value
+                assert f"{value:.4g}"[:3] in page.inner_text("#operating-summary")
+                # the model card: the serving version of the models folder, its lineage
+                page.wait_for_function("document.getElementById('model-table').textContent"
+                                       ".includes('model.safetensors')")
+                card = page.inner_text("#model-table")
+                assert "version" in card and "no updates" in card and "none" in card
                 # the filter keeps anomalous inspections only
                 page.check("#only-anomalous")
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 3")
                 tags = page.eval_on_selector_all("#recent .tag", "ts => ts.map(t => t.textContent)")
                 assert tags == ["anomalous"] * 3
+                # the operator overrules the newest anomalous verdict: a false alarm
+                page.click("#recent tr:first-child button[data-label='good']")
+                page.wait_for_selector("#recent tr:first-child .tag.labelled-good")
+                assert page.inner_text("#recent tr:first-child .tag.labelled-good") == \
+                    "false alarm"
+                page.wait_for_function("document.getElementById('false-alarms').textContent"
+                                       ".endsWith(': 1')")
                 page.uncheck("#only-anomalous")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
+                page.select_option("#label-filter", "good")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                page.select_option("#label-filter", "")
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
                 shot = page.screenshot(path=str(tmp_path / "serve_page.png"), full_page=True)
                 assert shot[:8] == b"\x89PNG\r\n\x1a\n"
                 if os.environ.get("ANOMALY_HOOKS_DOCS_SCREENSHOT") == "1":
                     (ROOT / "docs" / "serve_page.png").write_bytes(shot)
+                # a promoted version shows on the card: its lineage, what to roll back to
+                r = httpx.post(server.url + "/v1/admin/promote", headers=auth, timeout=60,
+                               json={"version": "updated.safetensors"})
+                assert r.status_code == 200, r.text
+                page.wait_for_function("document.getElementById('model-table').textContent"
+                                       ".includes('1 update(s), 12 image(s) added')")
+                card = page.inner_text("#model-table")
+                assert "updated.safetensors" in card and "aaaaaaaaaaaa" in card
+                assert "model.safetensors (" in card  # rollback to
             finally:
                 browser.close()
+        assert not problems, problems
+
+
+@pytest.mark.slow
+def test_operator_page_model_selector(chromium, fitted, tmp_path):
+    """A server of two models: the page offers both; the selected one scores the upload, and
+    the Model card and the recent list are that model's."""
+    from playwright.sync_api import sync_playwright
+
+    a = save_model_variant(fitted, tmp_path / "a.safetensors")
+    b = save_model_variant(fitted, tmp_path / "b.safetensors", threshold_factor=3.0)
+    upload = tmp_path / "part.png"
+    upload.write_bytes(defect_png(5))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with ServerProcess(f"line-a={a}", tmp_path, "--model", f"line-b={b}", "--token", TOKEN,
+                       "--results-dir", str(tmp_path / "results")) as server:
+        r = httpx.post(server.url + "/v1/models/line-a/predict?part_id=A-1",
+                       content=good_png(1), headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                        headless=True)
+            try:
+                context = browser.new_context(
+                    http_credentials={"username": "operator", "password": TOKEN})
+                page = context.new_page()
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.on("console", lambda msg: problems.append(msg.text)
+                        if msg.type == "error" else None)
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_function("!document.getElementById('model-select').hidden && "
+                                       "document.getElementById('model-select').options"
+                                       ".length === 2")
+                assert page.eval_on_selector("#model-select", "s => s.value") == "line-a"
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                page.select_option("#model-select", "line-b")
+                page.wait_for_function("document.getElementById('model-table').textContent"
+                                       ".includes('(line-b)')")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 0")
+                page.set_input_files("#file", str(upload))
+                page.wait_for_selector("#verdict[data-state]", timeout=60000)
+                shown = float(page.inner_text("#r-threshold"))
+                # shown with 4 significant digits: within half a unit of the 4th
+                assert shown == pytest.approx(3 * fitted.threshold_.value, rel=5e-4)
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
+                assert "line-b" in page.inner_text("#model-id") or \
+                    page.inner_text("#model-id").startswith("padim-")
+            finally:
+                browser.close()
+        rows = httpx.get(server.url + "/v1/results", headers=auth, timeout=30).json()["results"]
+        assert [r["model_name"] for r in rows] == ["line-b", "line-a"]
         assert not problems, problems
 
 

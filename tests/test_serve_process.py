@@ -104,6 +104,144 @@ def test_kill9_loses_no_acknowledged_result(model_files, tmp_path):
         assert new["id"] > max(a["id"] for a in acked)
 
 
+def _db_rows(url: str) -> dict:
+    """request_id -> [(id, score, is_anomalous, part_id, overlay_path), ...] of a PostgreSQL
+    results log (a list: a request recorded twice would show)."""
+    import psycopg
+
+    rows: dict = {}
+    with psycopg.connect(url) as con:
+        for r in con.execute("SELECT request_id, id, score, is_anomalous, part_id, "
+                             "overlay_path FROM results"):
+            rows.setdefault(r[0], []).append(r[1:])
+    return rows
+
+
+def _each_once(acked: list, rows: dict) -> None:
+    """Every acknowledged result is in the log exactly once, as it was answered."""
+    lost = [a["request_id"] for a in acked if a["request_id"] not in rows]
+    assert not lost, f"{len(lost)} acknowledged results lost"
+    twice = [k for k, v in rows.items() if len(v) != 1]
+    assert not twice, f"{len(twice)} results recorded more than once"
+    for a in acked:
+        [(rid, score, anomalous, part_id, _)] = rows[a["request_id"]]
+        assert (rid, score, anomalous, part_id) == (a["id"], a["score"], a["is_anomalous"],
+                                                    a["part_id"])
+
+
+def _listed_ids(url: str) -> set:
+    """Every id ``GET /v1/results`` lists, page by page."""
+    ids: set = set()
+    before = None
+    while True:
+        params = {"limit": 1000, **({"before_id": before} if before else {})}
+        r = httpx.get(url + "/v1/results", params=params, timeout=60)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        ids |= {r["id"] for r in page["results"]}
+        before = page["next_before_id"]
+        if before is None:
+            return ids
+
+
+def _wait_for(acked: list, n: int, errors: list, *servers: ServerProcess) -> None:
+    deadline = time.monotonic() + 180
+    while len(acked) < n:
+        assert time.monotonic() < deadline, (errors[-5:], [s.log()[-3000:] for s in servers])
+        time.sleep(0.01)
+
+
+def test_kill9_with_postgres_loses_no_acknowledged_result(model_files, tmp_path, postgres_url):
+    """The results log on a PostgreSQL server: kill -9 under load, every acknowledged result
+    is there exactly once, and a restarted server carries on with the same log."""
+    results = tmp_path / "results"
+    args = ("--results-db", postgres_url, "--results-dir", str(results), "--max-wait-ms", "5",
+            "--keep-images", "all")
+    server = ServerProcess(model_files["good"], tmp_path, *args).wait_ready()
+    acked: list = []
+    errors: list = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=_load, args=(server.url, stop, acked, errors, s))
+               for s in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        _wait_for(acked, 30, errors, server)
+        server.kill9()          # while requests are in flight
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        server.stop()
+    acked = acked[:]
+    assert len(acked) >= 30
+    rows = _db_rows(postgres_url)
+    _each_once(acked, rows)
+    assert all((results / rows[a["request_id"]][0][4]).is_file() for a in acked)
+    with ServerProcess(model_files["good"], tmp_path, *args) as again:
+        assert {a["id"] for a in acked} <= _listed_ids(again.url)
+        new = httpx.post(again.url + "/v1/predict", content=good_png()).json()
+        assert new["id"] > max(a["id"] for a in acked)
+
+
+def _alternating(urls: list, stop: threading.Event, out: list, errors: list, seed: int
+                 ) -> None:
+    """One client sending its predictions to each server in turn until ``stop``."""
+    with httpx.Client(timeout=60) as client:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            url = urls[(seed + i) % len(urls)]
+            body = defect_png(seed * 1000 + i) if i % 4 == 0 else good_png(seed * 1000 + i)
+            try:
+                r = client.post(url + f"/v1/predict?part_id=c{seed}-{i}", content=body)
+            except httpx.HTTPError as exc:  # that server was killed
+                errors.append(repr(exc))
+                time.sleep(0.01)
+                continue
+            if r.status_code == 200:
+                out.append({**r.json(), "server": url})
+            else:
+                errors.append(f"{r.status_code} {r.text}")
+
+
+def test_two_replicas_on_one_database_survive_a_kill9(model_files, tmp_path, postgres_url):
+    """Two service processes started together on one PostgreSQL log (the migrations run
+    once), 8 client threads alternating between them; one is killed with -9 under load: every
+    acknowledged result, by either, is in the log exactly once, and the survivor lists all."""
+    args = ("--results-db", postgres_url, "--results-dir", str(tmp_path / "results"),
+            "--max-wait-ms", "5")
+    first = ServerProcess(model_files["good"], tmp_path, *args)
+    second = ServerProcess(model_files["good"], tmp_path, *args)
+    acked: list = []
+    errors: list = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=_alternating,
+                                args=([first.url, second.url], stop, acked, errors, s))
+               for s in range(8)]
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        for t in threads:
+            t.start()
+        _wait_for(acked, 40, errors, first, second)
+        first.kill9()
+        n_before = len(acked)
+        _wait_for(acked, n_before + 20, errors, second)  # the survivor serves on
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        first.stop()
+    try:
+        acked = acked[:]
+        assert {a["server"] for a in acked} == {first.url, second.url}
+        _each_once(acked, _db_rows(postgres_url))
+        assert {a["id"] for a in acked} <= _listed_ids(second.url)
+    finally:
+        second.stop()
+
+
 def test_sighup_reload_under_load(model_files, tmp_path):
     live = tmp_path / "live.safetensors"
     shutil.copy(model_files["good"], live)
@@ -191,7 +329,7 @@ def test_http_batching_and_monitor_plugin(model_files, tmp_path):
             time.sleep(0.1)
         assert httpx.get(server.url + "/v1/drift").json()["enabled"] is True
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'anomaly_hooks_drift{key="observed"} 8.0' in metrics
+        assert 'anomaly_hooks_drift{key="observed",model="default"} 8.0' in metrics
         # hostile HTTP: a huge header, a lying Content-Length; the server stays up
         # (uvicorn answers 400 and closes while the client may still be sending the header:
         # the kernel then resets the connection before the client reads the answer; either

@@ -1,5 +1,6 @@
-"""The results log (results.py): the SQLite store, the picture files, the CSV export, the
-group commit, and the record's one verdict (prediction.Verdict) in its columns."""
+"""The results log (results.py, pgstore.py): the stores (each store test runs on SQLite and on
+PostgreSQL, through the ``store_factory`` fixture), the picture files, the CSV export, the group
+commit, and the record's one verdict (prediction.Verdict) in its columns."""
 from __future__ import annotations
 
 import csv
@@ -15,9 +16,11 @@ from anomaly_hooks.serve.results import (
     COLUMNS,
     MAX_ID,
     SCHEMA,
+    SCHEMA_VERSION,
     ImageFiles,
     Record,
     Recorder,
+    ResultStore,
     SQLiteResultStore,
     csv_lines,
     open_store,
@@ -31,8 +34,8 @@ def _record(i: int, t: float, anomalous: bool = False, **kw) -> Record:
                   model_checksum="c" * 64, part_id=kw.pop("part_id", f"P{i}"), **kw)
 
 
-def test_store_add_query_filters_and_paging(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_add_query_filters_and_paging(store_factory):
+    store = store_factory()
     ids = store.add([_record(i, 1000.0 + i, anomalous=i % 3 == 0) for i in range(10)])
     assert ids == list(range(1, 11)) and store.count() == 10
     assert [r.id for r in store.query(limit=3)] == [10, 9, 8]
@@ -44,13 +47,15 @@ def test_store_add_query_filters_and_paging(tmp_path):
     rec = store.get(4)
     assert rec.verdict.is_anomalous is True and rec.part_id == "P3" and store.get(99) is None
     store.close()
-    again = open_store(f"sqlite:///{tmp_path / 'r.sqlite'}")   # reopened: all there
+    again = open_store(store_factory.spec)   # reopened: all there
     assert again.count() == 10
-    assert again._write.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if store_factory.kind == "sqlite":
+        assert again._write.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    again.close()
 
 
-def test_store_retention_by_age_and_count(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_retention_by_age_and_count(store_factory):
+    store = store_factory()
     store.add([_record(i, 1000.0 + i) for i in range(10)])
     removed = store.prune(max_age_s=5, now=1010.0)          # older than t=1005
     assert sorted(r.id for r in removed) == [1, 2, 3, 4, 5]
@@ -70,8 +75,8 @@ def test_image_files_write_resolve_delete(tmp_path):
     assert files.delete([rec]) == 2 and files.resolve(paths["overlay"]) is None
 
 
-def test_csv_export_is_parseable_and_neutralises_formulas(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_csv_export_is_parseable_and_neutralises_formulas(store_factory):
+    store = store_factory()
     store.add([_record(1, 1000.0, part_id="=HYPERLINK(\"http://x\")", source="a,b\"c")])
     text = "".join(csv_lines(store.iter_query()))
     rows = list(csv.DictReader(io.StringIO(text)))
@@ -79,8 +84,8 @@ def test_csv_export_is_parseable_and_neutralises_formulas(tmp_path):
     assert rows[0]["time_iso"] == "1970-01-01T00:16:40.000Z" and rows[0]["is_anomalous"] == "0"
 
 
-def test_recorder_group_commits_from_many_threads(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_recorder_group_commits_from_many_threads(store_factory):
+    store = store_factory()
     rec = Recorder(store)
     with ThreadPoolExecutor(16) as pool:
         futures = list(pool.map(lambda i: rec.submit(_record(i, 1000.0 + i)), range(400)))
@@ -89,13 +94,12 @@ def test_recorder_group_commits_from_many_threads(tmp_path):
     assert rec.commits < 400                  # grouped into fewer transactions
     assert rec.call(store.count).result(30) == 400
     rec.close()
-    con = sqlite3.connect(tmp_path / "r.sqlite")
-    assert con.execute("SELECT COUNT(DISTINCT request_id) FROM results").fetchone()[0] == 400
+    assert store_factory.sql("SELECT COUNT(DISTINCT request_id) FROM results") == [(400,)]
 
 
 def test_store_refuses_unknown_schemes(tmp_path):
     with pytest.raises(ValueError, match="implement ResultStore"):
-        open_store("postgresql://db/results")
+        open_store("mysql://db/results")
 
 
 
@@ -107,14 +111,14 @@ def test_store_columns_are_the_schemas_and_the_verdict_fields():
     assert set(COLUMNS) | {"id"} == table and set(VERDICT_FIELDS) <= set(COLUMNS)
 
 
-def test_store_keeps_the_verdict_and_refuses_no_id(tmp_path):
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+def test_store_keeps_the_verdict_and_refuses_no_id(store_factory):
+    store = store_factory()
     [rid] = store.add([_record(7, 1000.0, anomalous=True, anomalous_pixels=42, width=3,
                                height=4)])
     rec = store.get(rid)
     assert rec.verdict == Verdict(7.0, 0.5, True, 10.0, 42)
     assert (rec.width, rec.height) == (3, 4)
-    for huge in (MAX_ID, MAX_ID + 1, 10**30, 0, -1):  # beyond SQLite's INTEGER: no record
+    for huge in (MAX_ID, MAX_ID + 1, 10**30, 0, -1):  # beyond a 64-bit integer: no record
         assert store.get(huge) is None
     assert [r.id for r in store.query(before_id=10**30)] == [rid]
     assert [r.id for r in store.query(limit=10**30)] == [rid]
@@ -149,12 +153,12 @@ def test_record_json_flattens_the_verdict_and_hides_paths():
     assert out["time_iso"] == "1970-01-01T00:16:40.000Z"
 
 
-def test_one_refused_record_does_not_fail_its_group(tmp_path):
+def test_one_refused_record_does_not_fail_its_group(store_factory):
     """The store refuses one record of a group commit: that record's request fails, the
     others committed in the same group succeed."""
     import threading
 
-    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    store = store_factory()
     add = store.add
 
     def picky(records):
@@ -176,3 +180,124 @@ def test_one_refused_record_does_not_fail_its_group(tmp_path):
     finally:
         recorder.close()
     assert sorted(r.part_id for r in store.query()) == ["a", "c"]
+
+
+# ---- operator labels ------------------------------------------------------------------------
+def test_labels_set_replace_and_filter(store_factory):
+    store = store_factory()
+    store.add([_record(i, 1000.0 + i, anomalous=i % 2 == 0) for i in range(6)])
+    rec = store.set_label(2, "defect", "scratch near the edge", "token:ab12", now=1500.25)
+    assert (rec.id, rec.label, rec.label_note, rec.label_by, rec.label_at) == (
+        2, "defect", "scratch near the edge", "token:ab12", 1500.25)
+    assert store.set_label(3, "good", now=1600.0).label_note is None
+    assert store.set_label(5, "defect", "", "x").label_at > 1.7e9  # now by default
+    assert store.set_label(5, "good", "on second look", "y", now=1700.0).label == "good"
+    assert [r.id for r in store.query(label="good")] == [5, 3]
+    assert [r.id for r in store.query(label="defect")] == [2]
+    assert [r.id for r in store.query(label="none")] == [6, 4, 1]
+    assert [r.id for r in store.query(label="none", anomalous=True)] == [1]
+    assert [r.id for r in store.query(label="good", before_id=5)] == [3]
+    assert [r.id for r in store.iter_query(page=1, label="none")] == [6, 4, 1]
+    assert store.get(2).label == "defect" and store.get(1).label is None
+    with pytest.raises(ValueError, match="label filter"):
+        store.query(label="bad")
+    store.close()
+    again = store_factory()   # labels are durable like the records
+    assert again.get(5).label_note == "on second look"
+
+
+@pytest.mark.parametrize("label, note, by, message", [
+    ("ok", None, None, "label must be"), ("Good", None, None, "label must be"),
+    (None, None, None, "label must be"), ("good", "x" * 501, None, "500 characters"),
+    ("good", 5, None, "note"), ("defect", None, 7, "author")])
+def test_bad_labels_are_refused(store_factory, label, note, by, message):
+    store = store_factory()
+    store.add([_record(1, 1000.0)])
+    with pytest.raises(ValueError, match=message):
+        store.set_label(1, label, note, by)
+    assert store.get(1).label is None
+    assert store.set_label(1, "good", "x" * 500).label_note == "x" * 500  # the limit itself
+
+
+def test_labelling_an_unknown_record_is_none(store_factory):
+    store = store_factory()
+    store.add([_record(1, 1000.0)])
+    for rid in (2, 0, -1, MAX_ID, MAX_ID + 1, 10**30):
+        assert store.set_label(rid, "good") is None
+    assert store.query(label="good") == []
+
+
+def test_labels_in_json_and_csv(store_factory):
+    store = store_factory()
+    store.add([_record(1, 1000.0), _record(2, 1001.0)])
+    store.set_label(2, "defect", "=cmd|' /C calc'!A0", "token:ab12", now=1000.5)
+    out = store.get(2).as_json()
+    assert {k: out[k] for k in ("label", "label_note", "label_by", "label_at",
+                                "label_at_iso")} == {
+        "label": "defect", "label_note": "=cmd|' /C calc'!A0", "label_by": "token:ab12",
+        "label_at": 1000.5, "label_at_iso": "1970-01-01T00:16:40.500Z"}
+    assert store.get(1).as_json()["label_at_iso"] is None
+    rows = list(csv.DictReader(io.StringIO("".join(csv_lines(store.iter_query())))))
+    assert (rows[0]["label"], rows[0]["label_by"], rows[0]["label_at_iso"]) == (
+        "defect", "token:ab12", "1970-01-01T00:16:40.500Z")
+    assert rows[0]["label_note"].startswith("'=")  # no formula
+    assert (rows[1]["label"], rows[1]["label_at_iso"]) == ("", "")
+
+
+def test_a_version_1_sqlite_log_gains_the_label_columns(tmp_path):
+    """A log written before labels (schema version 1): opened, it gets the label columns
+    (version 2), its records read back unlabelled and can be labelled."""
+    v1 = SCHEMA.replace(",\n    label TEXT,\n    label_note TEXT,\n    label_by TEXT,\n"
+                        "    label_at REAL", "").replace("    model_name TEXT,\n", "")
+    assert "label" not in v1 and "model_name" not in v1
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    con.executescript(v1)
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum) VALUES (1000.0, 'old', 2.5, 0.7, 1, 2.0, "
+                "'m', 'c')")
+    con.execute("PRAGMA user_version=1")
+    con.commit()
+    con.close()
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    assert store.get(1).label is None and store.query(label="none")[0].request_id == "old"
+    assert store.set_label(1, "good").label == "good"
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    store.close()
+    SQLiteResultStore(tmp_path / "r.sqlite").close()  # opened again: nothing left to do
+
+
+def test_a_version_2_sqlite_log_gains_the_model_name_column(tmp_path):
+    """A log written before model names (schema version 2): opened, it gets the nullable
+    ``model_name`` column (version 3); its records read back without a name, new ones carry
+    theirs, and the model filter finds them."""
+    v2 = SCHEMA.replace("    model_name TEXT,\n", "")
+    assert "model_name" not in v2 and "label" in v2
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    con.executescript(v2)
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum, label) VALUES (1000.0, 'old', 2.5, 0.7, "
+                "1, 2.0, 'm', 'c', 'good')")
+    con.execute("PRAGMA user_version=2")
+    con.commit()
+    con.close()
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 3
+    old = store.get(1)
+    assert old.model_name is None and old.label == "good"
+    new = Record(time=2000.0, request_id="new", verdict=old.verdict, model_id="m",
+                 model_checksum="c", model_name="line-2")
+    store.add([new])
+    assert [r.request_id for r in store.query(model="line-2")] == ["new"]
+    assert [r.request_id for r in store.query()] == ["new", "old"]
+    assert store.query(model="nothing") == []
+    store.close()
+    SQLiteResultStore(tmp_path / "r.sqlite").close()
+
+
+def test_a_store_without_labels_says_so():
+    class Minimal(ResultStore):
+        add = query = get = count = prune = None  # type: ignore[assignment]
+
+    Minimal.__abstractmethods__ = frozenset()
+    with pytest.raises(NotImplementedError, match="keeps no labels"):
+        Minimal().set_label(1, "good")

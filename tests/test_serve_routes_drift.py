@@ -44,7 +44,7 @@ def test_drift_endpoint(models, tmp_path):
                                        atol=f32_tol(hw, float(feat.abs().mean((2, 3)).max())))
     with serving(models["good"], tmp_path / "b") as (plain, _):
         assert plain.get("/v1/drift").json() == {"enabled": False}
-        assert "anomaly_hooks_drift_enabled 0.0" in plain.get("/metrics").text
+        assert 'anomaly_hooks_drift_enabled{model="default"} 0.0' in plain.get("/metrics").text
 
 
 def _degenerate() -> dict:

@@ -43,12 +43,15 @@ def test_metrics(api):
             "anomaly_hooks_normalized_score_bucket", "anomaly_hooks_anomalous_rate",
             "anomaly_hooks_batch_size_bucket", "anomaly_hooks_queue_depth 0.0",
             "anomaly_hooks_images_in_progress", 'anomaly_hooks_rejected_images_total{code=',
-            "anomaly_hooks_model_ready 1.0", "anomaly_hooks_model_info{",
-            "anomaly_hooks_drift_enabled 1.0", 'anomaly_hooks_drift{key="observed"}',
-            'anomaly_hooks_drift{key="statistics.score_mean"}',
-            'anomaly_hooks_drift_state{state="ok"} 1.0']:
+            'anomaly_hooks_model_ready{model="default"} 1.0',
+            'anomaly_hooks_model_info{', 'model="default",model_id="padim-',
+            'anomaly_hooks_drift_enabled{model="default"} 1.0',
+            'anomaly_hooks_drift{key="observed",model="default"}',
+            'anomaly_hooks_drift{key="statistics.score_mean",model="default"}',
+            'anomaly_hooks_drift_state{model="default",state="ok"} 1.0']:
         assert needle in text, needle
-    assert re.search(r'anomaly_hooks_predictions_total\{verdict="normal"\} [1-9]', text)
+    assert re.search(r'anomaly_hooks_predictions_total\{model="default",verdict="normal"\} '
+                     r'[1-9]', text)
 
 
 def test_metrics_labels_are_bounded():
@@ -67,3 +70,10 @@ def test_metrics_labels_are_bounded():
     assert endpoint_label("/docs/assets/swagger-ui.css") == "/docs/assets"
     assert endpoint_label("/openapi.json") == "/openapi.json"
     assert endpoint_label("/wp-admin/x") == "other"
+    # one model's routes by their template, whatever the name
+    for path in ("/v1/models/{name}", "/v1/models/{name}/predict",
+                 "/v1/models/{name}/predict/batch", "/v1/models/{name}/drift",
+                 "/v1/admin/models/{name}/reload"):
+        assert endpoint_label(path.replace("{name}", "x" * 300)) == path
+    assert endpoint_label("/v1/models/a/b/c") == "other"
+    assert endpoint_label("/v1/admin/models/a/predict") == "other"

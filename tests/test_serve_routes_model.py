@@ -54,8 +54,10 @@ def test_model_info(models, fitted, tmp_path):
         assert info["serving"]["token"] is None and info["serving"]["max_batch"] == 16
         assert info["drift_monitor"] is True and info["last_reload"] is None
         # the response model drops nothing the engine reports
-        assert set(info) == {*service.engine.info(), "serving", "batching", "last_reload",
-                             "drift_monitor"}
+        assert set(info) == {*service.engine.info(), "name", "serving", "batching",
+                             "last_reload", "version", "drift_monitor"}
+        assert info["name"] == "default"
+        assert info["lineage"] is None and info["version"] is None  # no --models-dir
 
 
 # ---- the admin gate -------------------------------------------------------------------------
@@ -197,8 +199,8 @@ def test_reload_swaps_models_and_refuses_bad_files(models, tmp_path):
         assert_error(client.post("/v1/admin/reload", content=b"[1,2",
                                  headers={"Content-Type": "application/json"}),
                      422, "invalid_parameter")
-        assert 'anomaly_hooks_model_reloads_total{result="failed"} 3.0' in client.get(
-            "/metrics").text
+        assert ('anomaly_hooks_model_reloads_total{model="default",result="failed"} 3.0'
+                in client.get("/metrics").text)
 
 
 def test_reload_lets_in_flight_requests_finish_on_the_old_model(models, tmp_path):

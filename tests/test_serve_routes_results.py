@@ -22,8 +22,14 @@ def api(models, tmp_path_factory):
         yield client, service
 
 
-def test_results_log_query_pictures_and_csv(models, tmp_path):
-    with serving(models["good"], tmp_path) as (client, _):
+def _log(store_factory) -> dict:
+    """The ``serving`` settings of the store under test: the default results.sqlite, or the
+    PostgreSQL database as ``--results-db`` (pictures under the results folder in both)."""
+    return {} if store_factory.kind == "sqlite" else {"results_db": store_factory.spec}
+
+
+def test_results_log_query_pictures_and_csv(models, tmp_path, store_factory):
+    with serving(models["good"], tmp_path, **_log(store_factory)) as (client, _):
         ids = []
         for i in range(3):
             ids.append(client.post(f"/v1/predict?part_id=G{i}", content=good_png(20 + i)).json())
@@ -55,9 +61,11 @@ def test_results_log_query_pictures_and_csv(models, tmp_path):
         assert "path" not in "".join(rec)  # no server paths in JSON
 
 
-def test_retention_removes_records_and_pictures(models, tmp_path):
-    with serving(models["good"], tmp_path, retention_count=2, keep_images="all") as (client,
-                                                                                      service):
+def test_retention_removes_records_and_pictures(models, tmp_path, store_factory):
+    with serving(models["good"], tmp_path, retention_count=2, keep_images="all",
+                 **_log(store_factory)) as (client, service):
+        kind = {"sqlite": "SQLiteResultStore", "postgres": "PostgresResultStore"}
+        assert type(service.store).__name__ == kind[store_factory.kind]
         for i in range(5):
             client.post("/v1/predict", content=good_png(40 + i))
         pictures = list((tmp_path / "results" / "images").rglob("*.*"))
@@ -178,3 +186,92 @@ def test_picture_names_are_the_three_kinds_only(api, picture):
     r = client.get(f"/v1/results/1/{picture}")
     assert r.status_code == 404 and r.json()["code"] == "not_found", (picture, r.text)
     assert b"SQLite" not in r.content
+
+
+# ---- operator labels ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def admin_api(models, tmp_path_factory):
+    """A server with a token (labels are an admin route) and the id of one unlabelled result."""
+    from serve_helpers import TOKEN
+
+    with serving(models["good"], tmp_path_factory.mktemp("serve_labels"), token=TOKEN) as (
+            client, service):
+        rid = client.post("/v1/predict", content=good_png()).json()["id"]
+        yield client, service, rid
+
+
+def test_label_results_over_http(models, tmp_path, store_factory):
+    """POST /v1/results/{id}/label on a server with a token, on either store: the label, its
+    note, who (the token's fingerprint) and when, in the record, the filters and the CSV."""
+    import hashlib
+
+    from serve_helpers import TOKEN
+
+    with serving(models["good"], tmp_path, token=TOKEN, **_log(store_factory)) as (client, _):
+        ids = [client.post("/v1/predict", content=good_png(50 + i)).json()["id"]
+               for i in range(3)]
+        r = client.post(f"/v1/results/{ids[0]}/label", json={"label": "defect", "note": "dent"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        fingerprint = "token:" + hashlib.sha256(TOKEN.encode()).hexdigest()[:12]
+        assert (body["id"], body["label"], body["label_note"], body["label_by"]) == (
+            ids[0], "defect", "dent", fingerprint)
+        assert body["label_at_iso"].endswith("Z") and TOKEN not in r.text
+        r = client.post(f"/v1/results/{ids[1]}/label", json={"label": "good"})
+        assert r.json()["label_note"] is None
+        assert client.get(f"/v1/results/{ids[0]}").json()["label"] == "defect"
+
+        def listed(query: str) -> list:
+            return [x["id"] for x in client.get("/v1/results?" + query).json()["results"]]
+
+        assert listed("label=defect") == [ids[0]] and listed("label=good") == [ids[1]]
+        assert listed("label=none") == [ids[2]]
+        client.post(f"/v1/results/{ids[0]}/label", json={"label": "good", "note": "no, fine"})
+        assert listed("label=good") == [ids[1], ids[0]] and listed("label=defect") == []
+        csv_text = client.get("/v1/results.csv?label=good").text
+        header, *rows = csv_text.strip().splitlines()
+        assert header.endswith(",label,label_note,label_by,label_at_iso,model_name")
+        assert len(rows) == 2
+        assert f",good,\"no, fine\",{fingerprint}," in rows[1]
+
+
+@pytest.mark.parametrize("body", [
+    {"label": "maybe"}, {"label": "Good"}, {}, {"label": None}, {"label": "good", "note": 5},
+    {"label": "good", "note": "x" * 501}, {"label": "good", "who": "me"},
+    ["good"], "good"])
+def test_bad_labels_are_422(admin_api, body):
+    client, service, rid = admin_api
+    message = assert_error(client.post(f"/v1/results/{rid}/label", json=body), 422,
+                           "invalid_parameter")["message"]
+    assert "body" in message
+    assert service.store.get(rid).label is None
+
+
+def test_label_refusals_unknown_ids_auth_and_bodies(admin_api):
+    client, _, rid = admin_api
+    ok = {"label": "good"}
+    assert_error(client.post("/v1/results/999999/label", json=ok), 404, "not_found")
+    assert_error(client.post(f"/v1/results/{MAX_ID + 1}/label", json=ok), 422,
+                 "invalid_parameter")
+    assert_error(client.post(f"/v1/results/{rid}/label", json=ok,
+                             headers={"Authorization": "Bearer wrong-token-here"}), 401,
+                 "unauthorized")
+    for raw in (b"{not json", b"", b"[" * 100_000 + b"]" * 100_000):
+        r = client.post(f"/v1/results/{rid}/label", content=raw,
+                        headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (raw[:10], r.status_code, r.text)
+    r = client.post(f"/v1/results/{rid}/label", content=b" " * (2 << 20),
+                    headers={"content-type": "application/json"})
+    assert_error(r, 413, "payload_too_large")
+    assert client.get(f"/v1/results/{rid}").json()["label"] is None
+
+
+def test_labels_are_an_admin_route(api):
+    """A server without a token answers 403 admin_disabled, as the other admin routes."""
+    client, service = api
+    rid = service.store.query(limit=1)[0].id
+    assert_error(client.post(f"/v1/results/{rid}/label", json={"label": "good"}), 403,
+                 "admin_disabled")
+    assert_error(client.get("/v1/results?label=maybe"), 422, "invalid_parameter")
+    assert_error(client.get("/v1/results.csv?label=maybe"), 422, "invalid_parameter")
+    assert client.get("/v1/results?label=none").json()["count"] >= 1

@@ -29,6 +29,28 @@ def test_token_from_environment(monkeypatch):
     assert ServeSettings(model="m").public()["token"] == "set"
 
 
+def test_results_db_option_and_its_conflicts():
+    """--results-db: a database URL for the log (pictures still under --results-dir); it
+    contradicts --no-results; an unknown scheme is refused before anything is opened; the
+    settings shown on GET /v1/model never hold the database password."""
+    from anomaly_hooks.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    url = "postgresql://inspect:hunter2@db.example:5432/line3"
+    s = settings_from_args(parser.parse_args(["--model", "m", "--results-db", url]))
+    assert (s.results_db, s.results_dir, s.keeps_results) == (url, "serve_results", True)
+    shown = s.public()["results_db"]
+    assert "hunter2" not in shown and shown == "postgresql://inspect:***@db.example:5432/line3"
+    with pytest.raises(ConfigError, match="contradict"):
+        settings_from_args(parser.parse_args(["--model", "m", "--results-db", url,
+                                              "--no-results"]))
+    with pytest.raises(ConfigError, match="unsupported results store mysql://"):
+        ServeSettings(model="m", results_db="mysql://u:pw@h/db").validate()
+    assert not ServeSettings(model="m", results_dir=None).keeps_results
+    assert ServeSettings(model="m", results_dir=None, results_db="sqlite:///x").keeps_results
+
+
 
 
 def test_models_dir_option(tmp_path):
@@ -73,3 +95,25 @@ def test_serve_refuses_a_results_log_it_cannot_open_in_one_line(case, tmp_path, 
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert str(results) in errors[0]
+
+
+def test_serve_refuses_an_unreachable_results_db_in_one_line(tmp_path, capsys, fitted):
+    """Nothing listens at the database's address: one ``error:`` line naming the URL without
+    its password and what to check, exit 2, before the server starts."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    pytest.importorskip("psycopg", reason="psycopg (the [postgres] extra) is not installed")
+    import socket
+
+    from anomaly_hooks.cli import main
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = fitted.save(tmp_path / "m.safetensors")
+    url = f"postgresql://inspect:hunter2@127.0.0.1:{port}/line3"
+    code = main(["serve", "--model", str(model), "--results-db", url])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"postgresql://inspect:***@127.0.0.1:{port}/line3" in errors[0]
+    assert "hunter2" not in err and "--results-db" in errors[0]

@@ -1,9 +1,9 @@
-"""Uploaded bytes -> the network input (uploads.py): every hostile upload gets its status and
+"""Uploaded bytes -> the canonical image (uploads.py): every hostile upload gets its status and
 code, every accepted type decodes exactly as the library reads a file."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 from conftest import textured_images
 from serve_helpers import accepted_formats, encode, hostile_payloads
 
@@ -26,14 +26,14 @@ def test_hostile_upload_gets_its_status_and_code(name):
 
 @pytest.mark.parametrize("name", sorted(accepted_formats()))
 def test_accepted_formats_decode_like_the_library(name, tmp_path):
-    from anomaly_hooks.images import read_image
+    from anomaly_hooks.images import decode
 
     data = accepted_formats()[name]
-    tensor, size, fmt = decode_upload(data, (64, 64), 25_000_000)
+    array, size, fmt = decode_upload(data, (64, 64), 25_000_000)
     path = tmp_path / f"img.{fmt.lower()}"
     path.write_bytes(data)
-    assert torch.equal(tensor, read_image(path))
-    assert size == tuple(tensor.shape[1:])
+    np.testing.assert_array_equal(array, decode(path))  # [H, W, 3], torch-free
+    assert array.dtype == np.float32 and size == array.shape[:2]
 
 
 def test_pixel_limit_is_checked_before_decoding():

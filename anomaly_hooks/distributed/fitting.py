@@ -116,8 +116,12 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     ``fit_timings_`` holds the seconds of each step, ``fit_info_`` the shards and workers."""
     if num_workers < 1 or shards_per_worker < 1:
         raise ConfigError("num_workers and shards_per_worker must be >= 1")
-    require_ray()
     cfg = load_config(cfg)
+    if cfg.tiling.enabled:  # the workers would embed at a frame the driver has not decided
+        raise ConfigError("a tiled (high-resolution) model is fitted on one machine: run "
+                          "fit without --ray (its working frame is decided from all the "
+                          "training images before any patch is embedded)")
+    require_ray()
     ray = connect(address)
     det = Detector(cfg)
     run = FitRun(det, source if source is not None else cfg.data.train, progress=progress)

@@ -313,12 +313,16 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
 
     Raises:
         NotFittedError: the detector is not fitted.
-        ExportError: a layer cannot be exported (the message names the operator and layer),
-            or the exported graph does not reproduce the eager outputs.
+        ExportError: a tiled model (not exportable), a layer cannot be exported (the message
+            names the operator and layer), or the exported graph does not reproduce the eager
+            outputs.
     """
     if not detector.is_fitted:
         raise NotFittedError("nothing to export: this Detector is not fitted; call fit() "
                              "first, or Detector.load() a saved model")
+    if getattr(detector, "tiling", None) is not None:
+        raise ExportError("the ONNX export of a tiled (high-resolution) model is not "
+                          "available: predict with the PyTorch Detector (anomaly-hooks score)")
     if detector.device.type != "cpu":
         raise ExportError("export from a CPU detector: Detector.load(path, device='cpu')")
     if exporter not in EXPORTERS:

@@ -44,6 +44,18 @@ def fit_reference(collector: Optional[StatisticsCollector], good_scores: Sequenc
                               min_shift=mon_cfg.min_shift, seed=seed)
 
 
+def update_reference(reference: Optional[DriftReference],
+                     collector: Optional[StatisticsCollector], good_scores: Sequence[float],
+                     mon_cfg: Any, seed: int) -> Optional[DriftReference]:
+    """``reference`` with the images ``collector`` saw pooled in (a model update,
+    :meth:`DriftReference.updated`) and its score block fitted again on ``good_scores``; None
+    without a reference, unchanged without new statistics."""
+    if reference is None or collector is None or collector.n_seen == 0:
+        return reference
+    return reference.updated(collector.vectors(), np.asarray(good_scores, dtype=np.float64),
+                             n_windows=mon_cfg.calibration_windows, seed=seed)
+
+
 def reference_state(reference: Optional[DriftReference]
                     ) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
     """float32 arrays (``drift.*``) and ``{META_KEY: ...}`` to merge into a model file's

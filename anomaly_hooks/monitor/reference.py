@@ -103,6 +103,35 @@ class Block:
         b.mean, b.scale, b.basis, b.eigvals = mean, scale, basis, eigvals
         return b
 
+    def pooled(self, x: np.ndarray, n_old: int) -> "Block":
+        """This reference (of ``n_old`` images) with new images' vectors ``x`` ``[m, d]``
+        pooled in: the mean and spread of all ``n_old + m`` images exactly (the pooled
+        moments); the principal directions kept, their variances pooled, the old images' part
+        re-expressed in the new standardisation to first order (along ``v`` the old
+        standardised variance ``lambda`` becomes ``lambda |a * v|^2``, ``a`` the ratio of old
+        to new spreads: exact where the spreads do not change)."""
+        x = self.prepare(x)
+        m = x.shape[0]
+        n = n_old + m
+        mean_new = x.mean(0)
+        var_new = x.var(0, ddof=1) if m > 1 else np.zeros_like(mean_new)
+        mean = (n_old * self.mean + m * mean_new) / n
+        var = ((n_old - 1) * self.scale ** 2 + (m - 1) * var_new
+               + n_old * m / n * (self.mean - mean_new) ** 2) / (n - 1)
+        scale = _safe_sd(np.sqrt(np.maximum(var, 0.0)))
+        eigvals = self.eigvals
+        if self.basis.shape[1]:
+            a = self.scale / scale
+            old_var = self.eigvals * ((a[:, None] * self.basis) ** 2).sum(0)
+            old_mean = ((self.mean - mean) / scale) @ self.basis
+            p = ((x - mean) / scale) @ self.basis  # [m, k]
+            p_mean = p.mean(0)
+            p_var = p.var(0, ddof=1) if m > 1 else np.zeros_like(p_mean)
+            eigvals = ((n_old - 1) * old_var + (m - 1) * p_var
+                       + n_old * m / n * (old_mean - p_mean) ** 2) / (n - 1)
+            eigvals = np.maximum(eigvals, 1e-12)
+        return Block(self.name, mean, scale, self.basis, eigvals, self.log, self.one_sided)
+
     def stats_of_means(self, xbar: np.ndarray, window: int) -> Dict[str, np.ndarray]:
         """Statistics of window means ``xbar`` ``[M, d]`` (already ``prepare``d)."""
         z = (xbar - self.mean) / self.scale
@@ -304,6 +333,53 @@ class DriftReference:
         thresholds = {st: max(t, owner[st].floor(st, min_shift, w))
                       for st, t in thresholds.items()}
         return cls(w, float(alpha), blocks, thresholds, info)
+
+    def updated(self, vectors: Mapping[str, np.ndarray],
+                good_scores: Optional[np.ndarray] = None, *, n_windows: int = 4000,
+                seed: int = 0) -> "DriftReference":
+        """This reference with new good images pooled in (a model update): ``vectors``
+        (block name -> ``[m, d]`` statistics of the new images), ``good_scores`` the
+        out-of-sample scores of *all* the good images.
+
+        Each layer/input block's mean, spread and principal variances are pooled
+        (:meth:`Block.pooled`); its calibrated thresholds are kept: they were calibrated on
+        the fit's images by leave-window-out, and a reference of more images varies less
+        under a window of good images, so they stay on the safe side (fewer false alarms, not
+        more); a refit calibrates them again. The score block and its threshold are fitted
+        again on ``good_scores`` (as a fit does). ``info`` counts the images and updates."""
+        n_old = int(self.info.get("n_images", 0))
+        missing = sorted(set(self.blocks) - {SCORE_BLOCK} - set(vectors))
+        if missing or n_old < MIN_REFERENCE_IMAGES:
+            raise FitError(f"cannot update the drift reference: statistics of {missing} are "
+                           "missing" if missing else
+                           f"cannot update a drift reference of {n_old} images")
+        blocks = {name: b.pooled(np.asarray(vectors[name]), n_old)
+                  for name, b in self.blocks.items() if name != SCORE_BLOCK}
+        m = next(iter(np.asarray(v).shape[0] for v in vectors.values()))
+        calibrated = dict(self.info.get("calibrated_thresholds") or self.thresholds)
+        thresholds = {st: calibrated[st] for b in blocks.values() for st in b.stat_names}
+        info = {**self.info, "n_images": n_old + m,
+                "updates": int(self.info.get("updates", 0)) + 1,
+                "calibration": f"leave-window-out on the fit's {self.info.get('n_images')} "
+                               "images, kept by the updates"}
+        alpha_score = float(self.info.get("alpha_score", 0.0))
+        if good_scores is not None and len(good_scores) >= 3 and alpha_score > 0:
+            s = np.asarray(good_scores, dtype=np.float64)
+            blocks[SCORE_BLOCK] = Block.fit(SCORE_BLOCK, s[:, None], 0, log=True,
+                                            one_sided=True)
+            thr, how = _score_threshold(blocks[SCORE_BLOCK], s, self.window, alpha_score,
+                                        np.random.default_rng(seed), n_windows)
+            thresholds[f"{SCORE_BLOCK}:shift"] = thr
+            info.update({"n_scores": int(s.size), "score_calibration": how})
+        elif SCORE_BLOCK in self.blocks:  # no new scores: the fit's block as it was
+            blocks[SCORE_BLOCK] = self.blocks[SCORE_BLOCK]
+            thresholds[f"{SCORE_BLOCK}:shift"] = calibrated[f"{SCORE_BLOCK}:shift"]
+        info["calibrated_thresholds"] = dict(thresholds)
+        min_shift = float(self.info.get("min_shift", 0.0))
+        owner = {st: b for b in blocks.values() for st in b.stat_names}
+        thresholds = {st: max(t, owner[st].floor(st, min_shift, self.window))
+                      for st, t in thresholds.items()}
+        return DriftReference(self.window, self.alpha, blocks, thresholds, info)
 
     def block_of(self, stat: str) -> Block:
         return self.blocks[stat.rsplit(":", 1)[0]]

@@ -130,20 +130,36 @@ class OnnxDetector:
             maps.append(heat)
         return np.concatenate(scores), np.concatenate(maps)
 
-    def _load(self, item: Any) -> Tuple[np.ndarray, Tuple[int, int]]:
-        """One image decoded as the eager path does (a huge one at a reduced scale) and
-        preprocessed: ``[3, h, w]`` and the image's own (H, W)."""
+    def preprocess(self, image: np.ndarray) -> np.ndarray:
+        """The network input ``[3, h, w]`` float32 of a decoded canonical image (``[H, W, 3]``
+        float32 in [0, 1], e.g. :func:`~anomaly_hooks.images.decode_reduced`'s): the model's
+        resize, crop and normalisation, as :meth:`predict` applies them."""
+        return self.preprocessor(image)
+
+    def load_image(self, item: Any) -> Tuple[np.ndarray, Tuple[int, int]]:
+        """One image decoded as the eager path does (a huge one at a reduced scale, within the
+        model's ``max_pixels``) and preprocessed (:meth:`preprocess`): ``[3, h, w]`` and the
+        image's own (H, W). Raises :class:`ImageReadError` for an unreadable image."""
         image, size = decode_reduced(item, self.preprocessor.min_source_size, self.max_pixels)
-        return self.preprocessor(image), size
+        return self.preprocess(image), size
 
     def prepare(self, items: Sequence[Any]) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
         """Normalised ``[B, 3, h, w]`` and the (H, W) of each image."""
-        loaded = [self._load(item) for item in items]
+        loaded = [self.load_image(item) for item in items]
         return np.stack([x for x, _ in loaded]), [size for _, size in loaded]
 
-    def _prediction(self, score: float, heat: np.ndarray, size: Tuple[int, int]) -> Prediction:
+    def heatmap(self, heat: np.ndarray, size: Sequence[int]) -> np.ndarray:
+        """A ``[h, w]`` heatmap of the network frame (a row of :meth:`run`'s maps) in an image
+        frame ``size`` (H, W): ``[H, W]`` float32, the parts the crop cut off at the map's
+        minimum -- the heatmap :meth:`predict` returns for an image of that size."""
+        return self.preprocessor.to_original(heat, size, fill=float(heat.min()))
+
+    def prediction(self, score: float, heat: np.ndarray, size: Tuple[int, int]) -> Prediction:
+        """The :class:`Prediction` of one image from its :meth:`run` outputs (its image score
+        and network-frame heatmap) and its own (H, W): heatmap and mask in the image's frame,
+        the verdict counting the anomalous pixels there."""
         thr = self.threshold_
-        heatmap = self.preprocessor.to_original(heat, size, fill=float(heat.min()))
+        heatmap = self.heatmap(heat, size)
         mask = heatmap > thr.value
         verdict = thr.verdict(score, anomalous_pixels=int(mask.sum()))
         return Prediction(**vars(verdict), heatmap=heatmap, mask=mask)
@@ -163,7 +179,7 @@ class OnnxDetector:
         for lo in range(0, len(items), size):
             batch, sizes = self.prepare(items[lo:lo + size])
             scores, maps = self.run(batch)
-            out.extend(self._prediction(float(s), m, sz) for s, m, sz in zip(scores, maps, sizes))
+            out.extend(self.prediction(float(s), m, sz) for s, m, sz in zip(scores, maps, sizes))
         return out[0] if single else out
 
     def decision_function(self, images: Any, *, batch_size: Optional[int] = None
@@ -187,14 +203,14 @@ class OnnxDetector:
             loaded = []
             for i in range(lo, min(lo + size, len(items))):
                 try:
-                    loaded.append(self._load(items[i]))
+                    loaded.append(self.load_image(items[i]))
                     good.append(i)
                 except ImageReadError as exc:
                     results[i] = exc
             if good:
                 scores, maps = self.run(np.stack([x for x, _ in loaded]))
                 for i, s, m, (_, sz) in zip(good, scores, maps, loaded):
-                    results[i] = self._prediction(float(s), m, sz)
+                    results[i] = self.prediction(float(s), m, sz)
             yield from sorted(results.items())
 
     def __repr__(self) -> str:

@@ -27,7 +27,9 @@ class Scorer(ABC):
     Life cycle: ``create`` -> ``begin`` -> ``partial_fit`` (any number of batches) ->
     ``finalize`` -> ``score``; or ``from_state`` for a saved model. A sharded fit (the
     ``distributed`` job) runs ``begin_shard`` -> ``partial_fit`` -> ``partial_state`` on each
-    shard, then ``merge_states`` and ``finalize_merged`` on one fresh scorer.
+    shard, then ``merge_states`` and ``finalize_merged`` on one fresh scorer. An update
+    (:mod:`anomaly_hooks.updating`) merges the model's :meth:`fitted_state` with the new
+    images' state (``begin_update`` -> ``partial_fit`` -> ``partial_state``) the same way.
     """
 
     method: ClassVar[str]
@@ -141,6 +143,31 @@ class Scorer(ABC):
         """Fit this fresh scorer (from :meth:`create`) from a merged state, as :meth:`finalize`
         fits it from its own batches; the fitted tensors live on ``device``."""
         raise _unmergeable(self.method)
+
+    # -- updates on new good images (anomaly_hooks.updating) --------------------------------
+    # An update is a two-shard merge: the fitted model's own state (fitted_state) and the new
+    # images' shard state, merged by merge_states and fitted by finalize_merged on a fresh
+    # scorer, as a sharded fit does.
+    def fitted_state(self) -> Dict[str, Any]:
+        """The fitted model as a mergeable partial state (what :meth:`partial_state` gives
+        for a shard of its training images): ``merge_states([fitted_state(), new])`` then
+        ``finalize_merged`` is the model updated with the new images. Raises
+        :class:`FitError` saying what to do where the model keeps too little for it."""
+        raise FitError(f"a {self.method} model cannot be updated (its fitted state cannot be "
+                       "merged with new images): refit on all the images")
+
+    def training_embeddings(self) -> Optional[torch.Tensor]:
+        """The training images' embeddings ``[n, D, h, w]`` in fit order where the fitted model
+        keeps them (None by default): an update then groups the model's images with the new
+        ones and scores every image out of sample afresh, as a fit on all of them does."""
+        return None
+
+    def begin_update(self, n_model: int, n_new: int) -> None:
+        """Before the :meth:`partial_fit` calls of ``n_new`` new images joining a model fitted
+        on ``n_model`` images (this scorer's state is then merged with the model's
+        :meth:`fitted_state`). By default: a shard of a fit on all ``n_model + n_new``
+        images (:meth:`begin_shard`)."""
+        self.begin_shard(n_model + n_new, n_new)
 
     # -- out-of-sample scores of the training images (threshold.mode=all-images) ----------
     def out_of_sample_unsupported(self) -> Optional[str]:

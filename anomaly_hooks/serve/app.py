@@ -33,7 +33,7 @@ from anomaly_hooks.serve.service import Service, error_text
 from anomaly_hooks.serve.settings import ServeSettings
 
 MULTIPART_SLACK = 64 * 1024  # multipart framing around the image bytes
-ADMIN_BODY_LIMIT = 1 << 20   # a reload body is {"path": ...}
+ADMIN_BODY_LIMIT = 1 << 20   # a reload body is {"path": ...}, a label's {"label", "note"}
 DESCRIPTION = """Visual anomaly detection over HTTP: score images (`/v1/predict`), query the
 results log (`/v1/results`), watch the model and its drift (`/v1/model`, `/v1/drift`).
 
@@ -75,9 +75,10 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
 def body_limits(settings: ServeSettings) -> Callable[[str], int]:
     """The request-body limit of each path (bytes)."""
     def limit_for(path: str) -> int:
-        if path == "/v1/predict/batch":
+        if path == "/v1/predict/batch" or (path.startswith("/v1/models/")
+                                           and path.endswith("/predict/batch")):
             return settings.max_upload_bytes * settings.max_batch_files + MULTIPART_SLACK
-        if path.startswith("/v1/admin/"):
+        if path.startswith(("/v1/admin/", "/v1/results/")):  # a reload or a label: JSON
             return ADMIN_BODY_LIMIT
         return settings.max_upload_bytes + MULTIPART_SLACK
     return limit_for

@@ -12,8 +12,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional, Sequence
 
-from anomaly_hooks.errors import AnomalyHooksError
-from anomaly_hooks.serve.settings import KEEP_CHOICES, RESULTS_FILE, TOKEN_ENV, ServeSettings
+from anomaly_hooks.errors import AnomalyHooksError, ConfigError
+from anomaly_hooks.serve.settings import (
+    KEEP_CHOICES,
+    RESULTS_FILE,
+    TOKEN_ENV,
+    ServeSettings,
+    parse_models,
+)
 
 DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -21,7 +27,11 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--model", required=True, help="model file written by fit")
+    p.add_argument("--model", required=True, action="append", metavar="[NAME=]PATH",
+                   help="model file written by fit, or an .onnx file written by export "
+                   "(served by ONNX Runtime, without PyTorch); repeat as --model NAME=PATH to "
+                   "serve several models (/v1/models/NAME/predict; the first is the default "
+                   "model of the routes without a name)")
     p.add_argument("--host", default=d["host"],
                    help=f"address to bind (default {d['host']}: this machine only)")
     p.add_argument("--port", type=int, default=d["port"], help=f"default {d['port']}")
@@ -30,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"/readyz (default: the {TOKEN_ENV} environment variable; none = no auth, "
                    "and the admin routes are disabled)")
     p.add_argument("--models-dir", help="the folder POST /v1/admin/reload may load model files "
-                   "from (default: the folder of --model)")
+                   "from (default: the folder of --model); given, its model files are versions "
+                   "(GET /v1/models/versions, POST /v1/admin/promote and /v1/admin/rollback)")
     g = p.add_argument_group("batching and limits")
     g.add_argument("--max-batch", type=int, default=d["max_batch"],
                    help=f"images per backbone batch (default {d['max_batch']})")
@@ -71,8 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"raise it or give 0 (no cap) (default {d['max_connections_per_client']})")
     r = p.add_argument_group("results log")
     r.add_argument("--results-dir", default=d["results_dir"],
-                   help="folder of the results log (results.sqlite) and kept pictures "
-                   f"(default {d['results_dir']})")
+                   help="folder of the results log (results.sqlite, unless --results-db) and "
+                   f"kept pictures (default {d['results_dir']})")
+    r.add_argument("--results-db", metavar="URL",
+                   help="keep the results log in this database instead of results.sqlite in "
+                   "--results-dir: postgresql://user@host:5432/dbname (the [postgres] extra; "
+                   "several replicas may share one; give the password in PGPASSWORD or "
+                   "~/.pgpass rather than in the URL) or sqlite:///path; kept pictures still go "
+                   "under --results-dir")
     r.add_argument("--no-results", action="store_true", help="keep no results log")
     r.add_argument("--keep-images", choices=KEEP_CHOICES, default=d["keep_images"],
                    help=f"overlay and mask PNGs kept (default {d['keep_images']})")
@@ -85,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--monitor", default="auto",
                    help="drift monitor factory, module:callable (called with the loaded "
                    "Detector); auto (default): anomaly_hooks.monitor when the model file has a "
-                   "drift reference; none: no monitor")
+                   "drift reference; none: no monitor (an .onnx model runs without one: "
+                   "GET /v1/drift says why)")
     p.add_argument("--no-sighup", action="store_true", help="do not reload the model on SIGHUP")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -110,8 +128,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    values = args.model if isinstance(args.model, list) else [args.model]
+    models = parse_models(values)
     return ServeSettings(
-        model=args.model, host=args.host, port=args.port, device=args.device,
+        model=next(iter(models.values())), models=models, host=args.host, port=args.port,
+        device=args.device,
         token=args.token, models_dir=args.models_dir, max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, decode_workers=args.decode_workers,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_batch_files=args.max_batch_files,
@@ -120,10 +141,18 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
+        results_db=_results_db(args),
         keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
         sighup_reload=not args.no_sighup).validate()
+
+
+def _results_db(args: argparse.Namespace) -> Optional[str]:
+    """``--results-db``; a ConfigError beside ``--no-results`` (they contradict)."""
+    if args.results_db is not None and args.no_results:
+        raise ConfigError("--results-db and --no-results contradict each other: give one")
+    return args.results_db
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings, on_fatal=on_fatal)
     server = build_server(app, settings, args.log_level)
     server_box.append(server)
-    log.info("loading %s; the page will be at http://%s:%d/", settings.model,
+    log.info("loading %s; the page will be at http://%s:%d/",
+             ", ".join(f"{n}={p}" for n, p in (settings.models or {}).items())
+             if len(settings.models or {}) > 1 else settings.model,
              settings.host if ":" not in settings.host else f"[{settings.host}]", settings.port)
     server.run()
     if fatal:
@@ -178,16 +209,20 @@ def _import_multipart() -> None:
 
 def preflight(settings: ServeSettings) -> None:
     """Refuse now, before the server starts, what would stop it later: the model path, the
-    drift-monitor factory, the results log (its folder a file, its file not a database...).
+    drift-monitor factory, the results log (its folder a file, its file not a database, its
+    database server unreachable...).
     Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
     from anomaly_hooks.serve.modelpaths import check_model_file
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-    from anomaly_hooks.serve.results import SQLiteResultStore
+    from anomaly_hooks.serve.results import SQLiteResultStore, open_store
 
-    check_model_file(settings.model)
+    for path in (settings.models or {}).values():
+        check_model_file(path)
     if monitor_enabled(settings.monitor):
         load_factory(settings.monitor)
-    if settings.results_dir:
+    if settings.results_db:
+        open_store(settings.results_db).close()  # reachable, schema created or upgraded
+    elif settings.results_dir:
         SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE).close()
 
 

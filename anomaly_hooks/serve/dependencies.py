@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
-from anomaly_hooks.serve.engine import Engine
+from anomaly_hooks.serve.engine import ModelEngine
 from anomaly_hooks.serve.errors import ServeError
 from anomaly_hooks.serve.results import ResultStore
 from anomaly_hooks.serve.service import Service
 from anomaly_hooks.serve.settings import TOKEN_ENV
+from anomaly_hooks.serve.slots import ModelSlot
 
 
 def get_service(request: Request) -> Service:
@@ -21,12 +22,21 @@ def get_service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
-def serving_engine(service: ServiceDep) -> Engine:
+def serving_engine(service: ServiceDep) -> ModelEngine:
     """The serving model; 503 ``not_ready`` while none is loaded."""
     return service.require_engine()
 
 
-EngineDep = Annotated[Engine, Depends(serving_engine)]
+EngineDep = Annotated[ModelEngine, Depends(serving_engine)]
+
+
+def named_slot(service: ServiceDep, name: Annotated[str, Path(
+        max_length=64, description="the model's name (GET /v1/models)")]) -> ModelSlot:
+    """The model ``name`` of ``/v1/models/{name}/...``; 404 ``not_found`` for another."""
+    return service.slot(name)
+
+
+SlotDep = Annotated[ModelSlot, Depends(named_slot)]
 
 
 def result_store(service: ServiceDep) -> ResultStore:

@@ -1,63 +1,54 @@
-"""One loaded model as the service uses it: the Detector plus its file checksum and identity,
+"""One loaded model as the service uses it: the model plus its file checksum and identity,
 split into the three steps the request path runs in different places:
 
-* :meth:`Engine.prepare` (decode pool): canonical image -> network input ``[3, h, w]``;
-* :meth:`Engine.infer` (the model thread): a stacked batch -> image scores and heatmaps;
-* :meth:`Engine.finish` (decode pool): one image's score and map -> verdict, anomalous-pixel
-  count at full resolution, overlay / mask / thumbnail pictures.
+* :meth:`ModelEngine.prepare` (decode pool): uploaded bytes -> network input ``[3, h, w]``;
+* :meth:`ModelEngine.infer` (the model thread): a stacked batch -> image scores and heatmaps;
+* :meth:`ModelEngine.finish` (decode pool): one image's score and map -> verdict,
+  anomalous-pixel count at full resolution, overlay / mask / thumbnail pictures.
 
-Together they compute exactly what ``Detector.predict`` computes (tested), but the batch is
-formed from concurrent requests. This module is the one place of the service that uses the
-Detector's public stages (``preprocessor``, ``infer``, ``threshold_``); when the library changes,
-only this file needs to follow.
+Together they compute exactly what the model's own ``predict`` computes (tested), but the batch
+is formed from concurrent requests. :class:`ModelEngine` is the interface the service relies on
+(those three steps, :meth:`~ModelEngine.load` with its checks, :meth:`~ModelEngine.warm_up`,
+:meth:`~ModelEngine.info`, the identity); two implementations, chosen by the model file's
+suffix (:func:`engine_class`):
+
+* :class:`~anomaly_hooks.serve.engine_torch.TorchEngine` (``.safetensors``, any other suffix):
+  the PyTorch :class:`~anomaly_hooks.detector.Detector`, with the drift monitor's layer taps;
+* :class:`~anomaly_hooks.serve.engine_onnx.OnnxEngine` (``.onnx``): an exported model on
+  :class:`~anomaly_hooks.runtime.OnnxDetector` (ONNX Runtime, numpy, Pillow): the edge service,
+  which never imports torch.
+
+This module and everything the service imports besides the torch engine are torch-free:
+``import torch`` happens only in :mod:`.engine_torch`, when a PyTorch model is loaded.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 
+from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve import pictures
-from anomaly_hooks.serve.errors import ServeError
-from anomaly_hooks.serve.modelpaths import check_model_extent, check_model_file
+from anomaly_hooks.serve.modelpaths import (  # noqa: F401  (file_sha256: re-exported)
+    _check_cancel,
+    check_model_file,
+    file_sha256,
+    load_cancelled,
+)
 from anomaly_hooks.serve.results import iso_time
 from anomaly_hooks.serve.uploads import decode_upload
+from anomaly_hooks.serve.versions import model_lineage
 
 log = logging.getLogger("anomaly_hooks.serve")
 
-
-def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
-                ) -> str:
-    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
-    set."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            _check_cancel(cancel)
-            block = fh.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_cancelled() -> ServeError:
-    """The error of a model load stopped because the server is shutting down."""
-    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
-                      "stopped")
-
-
-def _check_cancel(cancel: Optional[threading.Event]) -> None:
-    if cancel is not None and cancel.is_set():
-        raise load_cancelled()
+ONNX_SUFFIX = ".onnx"  # an exported model: served by the ONNX engine
 
 
 def _signature(path: Path) -> Tuple[int, int, int]:
@@ -69,7 +60,7 @@ def _signature(path: Path) -> Tuple[int, int, int]:
 class PreparedImage:
     """A decoded upload, ready for a batch (the full-size decoded pixels are already dropped)."""
 
-    tensor: Any                      # [3, h, w] network input
+    tensor: Any                      # [3, h, w] network input (the engine's array type)
     width: int
     height: int
     format: str
@@ -87,8 +78,13 @@ class Outcome:
 
 
 @dataclass
-class Engine:
-    """A loaded, warmed-up model and what identifies it."""
+class ModelEngine:
+    """A loaded, warmed-up model and what identifies it (the interface of the service's model;
+    subclasses fill in the model-specific steps).
+
+    ``detector`` is the implementation's model object; the service reads only what this class
+    offers (its ``threshold_`` and ``preprocessor``, which both detectors have, are read here
+    and by the drift seam)."""
 
     detector: Any
     path: str
@@ -96,38 +92,58 @@ class Engine:
     file_bytes: int
     load_seconds: float
     loaded_at: float = field(default_factory=time.time)
+    #: the summary of the ``lineage`` its file's metadata records (the updates it went
+    #: through; :func:`~.versions.lineage_summary`), None for a model without one
+    lineage: Optional[Dict[str, Any]] = None
+
+    kind: ClassVar[str] = "?"
+    #: None when the engine feeds a drift monitor; else why it cannot (``/v1/drift`` says it)
+    drift_unavailable: ClassVar[Optional[str]] = None
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str, device: Optional[str] = None, warmup: bool = True,
-             cancel: Optional[threading.Event] = None) -> "Engine":
+             cancel: Optional[threading.Event] = None) -> "ModelEngine":
         """Read, verify and warm up a model file (raises the library's errors when refused).
 
         What can be refused cheaply is, before the file's data is read: a path that is not a
-        regular file (stat), a file whose size is not what its header declares (the header
-        alone). ``cancel``: when set (the server is stopping), the load stops with a 503
+        regular file (stat), and whatever :meth:`check_file` refuses from the file's size and
+        header. ``cancel``: when set (the server is stopping), the load stops with a 503
         ``shutting_down`` :class:`ServeError` between steps and within the hashing."""
-        from anomaly_hooks.detector import Detector
-        from anomaly_hooks.errors import ModelFileError
-
         start = time.perf_counter()
         p = Path(path)
         check_model_file(p)
         before = _signature(p)
-        check_model_extent(p)
+        cls.check_file(p)
         sha = file_sha256(p, cancel=cancel)
         _check_cancel(cancel)
-        det = Detector.load(p, device=device)
+        det = cls.open_detector(p, device)
         _check_cancel(cancel)
+        lineage = model_lineage(str(p))
         if _signature(p) != before:
             raise ModelFileError(f"{p}: the file changed while it was being loaded; try again "
                                  "once it is completely written (write to a temporary name, "
                                  "then rename)")
-        engine = cls(det, str(p), sha, before[1], 0.0)
+        engine = cls(det, str(p), sha, before[1], 0.0, lineage=lineage)
         if warmup:
             engine.warm_up()
         engine.load_seconds = time.perf_counter() - start
         return engine
+
+    @classmethod
+    def check_file(cls, path: Path) -> None:
+        """Refuse, from the file's size and header alone, what cannot be this kind of model
+        (a regular file: checked before). Default: nothing more."""
+
+    @classmethod
+    def open_detector(cls, path: Path, device: Optional[str]) -> Any:
+        """The verified model object of ``path`` on ``device`` (raises the library's errors)."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_process(cls) -> None:
+        """Called once on the main thread when the service starts, before any model loads
+        on a worker thread. Default: nothing."""
 
     def warm_up(self) -> None:
         """One untimed pass through every step (decode, inference, overlay and thumbnail), so
@@ -142,8 +158,17 @@ class Engine:
 
     # -- identity --------------------------------------------------------------------------
     @property
+    def method(self) -> str:
+        """The model's method (``patchcore``, ``padim``)."""
+        raise NotImplementedError
+
+    @property
+    def backbone_name(self) -> str:
+        raise NotImplementedError
+
+    @property
     def model_id(self) -> str:
-        return f"{self.detector.cfg.method}-{self.sha256[:12]}"
+        return f"{self.method}-{self.sha256[:12]}"
 
     @property
     def threshold(self) -> float:
@@ -154,59 +179,57 @@ class Engine:
         return tuple(self.detector.preprocessor.input_size)  # type: ignore[return-value]
 
     def info(self) -> Dict[str, Any]:
-        """What GET /v1/model shows."""
-        from anomaly_hooks.config import to_container
+        """What GET /v1/model shows (the fields of :class:`.schemas.ModelInfo`)."""
+        raise NotImplementedError
 
-        det = self.detector
-        thr = det.threshold_
-        cfg = to_container(det.cfg)
-        return {
-            "model_id": self.model_id,
-            "path": self.path,
-            "file_sha256": self.sha256,
-            "file_bytes": self.file_bytes,
-            "loaded_at": iso_time(self.loaded_at),
-            "load_seconds": round(self.load_seconds, 3),
-            "method": cfg["method"],
-            "backbone": {"name": det.backbone_name,
-                         "weights": cfg.get("backbone", {}).get("weights"),
-                         "class": type(det.extractor.model).__name__},
-            "layers": list(det.layers),
-            "layer_info": [vars(i) for i in det.layer_info],
-            "input_size": list(self.input_size),
-            "preprocess": det.preprocessor.as_dict(),
-            "threshold": thr.as_dict(),
-            "fitted_on": int(det.fit_info_.get("n_train", 0)),
-            "fit": {k: v for k, v in det.fit_info_.items() if k != "skipped"},
-            "device": str(det.device),
-            "config": cfg,
-        }
+    def _file_info(self) -> Dict[str, Any]:
+        """The part of :meth:`info` every engine shows alike."""
+        return {"model_id": self.model_id, "path": self.path, "file_sha256": self.sha256,
+                "file_bytes": self.file_bytes, "loaded_at": iso_time(self.loaded_at),
+                "load_seconds": round(self.load_seconds, 3), "engine": self.kind,
+                "drift_unavailable": self.drift_unavailable, "lineage": self.lineage}
+
+    # -- the model-specific parts of the three steps ---------------------------------------
+    def network_input(self, canonical: np.ndarray) -> Any:
+        """``[H, W, 3]`` float32 canonical image -> the network input ``[3, h, w]``."""
+        raise NotImplementedError
+
+    def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
+        """``[h', w', 3]`` uint8 copy of a canonical image, long side <= ``max_side``."""
+        return pictures.preview(canonical, max_side)
+
+    def stack(self, tensors: List[Any]) -> Any:
+        """Network inputs -> one ``[B, 3, h, w]`` batch (also what a drift monitor sees)."""
+        raise NotImplementedError
+
+    def heat_to_frame(self, heat: Any, size: Tuple[int, int], fill: float) -> np.ndarray:
+        """A ``[h, w]`` heatmap of the network frame -> ``[H, W]`` float32 in the image's
+        frame ``size`` (the preprocessing's way back; parts the crop cut off get ``fill``)."""
+        raise NotImplementedError
 
     # -- the three steps -------------------------------------------------------------------
     def prepare(self, data: bytes, max_pixels: int, overlay_max_side: int) -> PreparedImage:
-        """Decode uploaded bytes (the library's reader, as ``Detector.predict`` reads them) and
+        """Decode uploaded bytes (the library's reader, as ``predict`` reads them) and
         preprocess them (runs in the decode pool)."""
         pre = self.detector.preprocessor
         canonical, (height, width), fmt = decode_upload(data, pre.min_source_size, max_pixels)
-        tensor = pre(canonical)
-        prev = pictures.preview(canonical, overlay_max_side)
+        tensor = self.network_input(canonical)
+        prev = self.preview(canonical, overlay_max_side)
         del canonical
         return PreparedImage(tensor, width, height, fmt, prev)
 
     def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
               ) -> Tuple[np.ndarray, Any]:
-        """Image scores ``[B]`` and heatmaps ``[B, h, w]`` of network inputs (the model thread).
+        """Image scores ``[B]`` float64 and heatmaps ``[B, h, w]`` of network inputs (the
+        model thread).
 
         Args:
             features: if given, receives each tapped layer's per-image channel means
-                ``[B, C_l]`` float32, read by the same forward hooks that feed the scorer (for
-                a drift monitor; no second forward pass).
+                ``[B, C_l]`` float32, read in the scoring pass (for a drift monitor; no second
+                forward pass). An engine that cannot (:attr:`drift_unavailable`) leaves it
+                empty.
         """
-        import torch
-
-        batch = torch.stack(tensors)
-        scores, maps = self.detector.infer(batch.to(self.detector.device), taps=features)
-        return scores.numpy().astype(np.float64), maps.float().cpu()
+        raise NotImplementedError
 
     def finish(self, score: float, heat: Any, item: PreparedImage, *, overlay: bool,
                keep_anomalous: bool, thumb_side: int) -> Outcome:
@@ -218,12 +241,10 @@ class Engine:
             keep_anomalous: render them when the image is anomalous.
             thumb_side: long side of the thumbnail (0 = none).
         """
-        det = self.detector
-        thr = det.threshold_
-        pre = det.preprocessor
+        thr = self.detector.threshold_
         fill = float(heat.min())
-        # the full-resolution map, as Detector.predict computes it, only for the pixel count
-        full = pre.to_original(heat, (item.height, item.width), fill=fill)
+        # the full-resolution map, as predict computes it, only for the pixel count
+        full = self.heat_to_frame(heat, (item.height, item.width), fill)
         anomalous_pixels = int((full > thr.value).sum())
         del full
         out = Outcome(thr.verdict(score, anomalous_pixels))
@@ -235,25 +256,48 @@ class Engine:
 
             vmax = max(2 * thr.value, float(heat.max()))
             if overlay or (keep_anomalous and anomalous):
-                small = pre.to_original(heat, prev.shape[:2], fill=fill).numpy()
+                small = self.heat_to_frame(heat, prev.shape[:2], fill)
                 mask = small > thr.value
                 picture = blend(prev, colorize(small, 0.0, vmax), mask=mask)
                 out.overlay_png = pictures.png_bytes(picture)
                 out.mask_png = pictures.png_bytes(mask)
             if thumb_side:
                 th, tw = pictures.fit_size(prev.shape[0], prev.shape[1], thumb_side)
-                small = pre.to_original(heat, (th, tw), fill=fill).numpy()
-                base = prev if (th, tw) == prev.shape[:2] else pictures.preview(
-                    _chw(prev), thumb_side)
+                small = self.heat_to_frame(heat, (th, tw), fill)
+                base = prev if (th, tw) == prev.shape[:2] else self.preview(
+                    prev.astype(np.float32) / np.float32(255.0), thumb_side)
                 out.thumb_jpg = pictures.jpeg_bytes(
                     blend(base, colorize(small, 0.0, vmax), mask=small > thr.value), thumb_side)
         return out
 
 
-def _chw(arr: np.ndarray):
-    import torch
+def engine_class(path: Any) -> Type[ModelEngine]:
+    """The engine for a model file, by its suffix: ``.onnx`` -> the ONNX engine (no torch),
+    anything else -> the PyTorch engine (a :class:`ModelFileError` saying what to do where
+    torch cannot be imported)."""
+    if str(path).lower().endswith(ONNX_SUFFIX):
+        from anomaly_hooks.serve.engine_onnx import OnnxEngine
 
-    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
+        return OnnxEngine
+    try:
+        from anomaly_hooks.serve.engine_torch import TorchEngine
+    except ImportError as exc:  # an edge install: no PyTorch
+        raise ModelFileError(
+            f"{path}: a PyTorch model file, but PyTorch cannot be imported here ({exc}); "
+            "export the model (anomaly-hooks export, where it was fitted) and serve the "
+            ".onnx file, or install the full package") from None
+    return TorchEngine
 
 
+def load_engine(path: str, device: Optional[str] = None, warmup: bool = True,
+                cancel: Optional[threading.Event] = None) -> ModelEngine:
+    """:meth:`ModelEngine.load` of the engine :func:`engine_class` picks for ``path``."""
+    return engine_class(path).load(path, device, warmup=warmup, cancel=cancel)
 
+
+def __getattr__(name: str) -> Any:  # PEP 562: the PyTorch engine only when asked for
+    if name == "Engine":  # its name from before the ONNX engine
+        from anomaly_hooks.serve.engine_torch import TorchEngine
+
+        return TorchEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

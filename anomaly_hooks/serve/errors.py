@@ -21,6 +21,10 @@ CODES = (
     (404, "not_found", "no such route, result or picture; or the results log is off"),
     (405, "method_not_allowed", "wrong HTTP method for the route"),
     (409, "reload_in_progress", "another model reload is running"),
+    (409, "no_previous_version", "a rollback without an earlier version, or whose file is no "
+     "longer in the models folder"),
+    (409, "drift_unavailable", "the serving model cannot feed the drift monitor asked for (an "
+     "ONNX export); the message says why"),
     (413, "payload_too_large", "the upload (or request body) exceeds the byte limit"),
     (413, "too_many_pixels", "the image exceeds the pixel limit (decompression-bomb guard)"),
     (413, "too_many_images", "more images in one batch request than allowed"),
@@ -29,6 +33,7 @@ CODES = (
     (422, "invalid_parameter", "a path, query, form or body parameter is invalid"),
     (422, "reload_failed", "the new model file was refused; the old model keeps serving"),
     (500, "internal_error", "a fault of the server, never of the input"),
+    (501, "not_implemented", "the results store of this server keeps no labels"),
     (503, "not_ready", "the model is not loaded (yet); Retry-After"),
     (503, "overloaded", "the bounded queue is full; Retry-After"),
     (503, "timeout", "the request took longer than the request timeout; Retry-After"),

@@ -1,8 +1,12 @@
-"""Prometheus metrics of the service (one registry per app, text format at ``GET /metrics``)."""
+"""Prometheus metrics of the service (one registry per app, text format at ``GET /metrics``).
+
+What belongs to one model (predictions, scores, batches, reloads, the model's identity and
+threshold, its drift monitor) carries a ``model`` label: the model's name (``default`` for a
+server of one ``--model PATH``)."""
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,8 +35,12 @@ class _CallbackCollector:
 
 
 class ServiceMetrics:
+    """``engines()``: (model name, its engine or None) of each model; ``drift_statuses()``:
+    (model name, its drift monitor's status or None) of each model."""
+
     def __init__(self, *, queue_depth: Callable[[], float], in_flight: Callable[[], float],
-                 engine: Callable[[], Any], drift_status: Callable[[], Optional[dict]],
+                 engines: Callable[[], Iterable[Tuple[str, Any]]],
+                 drift_statuses: Callable[[], Iterable[Tuple[str, Optional[dict]]]],
                  connections: Optional[Callable[[], Dict[str, int]]] = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("anomaly_hooks_http_requests_total",
@@ -42,20 +50,21 @@ class ServiceMetrics:
                                  "HTTP request latency by endpoint", ["endpoint"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.predictions = Counter("anomaly_hooks_predictions_total",
-                                   "images scored, by verdict", ["verdict"], registry=r)
+                                   "images scored, by model and verdict", ["model", "verdict"],
+                                   registry=r)
         self.rejected = Counter("anomaly_hooks_rejected_images_total",
                                 "uploads refused, by error code", ["code"], registry=r)
         self.scores = Histogram("anomaly_hooks_normalized_score",
-                                "normalized scores (0.5 = at the threshold)",
+                                "normalized scores (0.5 = at the threshold)", ["model"],
                                 buckets=SCORE_BUCKETS, registry=r)
         self.anomalous_rate = Gauge("anomaly_hooks_anomalous_rate",
-                                    f"fraction anomalous among the last {RATE_WINDOW} images",
-                                    registry=r)
+                                    f"fraction anomalous among the model's last {RATE_WINDOW} "
+                                    "images", ["model"], registry=r)
         self.batch_size = Histogram("anomaly_hooks_batch_size", "images per inference batch",
-                                    buckets=BATCH_BUCKETS, registry=r)
+                                    ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_seconds = Histogram("anomaly_hooks_batch_duration_seconds",
-                                       "inference time per batch", buckets=LATENCY_BUCKETS,
-                                       registry=r)
+                                       "inference time per batch", ["model"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("anomaly_hooks_queue_depth",
                                  "images waiting for an inference batch", registry=r)
         self.queue_depth.set_function(queue_depth)
@@ -63,26 +72,30 @@ class ServiceMetrics:
                                "images anywhere in the request path (admission count)",
                                registry=r)
         self.in_flight.set_function(in_flight)
-        self.reloads = Counter("anomaly_hooks_model_reloads_total", "model reloads by result",
-                               ["result"], registry=r)
+        self.reloads = Counter("anomaly_hooks_model_reloads_total",
+                               "model reloads by model and result", ["model", "result"],
+                               registry=r)
         self.log_errors = Counter("anomaly_hooks_results_log_errors_total",
                                   "results-log writes that failed", registry=r)
         self.drift_dropped = Counter("anomaly_hooks_drift_batches_dropped_total",
                                      "batches the drift monitor was too busy to observe",
                                      registry=r)
-        self._recent = collections.deque(maxlen=RATE_WINDOW)
-        self._engine = engine
-        self._drift = drift_status
+        self._recent: Dict[str, Any] = collections.defaultdict(
+            lambda: collections.deque(maxlen=RATE_WINDOW))
+        self._engines = engines
+        self._drift = drift_statuses
         r.register(_CallbackCollector(self._collect_model))
         r.register(_CallbackCollector(self._collect_drift))
         self._connections = connections
         r.register(_CallbackCollector(self._collect_connections))
 
-    def observe_prediction(self, normalized_score: float, is_anomalous: bool) -> None:
-        self.predictions.labels("anomalous" if is_anomalous else "normal").inc()
-        self.scores.observe(normalized_score)
-        self._recent.append(1.0 if is_anomalous else 0.0)
-        self.anomalous_rate.set(sum(self._recent) / len(self._recent))
+    def observe_prediction(self, model: str, normalized_score: float, is_anomalous: bool
+                           ) -> None:
+        self.predictions.labels(model, "anomalous" if is_anomalous else "normal").inc()
+        self.scores.labels(model).observe(normalized_score)
+        recent = self._recent[model]
+        recent.append(1.0 if is_anomalous else 0.0)
+        self.anomalous_rate.labels(model).set(sum(recent) / len(recent))
 
     def _collect_connections(self):
         """Open and waiting connections; those the server closed, by reason (a real server
@@ -104,36 +117,42 @@ class ServiceMetrics:
         yield closed
 
     def _collect_model(self):
-        engine = self._engine()
-        ready = GaugeMetricFamily("anomaly_hooks_model_ready", "1 when a model is loaded and warm")
-        ready.add_metric([], 1.0 if engine is not None else 0.0)
+        engines = list(self._engines())
+        ready = GaugeMetricFamily("anomaly_hooks_model_ready", "1 when the model is loaded and "
+                                  "warm", labels=["model"])
+        info = GaugeMetricFamily("anomaly_hooks_model_info", "the model being served",
+                                 labels=["model", "model_id", "method", "backbone", "sha256",
+                                         "engine"])
+        thr = GaugeMetricFamily("anomaly_hooks_model_threshold", "raw score threshold",
+                                labels=["model"])
+        for name, engine in engines:
+            ready.add_metric([name], 1.0 if engine is not None else 0.0)
+            if engine is not None:
+                info.add_metric([name, engine.model_id, engine.method, engine.backbone_name,
+                                 engine.sha256, engine.kind], 1.0)
+                thr.add_metric([name], engine.threshold)
         yield ready
-        if engine is not None:
-            info = GaugeMetricFamily("anomaly_hooks_model_info", "the model being served",
-                                     labels=["model_id", "method", "backbone", "sha256"])
-            det = engine.detector
-            info.add_metric([engine.model_id, str(det.cfg.method), str(det.backbone_name),
-                             engine.sha256], 1.0)
-            yield info
-            thr = GaugeMetricFamily("anomaly_hooks_model_threshold", "raw score threshold")
-            thr.add_metric([], engine.threshold)
-            yield thr
+        yield info
+        yield thr
 
     def _collect_drift(self):
-        status = self._drift()
-        enabled = GaugeMetricFamily("anomaly_hooks_drift_enabled", "1 when a drift monitor runs")
-        enabled.add_metric([], 1.0 if status is not None else 0.0)
-        yield enabled
-        if status is None:
-            return
+        statuses = list(self._drift())
+        enabled = GaugeMetricFamily("anomaly_hooks_drift_enabled", "1 when a drift monitor runs",
+                                    labels=["model"])
         values = GaugeMetricFamily("anomaly_hooks_drift",
                                    "numeric fields of the drift monitor's status()",
-                                   labels=["key"])
-        for key, value in numeric_leaves({k: v for k, v in status.items() if k != "enabled"}):
-            values.add_metric([key], value)
+                                   labels=["model", "key"])
+        state = GaugeMetricFamily("anomaly_hooks_drift_state", "drift monitor state",
+                                  labels=["model", "state"])
+        for name, status in statuses:
+            enabled.add_metric([name], 1.0 if status is not None else 0.0)
+            if status is None:
+                continue
+            for key, value in numeric_leaves({k: v for k, v in status.items()
+                                              if k != "enabled"}):
+                values.add_metric([name, key], value)
+            if isinstance(status.get("state"), str):
+                state.add_metric([name, status["state"]], 1.0)
+        yield enabled
         yield values
-        if isinstance(status.get("state"), str):
-            state = GaugeMetricFamily("anomaly_hooks_drift_state", "drift monitor state",
-                                      labels=["state"])
-            state.add_metric([status["state"]], 1.0)
-            yield state
+        yield state

@@ -23,7 +23,12 @@ PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect"})
 PAGE_PREFIXES = ("/static/", DOCS_ASSETS + "/")
 API_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/model",
                        "/v1/predict", "/v1/predict/batch", "/v1/results", "/v1/results.csv",
-                       "/v1/drift", "/v1/admin/reload"})
+                       "/v1/drift", "/v1/admin/reload", "/v1/models", "/v1/models/versions",
+                       "/v1/admin/promote", "/v1/admin/rollback"})
+# the routes of one model, /v1/models/{name}/... and /v1/admin/models/{name}/...: labelled by
+# their template (the name is the client's: it never makes a label)
+MODEL_TAILS = ("", "/predict", "/predict/batch", "/drift")
+ADMIN_MODEL_TAILS = ("/reload",)
 
 
 def endpoint_label(path: str) -> str:
@@ -32,6 +37,14 @@ def endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/results/"):
         return "/v1/results/{id}"
+    for prefix, tails in (("/v1/models/", MODEL_TAILS), ("/v1/admin/models/", ADMIN_MODEL_TAILS)):
+        if path.startswith(prefix):
+            rest = path[len(prefix):]
+            name, _, tail = rest.partition("/")
+            tail = "/" + tail if tail else ""
+            if name and tail in tails:
+                return f"{prefix}{{name}}{tail}"
+            return "other"
     if path.startswith("/static/"):
         return "/static"
     if path.startswith(DOCS_ASSETS + "/"):

@@ -11,29 +11,37 @@
 * :func:`inside_folder`: the admin reload route loads files from one folder only (the serving
   model's, or ``--models-dir``); symbolic links and ``..`` are resolved first, so neither can
   lead out of it.
+* :func:`file_sha256`: a model file's checksum as the service computes it (its load, and the
+  versions of ``--models-dir``), stopped when the server is stopping.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
 from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.files import regular_file_problem
 from anomaly_hooks.images import display
-from anomaly_hooks.modelfile import check_model_path
 from anomaly_hooks.serve.errors import ServeError
 
 
 def check_model_file(path: str | os.PathLike) -> None:
     """Raise :class:`ModelFileError` saying what ``path`` is unless it is a regular file
-    (:func:`anomaly_hooks.modelfile.check_model_path`: ``os.stat`` only, nothing opened)."""
-    check_model_path(path)
+    (``os.stat`` only, nothing opened; the rule of
+    :func:`anomaly_hooks.modelfile.check_model_path`, without importing torch)."""
+    problem = regular_file_problem(path, "a model file")
+    if problem is not None:
+        raise ModelFileError(f"{display(path)}: {problem}")
 
 
 def check_model_extent(path: str | os.PathLike) -> int:
     """The size of the model file at ``path`` (a regular file: :func:`check_model_file`),
     checked against the end of the tensor data its header declares; raise
-    :class:`ModelFileError` when they differ. Reads the header only."""
+    :class:`ModelFileError` when they differ. Reads the header only (a ``.safetensors`` file:
+    the PyTorch engine's check)."""
     from anomaly_hooks.modelfile import read_header
 
     label = display(path)
@@ -94,3 +102,29 @@ def inside_folder(path: str, folder: str) -> str:
                          "reload loads model files from that folder only (the server's "
                          "--models-dir, by default the folder of the model it started with)")
     return real
+
+
+def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
+                ) -> str:
+    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
+    set."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            _check_cancel(cancel)
+            block = fh.read(chunk)
+            if not block:
+                break
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_cancelled() -> ServeError:
+    """The error of a model load stopped because the server is shutting down."""
+    return ServeError(503, "shutting_down", "the server is shutting down: the model load was "
+                      "stopped")
+
+
+def _check_cancel(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise load_cancelled()

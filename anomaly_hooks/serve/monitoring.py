@@ -41,7 +41,8 @@ class ObservedBatch:
     """What the service shows a monitor after each inference batch.
 
     Attributes:
-        inputs: ``[B, 3, h, w]`` float32 network inputs (normalised with ``mean``/``std``).
+        inputs: ``[B, 3, h, w]`` float32 network inputs (normalised with ``mean``/``std``;
+            a torch tensor from the PyTorch engine, a numpy array from the ONNX one).
         scores: ``[B]`` raw image scores (higher = more anomalous).
         normalized_scores: ``[B]`` in (0, 1), 0.5 at the threshold.
         is_anomalous: ``[B]`` bool verdicts.
@@ -51,7 +52,8 @@ class ObservedBatch:
         timestamp: Unix seconds when the batch finished.
         features: per tapped layer, each image's channel means ``{layer: [B, C_l]}`` float32,
             recorded by the scorer's own forward hooks in the same pass (no second forward);
-            None when the service was built without a monitor.
+            None when the service was built without a monitor; empty from an engine that
+            cannot tap its layers (the ONNX engine).
     """
 
     inputs: Any
@@ -148,10 +150,9 @@ def numeric_leaves(data: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:
 
 def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: float,
                    features: Optional[Dict[str, np.ndarray]] = None) -> ObservedBatch:
-    """The :class:`ObservedBatch` of one inference batch (built on the monitor's thread)."""
-    import torch
-
-    inputs = torch.stack(list(tensors))
+    """The :class:`ObservedBatch` of one inference batch (built on the monitor's thread;
+    ``inputs`` stacked by the engine: a torch tensor, or a numpy array on the ONNX engine)."""
+    inputs = engine.stack(list(tensors))
     thr = engine.detector.threshold_
     pre = engine.detector.preprocessor
     norm = np.array([thr.normalize(float(s)) for s in scores])

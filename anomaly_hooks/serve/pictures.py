@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Tuple
+from typing import Tuple
 
 import numpy as np
 from PIL import Image
@@ -17,18 +17,18 @@ def fit_size(height: int, width: int, max_side: int) -> Tuple[int, int]:
     return max(1, int(round(height * s))), max(1, int(round(width * s)))
 
 
-def preview(image: Any, max_side: int) -> np.ndarray:
-    """``[H, W, 3]`` uint8 copy of a canonical ``[3, H, W]`` tensor, long side <= max_side."""
-    import torch
-    import torch.nn.functional as F
+def preview(image: np.ndarray, max_side: int) -> np.ndarray:
+    """``[H, W, 3]`` uint8 copy of a canonical ``[H, W, 3]`` float32 image in [0, 1], long side
+    <= ``max_side`` (antialiased bilinear: Pillow's filter, the Preprocessor's rule; numpy and
+    Pillow only)."""
+    from anomaly_hooks.runtime.preprocess import resize_aa
 
-    h, w = fit_size(image.shape[1], image.shape[2], max_side)
-    x = image
-    if (h, w) != tuple(image.shape[1:]):
-        x = F.interpolate(image[None], size=(h, w), mode="bilinear", align_corners=False,
-                          antialias=True)[0]
-    x = (x.clamp(0, 1) * 255 + 0.5).to(torch.uint8)
-    return x.permute(1, 2, 0).contiguous().numpy()
+    h, w = fit_size(image.shape[0], image.shape[1], max_side)
+    if (h, w) != tuple(image.shape[:2]):
+        x = resize_aa(np.asarray(image, dtype=np.float32), (h, w), "pillow").transpose(1, 2, 0)
+    else:
+        x = np.asarray(image, dtype=np.float32)
+    return np.ascontiguousarray(np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
 def png_bytes(array: np.ndarray) -> bytes:

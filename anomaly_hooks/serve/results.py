@@ -4,7 +4,9 @@
   :class:`SQLiteResultStore` implements it on an embedded SQLite database in WAL mode with
   ``synchronous=FULL``: a record is on disk when :meth:`ResultStore.add` returns, and the service
   answers a request only after that, so a ``kill -9`` (or a power cut) loses nothing that was
-  acknowledged. A server database (PostgreSQL, ...) plugs in by implementing the same six methods.
+  acknowledged. :class:`~anomaly_hooks.serve.pgstore.PostgresResultStore` (the ``[postgres]``
+  extra) keeps it on a PostgreSQL server that several replicas share; another database plugs in
+  by implementing the same six methods.
 * :class:`ImageFiles` keeps the overlay / mask / thumbnail PNGs and JPEGs under a folder; the
   records hold their paths relative to it.
 * :class:`Recorder` is the group commit: request handlers hand their record to one writer
@@ -28,7 +30,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.outputs import csv_cell
@@ -46,6 +48,7 @@ class Record:
     verdict: Verdict
     model_id: str
     model_checksum: str
+    model_name: Optional[str] = None     # the server's name of the model (None: before names)
     part_id: Optional[str] = None
     source: Optional[str] = None
     width: Optional[int] = None
@@ -54,6 +57,10 @@ class Record:
     mask_path: Optional[str] = None
     thumb_path: Optional[str] = None
     latency_ms: Optional[float] = None
+    label: Optional[str] = None          # the operator's label: good, defect, or None (none)
+    label_note: Optional[str] = None
+    label_by: Optional[str] = None       # who set it (a token's fingerprint)
+    label_at: Optional[float] = None     # when (Unix seconds)
     id: Optional[int] = None
 
     def flat(self) -> Dict[str, Any]:
@@ -75,7 +82,8 @@ class Record:
         out = self.flat()
         for kind in PICTURES:
             del out[f"{kind}_path"]
-        return {**out, "time_iso": iso_time_or_none(self.time), **self.picture_urls()}
+        return {**out, "time_iso": iso_time_or_none(self.time),
+                "label_at_iso": iso_time_or_none(self.label_at), **self.picture_urls()}
 
 
 # the other fields, then the verdict's: the SQL columns (the table's names, in any order)
@@ -84,8 +92,12 @@ COLUMNS = META_COLUMNS + VERDICT_FIELDS
 PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
-               "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id"]
-# ids are SQLite INTEGERs (signed 64-bit): a larger id can name no record
+               "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id",
+               "label", "label_note", "label_by", "label_at_iso", "model_name"]
+LABELS = ("good", "defect")             # what an operator may say of a result
+LABEL_FILTERS = LABELS + ("none",)      # query(label=...): none = not labelled
+NOTE_MAX = 500                          # characters of a label's note
+# ids are SQLite INTEGERs / PostgreSQL BIGINTs (signed 64-bit): a larger id can name no record
 MAX_ID = 2**63 - 1
 
 
@@ -120,8 +132,12 @@ class ResultStore(abc.ABC):
     @abc.abstractmethod
     def query(self, *, since: Optional[float] = None, until: Optional[float] = None,
               anomalous: Optional[bool] = None, part_id: Optional[str] = None,
-              before_id: Optional[int] = None, limit: int = 100) -> List[Record]:
-        """Newest first: records with ``since <= time < until``, id < before_id (paging)."""
+              before_id: Optional[int] = None, limit: int = 100,
+              label: Optional[str] = None, model: Optional[str] = None) -> List[Record]:
+        """Newest first: records with ``since <= time < until``, id < before_id (paging);
+        ``label``: good, defect, or none (not labelled); ValueError for another; ``model``:
+        the records of the model of that name only (the caller passes it only when it
+        filters by model: a store written before model names need not take it)."""
 
     @abc.abstractmethod
     def get(self, record_id: int) -> Optional[Record]:
@@ -136,6 +152,16 @@ class ResultStore(abc.ABC):
               now: Optional[float] = None) -> List[Record]:
         """Delete records older than ``max_age_s`` and all but the newest ``max_count``;
         return the deleted records (so that their pictures can be removed)."""
+
+    def set_label(self, record_id: int, label: str, note: Optional[str] = None,
+                  by: Optional[str] = None, *, now: Optional[float] = None
+                  ) -> Optional[Record]:
+        """Set (or replace) a record's operator label (:data:`LABELS`), with an optional note
+        of at most :data:`NOTE_MAX` characters, who set it and when (``now``, default the
+        current time); the labelled record, or None where there is no such record.
+        ValueError for another label or a longer note. A store that keeps no labels (a
+        plug-in written before them) raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no labels")
 
     def close(self) -> None:  # noqa: B027 (optional: nothing to release by default)
         """Release resources."""
@@ -157,6 +183,56 @@ class ResultStore(abc.ABC):
                 return
 
 
+def query_filters(*, since: Optional[float] = None, until: Optional[float] = None,
+                  anomalous: Optional[bool] = None, part_id: Optional[str] = None,
+                  before_id: Optional[int] = None, label: Optional[str] = None,
+                  model: Optional[str] = None) -> Tuple[List[str], List[Any]]:
+    """The SQL conditions of :meth:`ResultStore.query`'s filters (each with at most one ``?``
+    placeholder) and their values, in order: every store applies the same filters.
+    ValueError for a label filter other than :data:`LABEL_FILTERS`."""
+    clauses: List[str] = []
+    args: List[Any] = []
+    if label is not None:
+        if label not in LABEL_FILTERS:
+            raise ValueError(f"label filter must be one of {', '.join(LABEL_FILTERS)}, not "
+                             f"{label!r}")
+        if label == "none":
+            clauses.append("label IS NULL")
+        else:
+            clauses.append("label = ?")
+            args.append(label)
+    if since is not None:
+        clauses.append("time >= ?")
+        args.append(float(since))
+    if until is not None:
+        clauses.append("time < ?")
+        args.append(float(until))
+    if anomalous is not None:
+        clauses.append("is_anomalous = ?")
+        args.append(bool(anomalous))
+    if part_id is not None:
+        clauses.append("part_id = ?")
+        args.append(part_id)
+    if model is not None:
+        clauses.append("model_name = ?")
+        args.append(model)
+    if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
+        clauses.append("id < ?")
+        args.append(int(before_id))
+    return clauses, args
+
+
+def check_label(label: Any, note: Any, by: Any) -> None:
+    """ValueError unless ``label`` is one of :data:`LABELS`, ``note`` None or a text of at most
+    :data:`NOTE_MAX` characters and ``by`` None or a text (what every store checks)."""
+    if label not in LABELS:
+        raise ValueError(f"label must be one of {', '.join(LABELS)}, not {label!r}")
+    if note is not None and (not isinstance(note, str) or len(note) > NOTE_MAX):
+        raise ValueError(f"a label's note must be a text of at most {NOTE_MAX} characters")
+    if by is not None and not isinstance(by, str):
+        raise ValueError(f"a label's author must be a text, not {type(by).__name__}")
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -168,6 +244,7 @@ CREATE TABLE IF NOT EXISTS results (
     threshold REAL NOT NULL,
     model_id TEXT NOT NULL,
     model_checksum TEXT NOT NULL,
+    model_name TEXT,
     part_id TEXT,
     source TEXT,
     anomalous_pixels INTEGER,
@@ -176,13 +253,23 @@ CREATE TABLE IF NOT EXISTS results (
     overlay_path TEXT,
     mask_path TEXT,
     thumb_path TEXT,
-    latency_ms REAL
+    latency_ms REAL,
+    label TEXT,
+    label_note TEXT,
+    label_by TEXT,
+    label_at REAL
 );
 CREATE INDEX IF NOT EXISTS results_time ON results (time);
 CREATE INDEX IF NOT EXISTS results_anomalous ON results (is_anomalous, id);
 CREATE INDEX IF NOT EXISTS results_part ON results (part_id, id);
 """
-SCHEMA_VERSION = 1
+# version 2: the operator's label; version 3: the model's name (several models in one
+# service). An older log gets the columns it lacks added when it is opened.
+ADDED_COLUMNS = {"label": "TEXT", "label_note": "TEXT", "label_by": "TEXT", "label_at": "REAL",
+                 "model_name": "TEXT"}
+ADDED_INDEXES = ("CREATE INDEX IF NOT EXISTS results_label ON results (label, id)",
+                 "CREATE INDEX IF NOT EXISTS results_model ON results (model_name, id)")
+SCHEMA_VERSION = 3
 
 
 class SQLiteResultStore(ResultStore):
@@ -223,8 +310,22 @@ class SQLiteResultStore(ResultStore):
         version = self._write.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise ConfigError(f"a results log of a newer version ({version})")
-        self._write.executescript(SCHEMA)
-        self._write.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        con = self._write
+        con.execute("BEGIN IMMEDIATE")  # one process migrates; another opening waits
+        try:
+            for statement in filter(str.strip, SCHEMA.split(";")):
+                con.execute(statement)
+            have = {row[1] for row in con.execute("PRAGMA table_info(results)")}
+            for name, kind in ADDED_COLUMNS.items():
+                if name not in have:
+                    con.execute(f"ALTER TABLE results ADD COLUMN {name} {kind}")
+            for index in ADDED_INDEXES:
+                con.execute(index)
+            con.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
@@ -262,39 +363,23 @@ class SQLiteResultStore(ResultStore):
             rec.id = rid
         return ids
 
-    def _where(self, since, until, anomalous, part_id, before_id):
-        clauses, args = [], []
-        if since is not None:
-            clauses.append("time >= ?")
-            args.append(float(since))
-        if until is not None:
-            clauses.append("time < ?")
-            args.append(float(until))
-        if anomalous is not None:
-            clauses.append("is_anomalous = ?")
-            args.append(1 if anomalous else 0)
-        if part_id is not None:
-            clauses.append("part_id = ?")
-            args.append(part_id)
-        if before_id is not None and before_id <= MAX_ID:  # beyond: every id is smaller
-            clauses.append("id < ?")
-            args.append(int(before_id))
-        return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
-
     def query(self, *, since=None, until=None, anomalous=None, part_id=None, before_id=None,
-              limit: int = 100) -> List[Record]:
-        where, args = self._where(since, until, anomalous, part_id, before_id)
+              limit: int = 100, label=None, model=None) -> List[Record]:
+        clauses, args = query_filters(since=since, until=until, anomalous=anomalous,
+                                      part_id=part_id, before_id=before_id, label=label,
+                                      model=model)
+        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
         rows = self._reader().execute(
             f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",
             [*args, min(int(limit), MAX_ID)]).fetchall()
-        return [_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def get(self, record_id: int) -> Optional[Record]:
         if not 0 < record_id <= MAX_ID:  # no such row, and SQLite cannot even bind it
             return None
         row = self._reader().execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
                                      [int(record_id)]).fetchone()
-        return _from_row(row) if row else None
+        return record_from_row(row) if row else None
 
     def count(self) -> int:
         return int(self._reader().execute("SELECT COUNT(*) FROM results").fetchone()[0])
@@ -308,14 +393,14 @@ class SQLiteResultStore(ResultStore):
             try:
                 if max_age_s is not None:
                     cutoff = (time.time() if now is None else now) - float(max_age_s)
-                    removed += [_from_row(r) for r in con.execute(
+                    removed += [record_from_row(r) for r in con.execute(
                         f"SELECT {cols} FROM results WHERE time < ?", [cutoff]).fetchall()]
                     con.execute("DELETE FROM results WHERE time < ?", [cutoff])
                 if max_count is not None:
                     row = con.execute("SELECT id FROM results ORDER BY id DESC LIMIT 1 OFFSET ?",
                                       [int(max_count)]).fetchone()
                     if row is not None:
-                        removed += [_from_row(r) for r in con.execute(
+                        removed += [record_from_row(r) for r in con.execute(
                             f"SELECT {cols} FROM results WHERE id <= ?", [row[0]]).fetchall()]
                         con.execute("DELETE FROM results WHERE id <= ?", [row[0]])
                 con.execute("COMMIT")
@@ -323,6 +408,27 @@ class SQLiteResultStore(ResultStore):
                 con.execute("ROLLBACK")
                 raise
         return removed
+
+    def set_label(self, record_id: int, label: str, note: Optional[str] = None,
+                  by: Optional[str] = None, *, now: Optional[float] = None
+                  ) -> Optional[Record]:
+        check_label(label, note, by)
+        if not 0 < record_id <= MAX_ID:
+            return None
+        at = time.time() if now is None else float(now)
+        with self._lock:
+            con = self._write
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                con.execute("UPDATE results SET label = ?, label_note = ?, label_by = ?, "
+                            "label_at = ? WHERE id = ?", [label, note, by, at, int(record_id)])
+                row = con.execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
+                                  [int(record_id)]).fetchone()
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return record_from_row(row) if row else None
 
     def close(self) -> None:
         with self._lock:
@@ -346,7 +452,7 @@ def _to_row(record: Record) -> List[Any]:
     return [int(v) if isinstance(v, bool) else v for v in (flat[c] for c in COLUMNS)]
 
 
-def _from_row(row: Sequence[Any]) -> Record:
+def record_from_row(row: Sequence[Any]) -> Record:
     """The record of a row ``(id, *COLUMNS)``, each value of its column's type or None (SQLite
     stores what it is given: a row written by hand may hold anything)."""
     data = {name: _ROW_TYPES.get(name, _text)(value)
@@ -383,20 +489,37 @@ def _required_text(value: Any) -> str:
 
 
 _ROW_TYPES = {"id": _integer, "time": _real, "score": _real, "normalized_score": _real,
-              "threshold": _real, "latency_ms": _real, "width": _integer, "height": _integer,
-              "anomalous_pixels": _integer, "is_anomalous": lambda v: bool(_real(v)),
-              "request_id": _required_text, "model_id": _required_text,
-              "model_checksum": _required_text}
+              "threshold": _real, "latency_ms": _real, "label_at": _real, "width": _integer,
+              "height": _integer, "anomalous_pixels": _integer,
+              "is_anomalous": lambda v: bool(_real(v)), "request_id": _required_text,
+              "model_id": _required_text, "model_checksum": _required_text}
 
 
 def open_store(spec: str) -> ResultStore:
-    """A store from a spec: a file path or ``sqlite:///path`` (the only built-in kind)."""
+    """A store from a spec: a file path or ``sqlite:///path`` (SQLite), or a
+    ``postgresql://`` / ``postgres://`` URL (PostgreSQL: the ``[postgres]`` extra)."""
+    check_store_spec(spec)
+    if spec.startswith(("postgresql://", "postgres://")):
+        from anomaly_hooks.serve.pgstore import PostgresResultStore  # psycopg: optional
+
+        return PostgresResultStore(spec)
     if spec.startswith("sqlite:///"):
         return SQLiteResultStore(spec[len("sqlite:///"):])
-    if "://" in spec:
-        raise ConfigError(f"unsupported results store {spec!r}: give a file path or "
-                         "sqlite:///path (other databases: implement ResultStore)")
     return SQLiteResultStore(spec)
+
+
+def check_store_spec(spec: str) -> None:
+    """Refuse (``ConfigError``) a store spec :func:`open_store` cannot open, without opening
+    it; the message never holds the spec's password."""
+    if not spec:
+        raise ConfigError("the results store spec is empty: give a file path, sqlite:///path "
+                          "or postgresql://user@host/db")
+    known = ("sqlite:///", "postgresql://", "postgres://")
+    if "://" in spec and not spec.startswith(known):
+        scheme = spec.split("://", 1)[0]
+        raise ConfigError(f"unsupported results store {scheme}://...: give a file path, "
+                          "sqlite:///path or postgresql://user@host/db (other databases: "
+                          "implement ResultStore)")
 
 
 def csv_lines(records: Iterator[Record]) -> Iterator[str]:
@@ -408,6 +531,7 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     for rec in records:
         row = rec.flat()
         row["time_iso"] = iso_time_or_none(rec.time)
+        row["label_at_iso"] = iso_time_or_none(rec.label_at)
         row["is_anomalous"] = int(rec.verdict.is_anomalous)
         writer.writerow([csv_cell(row[c]) for c in CSV_COLUMNS])  # no formulas
         n += 1

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from anomaly_hooks import prediction
 from anomaly_hooks.serve.errors import CODES
+from anomaly_hooks.serve.results import NOTE_MAX
 
 
 class ErrorBody(BaseModel):
@@ -71,10 +72,12 @@ class Health(BaseModel):
 
 
 class Ready(BaseModel):
-    """A model is loaded and warm."""
+    """Every model is loaded and warm."""
 
     ready: bool
-    model_id: str
+    model_id: str = Field(description="the default model's id")
+    models: Optional[Dict[str, str]] = Field(
+        None, description="on a server of several models: each one's id, by name")
 
 
 # ---- predictions ----------------------------------------------------------------------------
@@ -91,6 +94,8 @@ class ModelRef(BaseModel):
 
     id: str
     sha256: str
+    name: str = Field(description="the server's name of the model (default for a server of "
+                      "one --model PATH)")
 
 
 class Timing(BaseModel):
@@ -157,14 +162,33 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     request_id: str
     model_id: str
     model_checksum: str
+    model_name: Optional[str] = Field(description="the server's name of the model that scored "
+                                      "it (null: recorded before models had names)")
     part_id: Optional[str]
     source: Optional[str]
     width: Optional[int]
     height: Optional[int]
     latency_ms: Optional[float]
+    label: Optional[str] = Field(description="the operator's label: good or defect; null: none")
+    label_note: Optional[str] = Field(description="the operator's note with the label")
+    label_by: Optional[str] = Field(description="who labelled it: token:<fingerprint of the "
+                                    "server's token>")
+    label_at: Optional[float] = Field(description="when it was labelled, Unix seconds (UTC)")
+    label_at_iso: Optional[str]
     overlay_url: Optional[str]
     mask_url: Optional[str]
     thumb_url: Optional[str]
+
+
+class LabelRequest(BaseModel):
+    """An operator's label for a result (``POST /v1/results/{id}/label``): it replaces any
+    earlier one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Literal["good", "defect"] = Field(description="good: not a defect; defect: one")
+    note: Optional[str] = Field(None, max_length=NOTE_MAX,
+                                description=f"why, at most {NOTE_MAX} characters")
 
 
 class ResultPage(BaseModel):
@@ -181,6 +205,7 @@ class ReloadResult(BaseModel):
     """A reload that went through: the new model serves from the next batch on."""
 
     reloaded: bool
+    model: str = Field("default", description="the name of the model reloaded")
     model_id: str
     previous_model_id: Optional[str]
     path: str
@@ -205,6 +230,83 @@ class ReloadRefused(BaseModel):
     serving: Optional[str]
 
 
+class PromoteResult(ReloadResult):
+    """A promote or a rollback that went through: the version serves from the next batch on."""
+
+    version: str = Field(description="the file name of the version now serving")
+    rollbacks: int = Field(description="versions on the rollback stack now")
+
+
+# ---- versions (--models-dir) ----------------------------------------------------------------
+class LineageSummary(BaseModel):
+    """What a model file's ``lineage`` records (the updates it went through, written by
+    ``anomaly-hooks update``), in short."""
+
+    updates: int = Field(description="updates recorded")
+    images_added: int = Field(description="good images the updates added, all together")
+    parent_checksum: Optional[str] = Field(
+        description="the last update's parent: the checksum recorded in the parent model file")
+    labels_used: Optional[int] = Field(
+        description="labelled defective images the last update's threshold used")
+    last_update: Optional[str] = Field(description="when the last update was made (ISO 8601)")
+    parent_version: Optional[str] = Field(
+        None, description="the file of the models folder that is the parent, where there is one")
+
+
+class VersionRef(BaseModel):
+    """A version of the rollback stack."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="its file name in the models folder")
+    checksum: str = Field(description="its SHA-256")
+    until: Optional[str] = Field(None, description="when it stopped serving")
+
+
+class ServingVersion(BaseModel):
+    """The serving model as a version of the models folder."""
+
+    name: str = Field(description="its file name in the models folder (a path outside it)")
+    checksum: str = Field(description="its SHA-256")
+    since: Optional[str] = Field(description="when it was promoted (or first served)")
+    previous: Optional[VersionRef] = Field(description="what a rollback returns to")
+    rollbacks: int = Field(description="versions on the rollback stack")
+
+
+class ModelVersion(BaseModel):
+    """One model file of the models folder."""
+
+    name: str
+    checksum: Optional[str] = Field(
+        description="the file's SHA-256 (as the service computes it when it loads the file); "
+        "null when the file cannot be served as it is (see problem)")
+    size: int = Field(description="bytes")
+    mtime: float = Field(description="modification time, Unix seconds")
+    mtime_iso: str
+    engine: Optional[str] = Field(description="torch (.safetensors) or onnx")
+    method: Optional[str]
+    model_id: Optional[str] = Field(description="the model id it would serve as")
+    content_checksum: Optional[str] = Field(
+        description="the checksum recorded inside the file (what a lineage's parent names)")
+    lineage: Optional[LineageSummary]
+    problem: Optional[str] = Field(
+        description="why the file cannot be served as it is now (incomplete, being written, "
+        "not a model file); null when it looks complete (the loader verifies it on promote)")
+    serving: bool
+
+
+class VersionList(BaseModel):
+    """The model files of the models folder (``--models-dir``), newest first."""
+
+    folder: str
+    serving: Optional[ServingVersion]
+    count: int
+    versions: List[ModelVersion]
+    history: List[VersionRef] = Field(
+        description="the rollback stack, newest first: history[0] is what a rollback "
+        "returns to")
+
+
 class Backbone(BaseModel):
     """The feature extractor."""
 
@@ -223,9 +325,32 @@ class Batching(BaseModel):
     seconds_per_image: float
 
 
+class ModelSummary(BaseModel):
+    """One model of the server."""
+
+    name: str = Field(description="its name in /v1/models/{name}/...")
+    default: bool = Field(description="the model of the routes without a name")
+    ready: bool
+    model_id: Optional[str]
+    file_sha256: Optional[str]
+    path: str = Field(description="the file it serves (or loads)")
+    engine: Optional[str]
+    method: Optional[str]
+    error: Optional[str] = Field(description="why it could not be loaded at start")
+
+
+class ModelList(BaseModel):
+    """The models this server serves (the first is the default one)."""
+
+    count: int
+    default: str
+    models: List[ModelSummary]
+
+
 class ModelInfo(BaseModel):
     """The serving model, and how it is served."""
 
+    name: str = Field("default", description="its name on this server (/v1/models/{name})")
     model_id: str
     path: str
     file_sha256: str
@@ -239,10 +364,22 @@ class ModelInfo(BaseModel):
     input_size: List[int]
     preprocess: Dict[str, Any]
     threshold: Dict[str, Any]
-    fitted_on: int
+    fitted_on: Optional[int] = Field(description="training images (None: an ONNX export, "
+                                     "which does not record it)")
     fit: Dict[str, Any]
-    device: str
-    config: Dict[str, Any]
+    device: str = Field(description="the torch device, or the ONNX Runtime providers")
+    config: Dict[str, Any] = Field(description="the fit's configuration (empty for an ONNX "
+                                   "export)")
+    engine: str = Field("torch", description="torch (a .safetensors model on PyTorch) or onnx "
+                        "(an exported .onnx model on ONNX Runtime, no PyTorch)")
+    drift_unavailable: Optional[str] = Field(
+        None, description="why this model cannot feed a drift monitor (None: it can)")
+    export: Optional[Dict[str, Any]] = Field(
+        None, description="an ONNX model's export record: scorer form, grid, int8, checksums")
+    lineage: Optional[LineageSummary] = Field(
+        None, description="the updates the model file records (null: a model from a fit)")
+    version: Optional[ServingVersion] = Field(
+        None, description="the serving model as a version of --models-dir (null without it)")
     serving: Dict[str, Any] = Field(description="the server's settings (the token as 'set')")
     batching: Batching
     last_reload: Optional[Union[ReloadDone, ReloadRefused]]

@@ -41,14 +41,26 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 
 import numpy as np
 
-from anomaly_hooks.errors import AnomalyHooksError
+from anomaly_hooks.errors import AnomalyHooksError, ModelFileError
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
-from anomaly_hooks.serve.engine import Engine, Outcome, PreparedImage, load_cancelled
+from anomaly_hooks.serve.engine import (
+    ModelEngine,
+    Outcome,
+    PreparedImage,
+    engine_class,
+    load_cancelled,
+    load_engine,
+)
 from anomaly_hooks.serve.errors import ServeError, not_ready
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder
-from anomaly_hooks.serve.monitoring import MonitorRunner, observed_batch, optional_monitor
+from anomaly_hooks.serve.monitoring import (
+    MonitorRunner,
+    monitor_enabled,
+    observed_batch,
+    optional_monitor,
+)
 from anomaly_hooks.serve.results import (
     ImageFiles,
     Record,
@@ -56,8 +68,11 @@ from anomaly_hooks.serve.results import (
     ResultStore,
     SQLiteResultStore,
     iso_time,
+    open_store,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
+from anomaly_hooks.serve.slots import ModelSlot
+from anomaly_hooks.serve.versions import Version, VersionShelf
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -65,23 +80,28 @@ TRIM_INTERVAL_S = 5.0  # at most this often, the free C heap goes back to the sy
 
 
 class Service:
-    """State and logic of one running service (one model, one batcher, one results log)."""
+    """State and logic of one running service: its models (one :class:`.slots.ModelSlot`
+    each: engine, batcher, drift monitor; the first the default model), one results log."""
 
     def __init__(self, settings: ServeSettings, *, monitor: Any = None,
                  store: Optional[ResultStore] = None,
                  on_fatal: Optional[Callable[[str], None]] = None) -> None:
         self.settings = settings
-        self.engine: Optional[Engine] = None
-        self.load_error: Optional[str] = None
-        self.last_reload: Optional[Dict[str, Any]] = None
+        # the models, by name (the first is the default one); a given monitor is the default's
+        self.slots: Dict[str, ModelSlot] = {
+            name: ModelSlot(name, path, default=i == 0, monitor_object=monitor if i == 0 else None)
+            for i, (name, path) in enumerate((settings.models or {"default": settings.model})
+                                             .items())}
+        self.default = next(iter(self.slots.values()))
         self.started = time.time()
         # where POST /v1/admin/reload may load from (fixed at start, symbolic links resolved)
         self.models_dir = os.path.realpath(
             settings.models_dir or os.path.dirname(os.path.abspath(settings.model)))
-        self._monitor_object = monitor
-        # (monitor, the engine whose file built it or None for a given monitor), swapped as one
-        # so that the batch thread never pairs a new monitor with an old model's batch
-        self._monitoring: Tuple[Optional[MonitorRunner], Optional[Engine]] = (None, None)
+        # the model files of --models-dir as versions, and the record of which one serves
+        # (None without --models-dir)
+        self.versions: Optional[VersionShelf] = (
+            VersionShelf(self.models_dir).load() if settings.models_dir else None)
+        self.model_option = os.path.realpath(settings.model)  # --model, as started
         self._store_given = store
         self.store: Optional[ResultStore] = None
         self.files: Optional[ImageFiles] = None
@@ -93,19 +113,48 @@ class Service:
             header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
             max_connections=settings.max_connections,
             max_per_client=settings.max_connections_per_client)
-        self.batcher: Optional[Batcher] = None
         self.metrics = ServiceMetrics(
-            queue_depth=lambda: self.batcher.depth if self.batcher else 0,
+            queue_depth=lambda: sum(sl.batcher.depth for sl in self.slots.values()
+                                    if sl.batcher is not None),
             in_flight=lambda: self.admission.used,
-            engine=lambda: self.engine,
-            drift_status=lambda: self.monitor.status() if self.monitor else None,
+            engines=lambda: [(sl.name, sl.engine) for sl in self.slots.values()],
+            drift_statuses=lambda: [(sl.name, sl.monitor.status() if sl.monitor else None)
+                                    for sl in self.slots.values()],
             connections=self.connections.stats)
-        self._reloading = False
         # set when the server begins to stop: model loads (hashing a big file) stop at once
         self._stopping = threading.Event()
         self._last_trim = 0.0
+        self._load_lock = asyncio.Lock()  # model loads, one at a time (see _load)
         self._tasks: List[asyncio.Task] = []
         self._sighup = False
+
+    # -- the default model (the routes without a model name) -------------------------------
+    @property
+    def engine(self) -> Optional[ModelEngine]:
+        """The default model's engine (None while none is loaded)."""
+        return self.default.engine
+
+    @property
+    def load_error(self) -> Optional[str]:
+        return self.default.load_error
+
+    @property
+    def last_reload(self) -> Optional[Dict[str, Any]]:
+        return self.default.last_reload
+
+    @property
+    def batcher(self) -> Optional[Batcher]:
+        return self.default.batcher
+
+    def slot(self, name: Optional[str] = None) -> ModelSlot:
+        """The model ``name`` (None: the default one); 404 ``not_found`` for another name."""
+        if name is None:
+            return self.default
+        found = self.slots.get(name)
+        if found is None:
+            raise ServeError(404, "not_found", f"no model {name[:100]!r} on this server: it "
+                             f"serves {', '.join(self.slots)} (GET /v1/models)")
+        return found
 
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -121,21 +170,28 @@ class Service:
         """Thread pools, results log and batcher; the model loads in the background."""
         s = self.settings
         self.loop = asyncio.get_running_loop()
-        _init_torch_threads()
+        prepared = set()
+        for sl in self.slots.values():
+            with contextlib.suppress(ModelFileError):  # its load says it again, as fatal
+                kind = engine_class(sl.path)
+                if kind not in prepared:
+                    kind.prepare_process()
+                    prepared.add(kind)
         self.pool = ThreadPoolExecutor(s.decode_workers, thread_name_prefix="decode")
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.aux = ThreadPoolExecutor(2, thread_name_prefix="aux")
-        if self._store_given is not None or s.results_dir:
-            root = Path(s.results_dir or ".")
-            self.store = self._store_given or SQLiteResultStore(root / RESULTS_FILE)
-            self.files = ImageFiles(root) if s.results_dir else None
+        if self._store_given is not None or s.keeps_results:
+            self.store = self._store_given or self._open_store()
+            self.files = ImageFiles(s.results_dir) if s.results_dir else None
             self.recorder = Recorder(self.store)
         wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
-        self.batcher = Batcher(max_batch=s.max_batch, max_wait_s=wait_s,
-                               max_queue=s.max_queue, executor=self.model_thread,
-                               on_batch=self._on_batch)
-        self.batcher.start()
-        self._tasks.append(self.loop.create_task(self._initial_load(), name="model-load"))
+        for sl in self.slots.values():  # one batcher per model, one model thread for all
+            sl.batcher = Batcher(max_batch=s.max_batch, max_wait_s=wait_s,
+                                 max_queue=s.max_queue, executor=self.model_thread,
+                                 on_batch=functools.partial(self._on_batch, sl))
+            sl.batcher.start()
+            self._tasks.append(self.loop.create_task(self._initial_load(sl),
+                                                     name=f"model-load-{sl.name}"))
         if self.store is not None and (s.retention_days or s.retention_count):
             self._tasks.append(self.loop.create_task(self._retention_loop(), name="retention"))
         if s.sighup_reload and threading.current_thread() is threading.main_thread():
@@ -144,6 +200,14 @@ class Service:
                 self._sighup = True
             except (NotImplementedError, RuntimeError, ValueError, AttributeError):
                 log.info("SIGHUP reload not available here")
+
+    def _open_store(self) -> ResultStore:
+        """The results log of the settings: ``results_db``, else results.sqlite in
+        ``results_dir``."""
+        s = self.settings
+        if s.results_db:
+            return open_store(s.results_db)
+        return SQLiteResultStore(Path(s.results_dir or ".") / RESULTS_FILE)
 
     def begin_shutdown(self) -> None:
         """The server is stopping: model loads in progress stop now (a reload answers 503
@@ -163,42 +227,100 @@ class Service:
             # each task logged its own failure; shutting down goes on whatever it was
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self.batcher is not None:
-            await self.batcher.stop()
+        for sl in self.slots.values():
+            if sl.batcher is not None:
+                await sl.batcher.stop()
         if self.recorder is not None:
             await self.loop.run_in_executor(None, self.recorder.close)
         if self.store is not None:
             self.store.close()
-        if self.monitor is not None:
-            self.monitor.close()
+        for sl in self.slots.values():
+            if sl.monitor is not None:
+                sl.monitor.close()
         for pool in (self.pool, self.model_thread, self.aux):
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _initial_load(self) -> None:
-        s = self.settings
+    async def _initial_load(self, slot: ModelSlot) -> None:
+        engine = await self._load_promoted() if slot.default else None
         # broad catches: whatever stops the model (or its monitor) from loading must reach
         # /readyz and on_fatal; a narrower catch would leave the server "loading" for ever
         try:
-            engine = await self._load(s.model)
+            if engine is None:
+                engine = await self._load(slot.path)
         except Exception as exc:  # noqa: BLE001
             if self._stopping.is_set():
                 return None
-            return self._fatal(error_text(exc))
+            return self._fatal(error_text(exc), slot)
         try:
-            monitor = (MonitorRunner(self._monitor_object) if self._monitor_object is not None
+            monitor = (MonitorRunner(slot.monitor_object) if slot.monitor_object is not None
                        else await self._build_monitor(engine))
         except Exception as exc:  # noqa: BLE001
-            return self._fatal(f"drift monitor: {error_text(exc)}")
-        if self.engine is None:  # a reload that finished first wins
-            self._swap(engine, monitor)
-            log.info("serving %s (%s, loaded and warm in %.1f s)", engine.model_id, engine.path,
-                     engine.load_seconds)
-        elif monitor is not None and monitor is not self.monitor:
+            return self._fatal(f"drift monitor: {error_text(exc)}", slot)
+        if slot.engine is None:  # a reload that finished first wins
+            self._swap(slot, engine, monitor)
+            log.info("serving %s%s (%s, loaded and warm in %.1f s)", engine.model_id,
+                     self._as(slot), engine.path, engine.load_seconds)
+            if slot.default:
+                await self._record_start(engine)
+        elif monitor is not None and monitor is not slot.monitor:
             monitor.close()
 
-    def _fatal(self, message: str) -> None:
-        """The model cannot be served: say why on /readyz and to ``on_fatal``."""
-        self.load_error = message
+    def _as(self, slot: ModelSlot) -> str:
+        """`` as NAME`` in a log line, on a server of several models."""
+        return f" as {slot.name}" if len(self.slots) > 1 else ""
+
+    async def _load_promoted(self) -> Optional[ModelEngine]:
+        """The version promoted last, loaded, when the versions record names one for this
+        ``--model`` (a promote outlives a restart; a new ``--model`` on the command line wins);
+        None to load ``--model`` (also when the promoted file cannot be served any more: said
+        in the log)."""
+        shelf = self.versions
+        entry = shelf.serving if shelf is not None else None
+        if (shelf is None or entry is None or shelf.model_option != self.model_option
+                or "/" in entry["name"]):
+            return None
+        path = os.path.join(shelf.folder, entry["name"])
+        if os.path.realpath(path) == self.model_option:
+            return None
+        try:
+            engine = await self._load(path)
+        # broad: whatever refuses the promoted file, --model is served instead
+        except Exception as exc:  # noqa: BLE001
+            if not self._stopping.is_set():
+                log.warning("the promoted version %s cannot be served (%s): serving --model %s",
+                            entry["name"], error_text(exc), self.settings.model)
+            return None
+        if engine.sha256 != entry["checksum"]:
+            log.warning("the promoted version %s has changed since it was promoted (checksum "
+                        "%s, not %s): serving --model %s", entry["name"], engine.sha256[:12],
+                        entry["checksum"][:12], self.settings.model)
+            return None
+        log.info("serving the promoted version %s (the versions record %s) rather than "
+                 "--model %s", entry["name"], shelf.state_path, self.settings.model)
+        self.settings.model = self.default.path = engine.path
+        return engine
+
+    async def _record_start(self, engine: ModelEngine) -> None:
+        """The versions record names the model served at start (written only where a record
+        exists already: a server that never switched models leaves the folder as it is)."""
+        shelf = self.versions
+        if shelf is None:
+            return
+        entry = self._version_entry(engine)
+        serving = shelf.serving or {}
+        if (serving.get("name"), serving.get("checksum"), shelf.model_option) == (
+                entry["name"], entry["checksum"], self.model_option):
+            return
+        shelf.serving = {**entry, "since": iso_time(time.time())}
+        shelf.model_option = self.model_option
+        if shelf.recorded:
+            await self._save_versions()
+
+    def _fatal(self, message: str, slot: ModelSlot) -> None:
+        """A model cannot be served: say why on /readyz and to ``on_fatal``."""
+        if len(self.slots) > 1:
+            message = f"model {slot.name}: {message}"
+        slot.load_error = message
         log.error("the model could not be loaded: %s", message)
         if self.on_fatal is not None:
             self.on_fatal(message)
@@ -229,47 +351,65 @@ class Service:
         return len(removed)
 
     # -- model -----------------------------------------------------------------------------
-    def require_engine(self) -> Engine:
-        """The serving model, or 503 ``not_ready`` (loading, or refused: why)."""
-        engine = self.engine
+    def require_engine(self, slot: Optional[ModelSlot] = None) -> ModelEngine:
+        """The serving model of ``slot`` (default: the default model), or 503 ``not_ready``
+        (loading, or refused: why)."""
+        slot = slot or self.default
+        engine = slot.engine
         if engine is None:
-            if self.load_error:
-                raise not_ready(f"no model loaded: {self.load_error}", 30)
-            raise not_ready("the model is still loading", 5)
+            if slot.load_error:
+                raise not_ready(f"no model loaded: {slot.load_error}", 30)
+            what = f"the model {slot.name}" if len(self.slots) > 1 else "the model"
+            raise not_ready(f"{what} is still loading", 5)
         return engine
 
     def reload_target(self, path: str) -> str:
         """The real path of a reload asked for over HTTP; 403 outside :attr:`models_dir`."""
         return inside_folder(path, self.models_dir)
 
-    async def reload(self, path: Optional[str] = None) -> Dict[str, Any]:
+    async def reload(self, path: Optional[str] = None, *, expect_sha256: Optional[str] = None,
+                     rollback_of: Optional[Dict[str, Any]] = None,
+                     slot: Optional[ModelSlot] = None) -> Dict[str, Any]:
         """Load ``path`` (default: the current model path) beside the serving model, warm it up,
-        then swap. In-flight requests finish on the model that preprocessed them."""
+        then swap. In-flight requests finish on the model that preprocessed them.
+
+        With ``--models-dir``, the switch is recorded (:attr:`versions`): the model before goes
+        on the rollback stack, or ``rollback_of`` (the stack's top) comes off it.
+        ``expect_sha256``: refuse a file whose checksum is another (it changed since it was
+        listed). ``slot``: the model to reload (default: the default model); the versions
+        record follows the default model only."""
+        slot = slot or self.default
         if self._stopping.is_set():
             raise load_cancelled()
-        if self._reloading:
+        if slot.reloading:
             raise ServeError(409, "reload_in_progress", "a model reload is already running")
-        self._reloading = True
-        target = path or self.settings.model
-        old = self.engine
+        slot.reloading = True
+        target = path or slot.path
+        old = slot.engine
         try:
-            new, monitor = await self._load_beside(target, old)
-            self._swap(new, monitor)
-            self.settings.model = target
-            self.load_error = None
-            self.metrics.reloads.labels("ok").inc()
-            result = {"reloaded": True, "model_id": new.model_id,
+            new, monitor = await self._load_beside(slot, target, old, expect_sha256)
+            self._swap(slot, new, monitor)
+            slot.path = target
+            if slot.default:
+                self.settings.model = target
+            slot.load_error = None
+            self.metrics.reloads.labels(slot.name, "ok").inc()
+            result = {"reloaded": True, "model": slot.name, "model_id": new.model_id,
                       "previous_model_id": old.model_id if old else None, "path": target,
                       "unchanged": bool(old and old.sha256 == new.sha256),
                       "seconds": round(new.load_seconds, 3)}
-            self.last_reload = {"ok": True, "at": iso_time(time.time()), **result}
-            log.info("reloaded: now serving %s (was %s)", new.model_id, result["previous_model_id"])
+            slot.last_reload = {"ok": True, "at": iso_time(time.time()), **result}
+            log.info("reloaded%s: now serving %s (was %s)", self._as(slot), new.model_id,
+                     result["previous_model_id"])
+            if slot.default:
+                await self._record_switch(old, new, rollback_of)
             return result
         finally:
-            self._reloading = False
+            slot.reloading = False
 
-    async def _load_beside(self, target: str, old: Optional[Engine]
-                           ) -> Tuple[Engine, Optional[MonitorRunner]]:
+    async def _load_beside(self, slot: ModelSlot, target: str, old: Optional[ModelEngine],
+                           expect_sha256: Optional[str] = None
+                           ) -> Tuple[ModelEngine, Optional[MonitorRunner]]:
         """The new engine and its monitor, or the refusal (422) to answer."""
         try:
             new = await self._load(target)
@@ -278,76 +418,224 @@ class Service:
         except Exception as exc:  # noqa: BLE001
             if self._stopping.is_set():
                 raise load_cancelled() from None
-            raise self._refused(target, error_text(exc), old) from None
+            raise self._refused(slot, target, error_text(exc), old) from None
+        if expect_sha256 is not None and new.sha256 != expect_sha256:
+            raise self._refused(slot, target, f"its checksum is now {new.sha256[:12]}…, not the "
+                                f"{expect_sha256[:12]}… it was asked for by (the file changed "
+                                "since; list the versions again)", old)
         try:
-            return new, await self._monitor_for(old, new)
+            return new, await self._monitor_for(slot, old, new)
         except Exception as exc:  # noqa: BLE001  (a monitor factory is the user's code)
-            raise self._refused(target, f"its drift monitor cannot be built: "
+            raise self._refused(slot, target, f"its drift monitor cannot be built: "
                                 f"{error_text(exc)}", old) from None
 
-    async def _load(self, path: str) -> Engine:
-        """:meth:`Engine.load` in the aux pool, stopped by :meth:`begin_shutdown`."""
-        return await self.loop.run_in_executor(self.aux, functools.partial(
-            Engine.load, path, self.settings.device, cancel=self._stopping))
+    async def _load(self, path: str) -> ModelEngine:
+        """:func:`~.engine.load_engine` (the engine by the file's suffix) in the aux pool,
+        stopped by :meth:`begin_shutdown`; one load at a time, whatever the model.
 
-    def _refused(self, target: str, msg: str, old: Optional[Engine]) -> ServeError:
+        One at a time: building a model touches process-wide state (a backbone initialised
+        from a seed draws from torch's global random generator; two loads at once drew each
+        other's numbers, and the second model was refused for weights that differ from its
+        fit's), and it leaves the other aux thread to the routes meanwhile."""
+        async with self._load_lock:
+            return await self.loop.run_in_executor(self.aux, functools.partial(
+                load_engine, path, self.settings.device, cancel=self._stopping))
+
+    def _refused(self, slot: ModelSlot, target: str, msg: str, old: Optional[ModelEngine]
+                 ) -> ServeError:
         """Record and log a refused reload; the error to answer (the old model serves on)."""
-        self.metrics.reloads.labels("failed").inc()
+        self.metrics.reloads.labels(slot.name, "failed").inc()
         serving = old.model_id if old else None
-        self.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
+        slot.last_reload = {"ok": False, "at": iso_time(time.time()), "path": target,
                             "error": msg, "serving": serving}
         log.error("reload of %s refused: %s", target, msg)
         keep = f"; still serving {serving}" if serving else "; no model is loaded"
         return ServeError(422, "reload_failed", f"the new model was refused: {msg}{keep}")
 
+    # -- versions (--models-dir) -----------------------------------------------------------
+    def require_versions(self) -> VersionShelf:
+        """The versions of ``--models-dir``; 404 on a server started without it."""
+        if self.versions is None:
+            raise ServeError(404, "not_found", "model versions are the files of a models "
+                             "folder: start the server with --models-dir to list, promote and "
+                             "roll back versions")
+        return self.versions
+
+    def _version_entry(self, engine: ModelEngine) -> Dict[str, Any]:
+        assert self.versions is not None
+        return {"name": self.versions.name_of(engine.path), "checksum": engine.sha256}
+
+    async def _record_switch(self, old: Optional[ModelEngine], new: ModelEngine,
+                             rollback_of: Optional[Dict[str, Any]]) -> None:
+        """Record a reload in the versions record (see :meth:`reload`)."""
+        shelf = self.versions
+        if shelf is None:
+            return
+        entry = self._version_entry(new)
+        serving = shelf.serving or {}
+        if (rollback_of is None and old is not None and old.sha256 == new.sha256
+                and (serving.get("name"), serving.get("checksum")) == (entry["name"],
+                                                                        entry["checksum"])):
+            return  # the same file again: nothing to record
+        shelf.switched(self._version_entry(old) if old is not None else None, entry,
+                       rollback_of=rollback_of)
+        shelf.model_option = self.model_option
+        await self._save_versions()
+
+    async def _save_versions(self) -> None:
+        """Write the versions record (atomically); a failure is logged, the switch stands."""
+        shelf = self.versions
+        assert shelf is not None
+        try:
+            await self.loop.run_in_executor(self.aux, shelf.save, shelf.snapshot())
+        except OSError as exc:
+            log.error("the versions record %s could not be written (%s): the rollback stack "
+                      "will not outlive a restart", shelf.state_path, exc)
+
+    def serving_version(self) -> Optional[Dict[str, Any]]:
+        """The serving version for ``GET /v1/model``: its name and checksum, since when, and
+        what a rollback returns to (None without ``--models-dir`` or a model)."""
+        shelf, engine = self.versions, self.engine
+        if shelf is None or engine is None:
+            return None
+        entry = self._version_entry(engine)
+        serving = shelf.serving or {}
+        same = (serving.get("name"), serving.get("checksum")) == (entry["name"],
+                                                                   entry["checksum"])
+        return {**entry, "since": serving.get("since") if same else None,
+                "previous": dict(shelf.history[-1]) if shelf.history else None,
+                "rollbacks": len(shelf.history)}
+
+    async def list_versions(self) -> Dict[str, Any]:
+        """``GET /v1/models/versions``: the folder's versions, newest first, which one
+        serves, and the rollback stack (newest first: ``history[0]`` is what a rollback
+        returns to)."""
+        shelf = self.require_versions()
+        found = await self.loop.run_in_executor(self.aux, shelf.scan, self._stopping)
+        engine = self.engine
+        by_content = {}
+        for v in found:
+            for key in (v.content_checksum, v.checksum):
+                if key:
+                    by_content.setdefault(key, v.name)
+        rows = []
+        for v in found:
+            row = v.as_dict()
+            row["serving"] = bool(engine is not None and v.checksum == engine.sha256
+                                  and v.path == os.path.realpath(engine.path))
+            if row["lineage"] is not None:
+                row["lineage"] = {**row["lineage"], "parent_version": by_content.get(
+                    row["lineage"]["parent_checksum"])}
+            rows.append(row)
+        return {"folder": shelf.folder, "serving": self.serving_version(), "count": len(rows),
+                "versions": rows, "history": [dict(e) for e in reversed(shelf.history)]}
+
+    async def promote(self, ref: str) -> Dict[str, Any]:
+        """Serve the version ``ref`` (a file name of the folder or a checksum prefix): a
+        :meth:`reload` of its file, recorded (the serving one goes on the rollback stack)."""
+        shelf = self.require_versions()
+        if self.default.reloading:
+            raise ServeError(409, "reload_in_progress", "a model reload is already running")
+        version: Version = await self.loop.run_in_executor(self.aux, shelf.resolve, ref,
+                                                           self._stopping)
+        # by checksum: exactly that content, or nothing
+        expect = version.checksum if ref != version.name else None
+        result = await self.reload(version.path, expect_sha256=expect)
+        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
+
+    async def rollback(self) -> Dict[str, Any]:
+        """Serve the version before the serving one again (the rollback stack's top): 409
+        ``no_previous_version`` when there is none, or when its file is no longer there."""
+        shelf = self.require_versions()
+        if self.default.reloading:
+            raise ServeError(409, "reload_in_progress", "a model reload is already running")
+        if not shelf.history:
+            raise ServeError(409, "no_previous_version", "there is no earlier version to roll "
+                             "back to: nothing was promoted before the serving version (the "
+                             "rollback stack is empty)")
+        top = shelf.history[-1]
+        version = await self.loop.run_in_executor(
+            self.aux, functools.partial(shelf.by_checksum, top["checksum"], top["name"],
+                                        self._stopping))
+        if version is None:
+            raise ServeError(409, "no_previous_version", f"the previous version {top['name']} "
+                             f"(checksum {top['checksum'][:12]}…) is no longer in the models "
+                             "folder: restore its file, or promote another version")
+        result = await self.reload(version.path, expect_sha256=top["checksum"], rollback_of=top)
+        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
+
     @property
     def monitor(self) -> Optional[MonitorRunner]:
-        """The drift monitor fed by the serving model's batches (None: no monitor)."""
-        return self._monitoring[0]
+        """The drift monitor fed by the default model's batches (None: no monitor)."""
+        return self.default.monitor
 
-    async def _build_monitor(self, engine: Engine) -> Optional[MonitorRunner]:
-        """The configured monitor (``--monitor``) for ``engine``'s model file, or None."""
+    @property
+    def drift_unavailable(self) -> Optional[str]:
+        """:meth:`drift_unavailable_for` the default model."""
+        return self.drift_unavailable_for(self.default)
+
+    def drift_unavailable_for(self, slot: ModelSlot) -> Optional[str]:
+        """Why the model of ``slot`` runs without the drift monitor it was asked for (an engine
+        that cannot feed one: ``GET /v1/drift`` answers 409 with it), else None."""
+        engine = slot.engine
+        if (engine is None or slot.monitor is not None
+                or not monitor_enabled(self.settings.monitor)):
+            return None
+        return engine.drift_unavailable
+
+    async def _build_monitor(self, engine: ModelEngine) -> Optional[MonitorRunner]:
+        """The configured monitor (``--monitor``) for ``engine``'s model file, or None (also
+        for an engine that cannot feed one: :attr:`drift_unavailable`)."""
+        if engine.drift_unavailable is not None:
+            if monitor_enabled(self.settings.monitor):
+                log.warning("no drift monitor for %s: %s", engine.model_id,
+                            engine.drift_unavailable)
+            return None
         return await self.loop.run_in_executor(self.aux, optional_monitor,
                                                self.settings.monitor, engine.detector)
 
-    async def _monitor_for(self, old: Optional[Engine], new: Engine) -> Optional[MonitorRunner]:
+    async def _monitor_for(self, slot: ModelSlot, old: Optional[ModelEngine], new: ModelEngine
+                           ) -> Optional[MonitorRunner]:
         """The monitor to run with ``new``: the same one for a given monitor object or an
         unchanged file (its window carries on), else one built from the new file's reference
         -- a reloaded model has its own reference, and the old one's would see only drift."""
-        if self._monitor_object is not None or (old is not None and old.sha256 == new.sha256):
-            return self.monitor
+        if slot.monitor_object is not None or (old is not None and old.sha256 == new.sha256):
+            return slot.monitor
         return await self._build_monitor(new)
 
-    def _swap(self, engine: Engine, monitor: Optional[MonitorRunner]) -> None:
-        """Serve ``engine`` with ``monitor`` from the next batch on (one step on the loop)."""
-        previous = self.monitor
-        self.engine = engine
-        self._monitoring = (monitor, engine if self._monitor_object is None else None)
-        if self.batcher is not None:  # the layers' channel means go to the monitor
-            self.batcher.collect_features = monitor is not None
+    def _swap(self, slot: ModelSlot, engine: ModelEngine, monitor: Optional[MonitorRunner]
+              ) -> None:
+        """Serve ``engine`` with ``monitor`` as the model of ``slot`` from the next batch on
+        (one step on the loop)."""
+        previous = slot.monitor
+        slot.engine = engine
+        slot.monitoring = (monitor, engine if slot.monitor_object is None else None)
+        if slot.batcher is not None:  # the layers' channel means go to the monitor
+            slot.batcher.collect_features = monitor is not None
         if previous is not None and previous is not monitor:
             previous.close()
 
     def _on_sighup(self) -> None:
         async def run() -> None:
-            try:
-                await self.reload()
-            except ServeError as exc:
-                log.error("SIGHUP reload: %s", exc.message)
+            for slot in list(self.slots.values()):  # each model's file again, in turn
+                try:
+                    await self.reload(slot=slot)
+                except ServeError as exc:
+                    log.error("SIGHUP reload%s: %s", self._as(slot), exc.message)
         # finished ones go: a SIGHUP storm must not grow the list for ever
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(self.loop.create_task(run(), name="sighup-reload"))
 
     # -- batches ---------------------------------------------------------------------------
-    def _on_batch(self, engine: Engine, jobs: List[Job], scores: Any, info: BatchInfo,
-                  features: Optional[Dict[str, Any]] = None) -> None:
-        self.metrics.batch_size.observe(info.size)
-        self.metrics.batch_seconds.observe(info.seconds)
+    def _on_batch(self, slot: ModelSlot, engine: ModelEngine, jobs: List[Job], scores: Any,
+                  info: BatchInfo, features: Optional[Dict[str, Any]] = None) -> None:
+        self.metrics.batch_size.labels(slot.name).observe(info.size)
+        self.metrics.batch_seconds.labels(slot.name).observe(info.seconds)
         now = time.monotonic()
         if now - self._last_trim >= TRIM_INTERVAL_S:
             self._last_trim = now
             self.aux.submit(release_free_memory)
-        monitor, built_for = self._monitoring
+        monitor, built_for = slot.monitoring
         # a batch still scored by the model before a reload stays out of the new one's window
         if monitor is None or (built_for is not None and built_for is not engine):
             return
@@ -366,26 +654,30 @@ class Service:
 
     # -- predictions -----------------------------------------------------------------------
     async def predict_bytes(self, data: bytes, *, part_id: Optional[str], source: Optional[str],
-                            heatmap: str, t_start: float, read_ms: float) -> Dict[str, Any]:
-        """Score one uploaded image end to end (the JSON of :class:`.schemas.Prediction`); the
-        record is durable when this returns."""
-        engine = self.require_engine()
+                            heatmap: str, t_start: float, read_ms: float,
+                            slot: Optional[ModelSlot] = None) -> Dict[str, Any]:
+        """Score one uploaded image end to end with the model of ``slot`` (default: the
+        default model) (the JSON of :class:`.schemas.Prediction`); the record is durable when
+        this returns."""
+        slot = slot or self.default
+        engine = self.require_engine(slot)
         marks = {"start": t_start, "decode": time.perf_counter()}
         item = await self._prepare(engine, data)
         del data
         marks["decoded"] = time.perf_counter()
-        assert self.batcher is not None
-        score, heat, info = await self.batcher.submit(item.tensor, engine)
+        assert slot.batcher is not None
+        score, heat, info = await slot.batcher.submit(item.tensor, engine)
         item.tensor = None
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
         verdict = outcome.verdict
         check_finite(verdict, engine)
-        self.metrics.observe_prediction(verdict.normalized_score, verdict.is_anomalous)
+        self.metrics.observe_prediction(slot.name, verdict.normalized_score, verdict.is_anomalous)
         marks["post"] = time.perf_counter()
         record = Record(time=time.time(), request_id=uuid.uuid4().hex, verdict=verdict,
                         model_id=engine.model_id, model_checksum=engine.sha256,
-                        part_id=part_id, source=source, width=item.width, height=item.height)
+                        model_name=slot.name, part_id=part_id, source=source,
+                        width=item.width, height=item.height)
         if self.recorder is not None:
             record.latency_ms = round((time.perf_counter() - t_start) * 1000, 3)
             await self._record(record, self._kept_pictures(outcome, heatmap))
@@ -394,7 +686,7 @@ class Service:
             "id": record.id, "request_id": record.request_id, "time": iso_time(record.time),
             "part_id": part_id, "source": source, **verdict.as_dict(),
             "image": {"width": item.width, "height": item.height, "format": item.format},
-            "model": {"id": engine.model_id, "sha256": engine.sha256},
+            "model": {"id": engine.model_id, "sha256": engine.sha256, "name": slot.name},
             "timing_ms": _timing(marks, read_ms, info)}
         if heatmap == "png":
             body["overlay_png"] = base64.b64encode(outcome.overlay_png or b"").decode()
@@ -403,7 +695,7 @@ class Service:
             body.update((k, url) for k, url in record.picture_urls().items() if url)
         return body
 
-    async def _prepare(self, engine: Engine, data: bytes) -> PreparedImage:
+    async def _prepare(self, engine: ModelEngine, data: bytes) -> PreparedImage:
         """Decode and preprocess in the decode pool (a refused upload is counted)."""
         s = self.settings
         try:
@@ -421,7 +713,7 @@ class Service:
         """Which pictures the results log keeps (none without a folder for them)."""
         return self.settings.keep_images if self.files is not None else "none"
 
-    async def _finish(self, engine: Engine, score: float, heat: Any, item: PreparedImage,
+    async def _finish(self, engine: ModelEngine, score: float, heat: Any, item: PreparedImage,
                       heatmap: str) -> Outcome:
         """Verdict and the pictures the response or the results log needs (decode pool)."""
         s = self.settings
@@ -538,7 +830,7 @@ async def until_done(fut: "asyncio.Future[Any]") -> Any:
                 task.uncancel()
 
 
-def check_finite(verdict: Any, engine: Engine) -> None:
+def check_finite(verdict: Any, engine: ModelEngine) -> None:
     """A verdict with a non-finite score, normalised score or threshold is no verdict (a NaN
     score would read as "not anomalous"): 500 ``internal_error``, and nothing is recorded."""
     bad = [f"{name}={value}" for name in ("score", "normalized_score", "threshold")
@@ -550,7 +842,7 @@ def check_finite(verdict: Any, engine: Engine) -> None:
                          "it)")
 
 
-def model_fault(stage: str, exc: BaseException, engine: Engine) -> ServeError:
+def model_fault(stage: str, exc: BaseException, engine: ModelEngine) -> ServeError:
     """500 ``internal_error`` for an unexpected failure of the model's ``stage``."""
     log.error("%s failed on model %s: %s", stage, engine.model_id, error_text(exc))
     return ServeError(500, "internal_error", f"{stage} failed on the model {engine.model_id} "
@@ -577,18 +869,6 @@ def error_text(exc: BaseException) -> str:
         return type(exc).__name__
     known = (AnomalyHooksError, FileNotFoundError, ValueError)
     return text if isinstance(exc, known) else f"{type(exc).__name__}: {text}"
-
-
-def _init_torch_threads() -> None:
-    """Run one parallel torch op on this (the main) thread before any worker thread does.
-
-    Measured here (torch 2.15, libgomp): when the first parallel CPU op of a process runs on a
-    worker thread, every later op on *that* thread is 10-40x slower (a ResNet18 batch: 2-5 s
-    instead of 0.05-0.2 s); one op on the main thread first avoids it. The service loads models
-    on a worker thread, so it does this at start."""
-    import torch
-
-    torch.zeros(1 << 20).add_(1)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,6 @@
 """Uploaded bytes -> the network input, through the library's own hardened reader.
 
-The service adds only its policy to :func:`anomaly_hooks.images.read_image_reduced` (which
+The service adds only its policy to :func:`anomaly_hooks.images.decode_reduced` (which
 checks and decodes the bytes of an upload exactly as it does a file: format allow-list, pixel
 count from the header, strict JPEG entropy check, reduced decoding of huge images): which
 media types it accepts (decided by the first bytes, never by the client's Content-Type or file
@@ -45,16 +45,17 @@ def _describe_head(data: bytes) -> str:
 
 def decode_upload(data: bytes, min_size: Tuple[int, int], max_pixels: int
                   ) -> Tuple[Any, Tuple[int, int], str]:
-    """Decode an upload into the canonical float32 ``[3, h, w]`` tensor in [0, 1] (reduced,
-    keeping at least ``min_size``, when the image is huge).
+    """Decode an upload into the canonical float32 ``[h, w, 3]`` array in [0, 1] (reduced,
+    keeping at least ``min_size``, when the image is huge), by the torch-free
+    :func:`~anomaly_hooks.images.decode_reduced` (an engine makes its network input of it).
 
     Returns:
-        (tensor, the image's own (H, W), format name).
+        (array, the image's own (H, W), format name).
     Raises:
         ServeError: 400 empty_body / unreadable_image, 413 too_many_pixels,
             415 unsupported_media_type.
     """
-    from anomaly_hooks.images import read_image_reduced
+    from anomaly_hooks.images import decode_reduced
 
     if not data:
         raise ServeError(400, "empty_body", "the request carries no image data: send the image "
@@ -64,10 +65,10 @@ def decode_upload(data: bytes, min_size: Tuple[int, int], max_pixels: int
         raise ServeError(415, "unsupported_media_type",
                          f"not a {ACCEPTED_TEXT} image ({_describe_head(data)})")
     try:
-        tensor, size = read_image_reduced(data, min_size, max_pixels)
+        array, size = decode_reduced(data, min_size, max_pixels)
     except ImageTooLargeError as exc:
         raise ServeError(413, "too_many_pixels", f"{fmt} {exc} (the server's --max-pixels)"
                          ) from None
     except ImageReadError as exc:
         raise ServeError(400, "unreadable_image", f"{fmt} {exc}") from None
-    return tensor, size, fmt
+    return array, size, fmt

@@ -12,8 +12,8 @@ AUTO = "auto"
 @dataclass
 class TilingConfig:
     """High-resolution inspection: a working frame of the images' own aspect, cut into
-    overlapping tiles whose features are stitched into one grid per image (README:
-    "High-resolution parts"). Off by default: the ``preprocess`` framing (256 -> 224) applies.
+    overlapping tiles whose features are stitched into one grid per image (docs/high-resolution.md).
+    Off by default: the ``preprocess`` framing (256 -> 224) applies.
     With it on, ``preprocess.resize`` / ``crop`` are not used (``mean`` / ``std`` are)."""
 
     enabled: bool = False

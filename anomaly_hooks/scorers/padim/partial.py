@@ -15,10 +15,20 @@ Every shard uses the covariance form a single-process fit on *all* the training 
   in shard order. Shards are contiguous runs of the training list, so the merged samples are
   the single-process fit's samples in the same order and the fitted model is bit-identical.
 
+A *fitted* model gives the state of its training images back (:func:`fitted_state`, for
+updates on new images, :mod:`anomaly_hooks.updating`): the low-rank form keeps its centred
+samples ``Y`` and mean, so ``X = sqrt(n - 1) Y + mu`` (float32 rounding); the dense form keeps
+the mean and the factor ``L`` of the *regularised* covariance ``Sigma + eps I`` and the image
+count ``n`` (``n_train``, in the model file), which give ``S1 = 0`` about ``K = mu`` and
+``S2 = (n - 1) (L L^T - eps I)`` (``L L^T`` in float64): the exact sums again, up to the float32
+rounding of ``L``. A merge of a low-rank and a dense state (an update that crosses ``auto``'s
+limit) turns the low-rank samples into sums first.
+
 States are plain dicts of numpy arrays and ints / strings (see ``Scorer.partial_state``).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Dict, Optional, Sequence
 
@@ -54,11 +64,50 @@ def lowrank_state(store: SampleStore, grid: tuple) -> State:
             "samples": _np(store.samples())}
 
 
+def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
+    """The state of the ``n`` training images of fitted Gaussians (see the module
+    docstring): the low-rank form's samples, or the dense form's sums from its mean and
+    factors (float32 factors only: float16 ones hold the covariances to 3 digits)."""
+    if gauss.kind == "lowrank":
+        y = gauss.y.detach().cpu().double()
+        samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
+        return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
+                "samples": samples.float().contiguous().numpy()}
+    if gauss.chol.dtype != torch.float32:
+        raise FitError("this PaDiM model keeps its covariance factors in float16 "
+                       "(padim.factor_dtype=float16): they hold the covariances to about 3 "
+                       "digits, so an update would not equal a fit on all the images; refit "
+                       "on all the images (padim.factor_dtype=float32 for updatable models)")
+    mean = gauss.mean.detach().cpu().float()
+    p, d = mean.shape
+    s2 = np.empty((p, d, d), dtype=np.float32)
+    # L L^T in float64 where the factors are (a GPU's float64 products are fast), chunk by chunk
+    eye = torch.eye(d, dtype=torch.float64, device=gauss.chol.device)
+    for lo in range(0, p, CHUNK_POSITIONS):
+        chol = gauss.chol[lo:lo + CHUNK_POSITIONS].detach().double()
+        cov = torch.bmm(chol, chol.transpose(1, 2)).sub_(eye, alpha=epsilon)  # un-regularised
+        s2[lo:lo + chol.shape[0]] = cov.mul_(n - 1).float().cpu().numpy()
+    return {"form": "dense", "n": int(n), "grid": tuple(grid), "shift": _np(mean),
+            "s1": np.zeros((p, d), dtype=np.float64), "s2": s2}
+
+
+def to_dense(state: State) -> State:
+    """A low-rank state's samples as dense sums (a dense state unchanged)."""
+    if state["form"] == "dense":
+        return state
+    acc = GaussianAccumulator()
+    acc.update(_readable(state["samples"]))
+    return dense_state(acc, state["grid"])
+
+
 def merge(states: Sequence[State]) -> State:
-    """One state from shard states given in training-list order."""
+    """One state from shard states given in training-list order (low-rank ones turned into
+    sums where another is dense)."""
     states = [s for s in states if s is not None and s["n"] > 0]
     if not states:
         raise FitError("no shard gave any training image: nothing to merge")
+    if len({s["form"] for s in states}) > 1:
+        states = [to_dense(s) for s in states]
     kinds = {(s["form"], tuple(s["grid"])) for s in states}
     if len(kinds) != 1:
         raise FitError(f"cannot merge PaDiM states of different forms or grids: {sorted(kinds)}")

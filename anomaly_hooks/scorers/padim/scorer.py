@@ -10,6 +10,7 @@ for ``n <= 0.4 D`` training images. The patch score is the Mahalanobis distance 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -229,6 +230,23 @@ class PadimScorer(Scorer):
             self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self._acc = self._store = None
         self.fitted = True
+
+    # -- updates (anomaly_hooks.updating) ---------------------------------------------------
+    def fitted_state(self) -> Dict[str, Any]:
+        """The training images' state (:func:`partial.fitted_state`): the low-rank form's
+        samples, or the dense form's exact sums from its mean, factors and image count."""
+        self.check_fitted()
+        return partial.fitted_state(self.gaussians, self.n_train, self.grid, self.epsilon)
+
+    def training_embeddings(self) -> Optional[torch.Tensor]:
+        """The low-rank form's samples as embeddings ``[n, D, h, w]`` (``sqrt(n - 1) Y + mu``,
+        float32 rounding); None for the dense form, which keeps only their sums."""
+        self.check_fitted()
+        g = self.gaussians
+        if g.kind != "lowrank":
+            return None
+        x = g.y.float() * math.sqrt(self.n_train - 1) + g.mean.float().unsqueeze(1)  # [P, n, D]
+        return x.permute(1, 2, 0).reshape(self.n_train, -1, *self.grid)
 
     # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
     def out_of_sample_unsupported(self) -> Optional[str]:

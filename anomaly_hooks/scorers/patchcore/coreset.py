@@ -353,7 +353,7 @@ class StreamingCoreset:
     Peak memory: ``max_points`` kept features plus one chunk, whatever the number of training
     images. Quality: each reduction is a k-center cover of what it reduces, so by the triangle
     inequality the final bank covers every training point within the sum of the radii of the
-    reductions (the README gives measured radii and AUROC against the one-shot coreset).
+    reductions (docs/benchmarks.md gives measured radii and AUROC against the one-shot coreset).
     """
 
     def __init__(self, ratio: Optional[float], count: Optional[int], max_points: int,

@@ -11,7 +11,7 @@ Quality: the shard coresets cover their patches within their radii ``r_s``; the 
 covers the union within ``r_u``, so every training patch is within ``max(r_s) + r_u`` of the
 bank (triangle inequality). ``oversample = 4``: measured on bottle and battery_weld with 2 and 4
 shards, the radius stayed within 1.01-1.08x the one-shot coreset's (with 2: up to 1.26x), at
-twice the shard selection time (BENCHMARKS.md, "More than one machine").
+twice the shard selection time (docs/benchmarks.md, "More than one machine").
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ then runs over ``oversample * k`` points instead of ``N``:
   inequality; the bound of the sharded fit's merge-reduce, ``partial.py``). An image keeps
   ``oversample * ratio`` of its own patches, far more than its ``ratio`` share of a bank that
   covers every image, so ``r_i`` is small next to ``r_u``: measured against the exact greedy on
-  a subsample, ``benchmarks/bench_highres.py`` (BENCHMARKS.md, "High-resolution parts").
+  a subsample, ``benchmarks/bench_highres.py`` (docs/high-resolution.md).
 
 Each kept point remembers its image (the bank's ``bank_image``), so the out-of-sample scores of
 ``threshold.mode=all-images`` keep working (in a second pass over the images: the fit no longer

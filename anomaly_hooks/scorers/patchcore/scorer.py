@@ -335,6 +335,26 @@ class PatchCoreScorer(Scorer):
                             for f in range(sum(k.startswith("oos.fold_bank.") for k in tensors))]
         self._fold_index = {}
 
+    # -- updates (anomaly_hooks.updating) ---------------------------------------------------
+    def fitted_state(self) -> Dict[str, Any]:
+        """The bank as a merged state's candidates (merge-reduce): an update selects the new
+        bank from the current bank and every patch of the new images by the same greedy rule,
+        at the size a fit on all the images' patches keeps (``n_patches`` counts them all).
+        Each bank point keeps its image (None for a bank that records none: a bounded fit, or
+        a file written before they were saved)."""
+        self.check_fitted()
+        image = (None if self.bank_image is None
+                 else self.bank_image.to(torch.int32).cpu().contiguous().numpy())
+        return {"form": "coreset", "n_train": int(self.n_train),
+                "n_patches": int(self.n_patches), "grid": tuple(self.grid),
+                "features": self.bank.detach().float().cpu().contiguous().numpy(),
+                "image": image}
+
+    def begin_update(self, n_model: int, n_new: int) -> None:
+        """The new images' state keeps every patch (a shard of a fit on the new images
+        alone): they all join the current bank as candidates of the final selection."""
+        self.begin_shard(n_new, n_new)
+
     # -- sharded fitting (scorers/patchcore/partial.py) ------------------------------------
     def begin_shard(self, n_total: int, n_shard: int) -> None:
         """A shard of ``n_shard`` of the ``n_total`` training images: its state keeps its share

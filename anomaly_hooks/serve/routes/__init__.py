@@ -2,9 +2,10 @@
 :class:`~anomaly_hooks.serve.service.Service`, reached through :mod:`..dependencies`)."""
 from __future__ import annotations
 
-from anomaly_hooks.serve.routes import drift, health, model, page, predict, results
+from anomaly_hooks.serve.routes import drift, health, model, page, predict, results, versions
 
-ROUTERS = [health.router, predict.router, results.router, model.router, drift.router,
-           page.router]
+# versions before model: /v1/models/versions is not a model named "versions"
+ROUTERS = [health.router, predict.router, results.router, versions.router, model.router,
+           drift.router, page.router]
 
 __all__ = ["ROUTERS"]

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from anomaly_hooks.serve.dependencies import EngineDep, ServiceDep
+from anomaly_hooks.serve.dependencies import ServiceDep
 from anomaly_hooks.serve.schemas import Health, Ready, error_responses, media
 
 router = APIRouter(tags=["health"])
@@ -22,11 +22,17 @@ async def healthz(service: ServiceDep) -> Dict[str, Any]:
     return {"status": "ok", "uptime_s": round(time.time() - service.started, 1)}
 
 
-@router.get("/readyz", response_model=Ready, summary="Readiness",
+@router.get("/readyz", response_model=Ready, response_model_exclude_unset=True,
+            summary="Readiness",
             responses=error_responses(500, 503))
-async def readyz(engine: EngineDep) -> Dict[str, Any]:
-    """A model is loaded and warm (503 ``not_ready`` while loading, or why it was refused)."""
-    return {"ready": True, "model_id": engine.model_id}
+async def readyz(service: ServiceDep) -> Dict[str, Any]:
+    """Every model is loaded and warm (503 ``not_ready`` while one loads, or why it was
+    refused)."""
+    engines = {name: service.require_engine(slot) for name, slot in service.slots.items()}
+    out: Dict[str, Any] = {"ready": True, "model_id": engines[service.default.name].model_id}
+    if len(engines) > 1:
+        out["models"] = {name: engine.model_id for name, engine in engines.items()}
+    return out
 
 
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics",

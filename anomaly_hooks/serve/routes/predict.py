@@ -1,5 +1,7 @@
 """``POST /v1/predict`` (one image, raw body or multipart) and ``POST /v1/predict/batch`` (a
-multipart request of several images, each answered on its own)."""
+multipart request of several images, each answered on its own), scored by the default model;
+``POST /v1/models/{name}/predict`` and ``.../predict/batch``: the same, by the model
+``name``."""
 from __future__ import annotations
 
 import time
@@ -9,11 +11,12 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 
-from anomaly_hooks.serve.dependencies import EngineDep, ServiceDep
+from anomaly_hooks.serve.dependencies import EngineDep, ServiceDep, SlotDep
 from anomaly_hooks.serve.errors import ServeError, client_gone
 from anomaly_hooks.serve.forms import read_form
 from anomaly_hooks.serve.schemas import BatchResponse, Prediction, error_responses
 from anomaly_hooks.serve.service import Service
+from anomaly_hooks.serve.slots import ModelSlot
 
 router = APIRouter(tags=["predict"])
 
@@ -58,6 +61,23 @@ async def predict(request: Request, service: ServiceDep, _: EngineDep, heatmap: 
     """The image as the raw body (any image Content-Type) or as a multipart file field (with
     optional ``part_id`` / ``source`` form fields; the query's win). The format is told by the
     bytes: PNG, JPEG, TIFF, BMP or WebP."""
+    return await _predict(request, service, service.default, heatmap, part_id, source)
+
+
+@router.post("/v1/models/{name}/predict", response_model=Prediction,
+             response_model_exclude_unset=True, summary="Score one image with one model",
+             openapi_extra=_IMAGE_BODY, responses=error_responses(404, *_PREDICT_ERRORS))
+async def predict_with(request: Request, service: ServiceDep, slot: SlotDep,
+                       heatmap: Heatmap = "none", part_id: PartId = None,
+                       source: Source = None) -> Dict[str, Any]:
+    """As ``POST /v1/predict``, scored by the model ``name`` (404 for a name the server does
+    not serve)."""
+    service.require_engine(slot)
+    return await _predict(request, service, slot, heatmap, part_id, source)
+
+
+async def _predict(request: Request, service: Service, slot: ModelSlot, heatmap: str,
+                   part_id: Optional[str], source: Optional[str]) -> Dict[str, Any]:
     t_start = time.perf_counter()
     _check_heatmap(service, heatmap)
     with service.admit(1):
@@ -68,7 +88,7 @@ async def predict(request: Request, service: ServiceDep, _: EngineDep, heatmap: 
             src = source if source is not None else (
                 _field(fields, "source", SOURCE_MAX) or name)
             return await service.predict_bytes(data, part_id=pid, source=src, heatmap=heatmap,
-                                               t_start=t_start, read_ms=read_ms)
+                                               t_start=t_start, read_ms=read_ms, slot=slot)
         return await service.with_timeout(run())
 
 
@@ -82,6 +102,21 @@ async def predict_batch(request: Request, service: ServiceDep, _: EngineDep,
     or its ``error`` (refused, failed, or not done within the request timeout); the others
     are scored (in shared batches). When no image could be scored because of the server (all
     failed with a 5xx), the request answers that error instead."""
+    return await _predict_batch(request, service, service.default, heatmap)
+
+
+@router.post("/v1/models/{name}/predict/batch", response_model=BatchResponse,
+             response_model_exclude_unset=True, summary="Score several images with one model",
+             openapi_extra=_BATCH_BODY, responses=error_responses(404, *_PREDICT_ERRORS))
+async def predict_batch_with(request: Request, service: ServiceDep, slot: SlotDep,
+                             heatmap: Heatmap = "none") -> Dict[str, Any]:
+    """As ``POST /v1/predict/batch``, scored by the model ``name``."""
+    service.require_engine(slot)
+    return await _predict_batch(request, service, slot, heatmap)
+
+
+async def _predict_batch(request: Request, service: Service, slot: ModelSlot,
+                         heatmap: str) -> Dict[str, Any]:
     t_start = time.perf_counter()
     _check_heatmap(service, heatmap)
     settings = service.settings
@@ -103,21 +138,24 @@ async def predict_batch(request: Request, service: ServiceDep, _: EngineDep,
             read_ms = (time.perf_counter() - t_start) * 1000
             with service.admit(len(uploads) - 1):  # one slot per image from now on
                 outcomes = await service.each_within(
-                    [_one_of_batch(service, i, upload, part_ids, heatmap, t_start, read_ms)
-                     for i, upload in enumerate(uploads)], deadline - service.loop.time())
+                    [_one_of_batch(service, slot, i, upload, part_ids, heatmap, t_start,
+                                   read_ms) for i, upload in enumerate(uploads)],
+                    deadline - service.loop.time())
         finally:
             await form.close()
     return _batch_answer(uploads, outcomes)
 
 
-async def _one_of_batch(service: Service, i: int, upload: UploadFile, part_ids: List[str],
-                        heatmap: str, t_start: float, read_ms: float) -> Dict[str, Any]:
+async def _one_of_batch(service: Service, slot: ModelSlot, i: int, upload: UploadFile,
+                        part_ids: List[str], heatmap: str, t_start: float, read_ms: float
+                        ) -> Dict[str, Any]:
     """One image of a batch: its prediction (raises its error)."""
     data = await upload.read()
     _check_size(data, service.settings.max_upload_bytes)
     pid = part_ids[i][:PART_ID_MAX] if i < len(part_ids) else None
     return await service.predict_bytes(data, part_id=pid, source=upload.filename,
-                                       heatmap=heatmap, t_start=t_start, read_ms=read_ms)
+                                       heatmap=heatmap, t_start=t_start, read_ms=read_ms,
+                                       slot=slot)
 
 
 def _batch_answer(uploads: List[UploadFile], outcomes: List[Any]) -> Dict[str, Any]:

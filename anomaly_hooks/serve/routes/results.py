@@ -1,19 +1,28 @@
 """The results log: ``GET /v1/results`` (JSON pages), ``/v1/results.csv`` (everything that
-matches, streamed), ``/v1/results/{id}`` and its stored pictures."""
+matches, streamed), ``/v1/results/{id}`` and its stored pictures, and the operator's label
+``POST /v1/results/{id}/label`` (an admin route: a server with a token only)."""
 from __future__ import annotations
 
+import asyncio
 import functools
+import hashlib
 import math
 from datetime import datetime, timezone
-from typing import Annotated, Any, Dict, Optional
+from typing import Annotated, Any, Dict, Literal, Optional
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import FileResponse, StreamingResponse
 
-from anomaly_hooks.serve.dependencies import ServiceDep, StoreDep
+from anomaly_hooks.serve.dependencies import ServiceDep, StoreDep, admin_enabled
 from anomaly_hooks.serve.errors import ServeError
 from anomaly_hooks.serve.results import MAX_ID, PICTURES, csv_lines
-from anomaly_hooks.serve.schemas import ResultPage, ResultRecord, error_responses, media
+from anomaly_hooks.serve.schemas import (
+    LabelRequest,
+    ResultPage,
+    ResultRecord,
+    error_responses,
+    media,
+)
 
 router = APIRouter(tags=["results"])
 
@@ -25,6 +34,10 @@ Until = Annotated[Optional[str], Query(max_length=64,
 Anomalous = Annotated[Optional[bool], Query(description="only anomalous (true) or normal (false)")]
 PartId = Annotated[Optional[str], Query(max_length=200, description="only this part id")]
 RecordId = Annotated[int, Path(ge=1, le=MAX_ID, description="the result's id")]
+Label = Annotated[Optional[Literal["good", "defect", "none"]], Query(
+    description="only results an operator labelled good, or defect; none: not labelled")]
+Model = Annotated[Optional[str], Query(max_length=64, description="only the results of the "
+                                       "model of this name (GET /v1/models)")]
 _ERRORS = error_responses(401, 404, 422, 500)
 
 
@@ -34,9 +47,10 @@ async def results(service: ServiceDep, store: StoreDep, since: Since = None, unt
                   anomalous: Anomalous = None, part_id: PartId = None,
                   before_id: Annotated[Optional[int], Query(
                       ge=1, le=MAX_ID, description="only ids below this (paging)")] = None,
-                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Dict[str, Any]:
+                  limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                  label: Label = None, model: Model = None) -> Dict[str, Any]:
     """Newest first, at most ``limit``; ``next_before_id`` pages on."""
-    f = _filters(since, until, anomalous, part_id)
+    f = _filters(since, until, anomalous, part_id, label, model)
     rows = await service.loop.run_in_executor(
         service.aux, functools.partial(store.query, before_id=before_id, limit=limit, **f))
     return {"count": len(rows), "results": [r.as_json() for r in rows],
@@ -47,11 +61,12 @@ async def results(service: ServiceDep, store: StoreDep, since: Since = None, unt
             responses={**media("text/csv", "every matching result, newest first"), **_ERRORS})
 async def results_csv(store: StoreDep, since: Since = None, until: Until = None,
                       anomalous: Anomalous = None, part_id: PartId = None,
-                      limit: Annotated[Optional[int], Query(ge=1, le=MAX_ID)] = None
-                      ) -> StreamingResponse:
+                      limit: Annotated[Optional[int], Query(ge=1, le=MAX_ID)] = None,
+                      label: Label = None, model: Model = None) -> StreamingResponse:
     """The same filters as ``/v1/results``; cells that a spreadsheet would run as a formula
     are neutralised."""
-    rows = store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id))
+    rows = store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id, label,
+                                                    model))
     return StreamingResponse(csv_lines(rows), media_type="text/csv; charset=utf-8",
                              headers={"Content-Disposition": 'attachment; filename="results.csv"'})
 
@@ -88,11 +103,48 @@ async def result_picture(service: ServiceDep, store: StoreDep, record_id: Record
     return FileResponse(path, headers={"Cache-Control": "private, max-age=86400"})
 
 
+@router.post("/v1/results/{record_id}/label", response_model=ResultRecord,
+             summary="Label a result (admin)", dependencies=[Depends(admin_enabled)],
+             responses=error_responses(400, 401, 403, 404, 413, 422, 500, 501))
+async def label_result(service: ServiceDep, store: StoreDep, record_id: RecordId,
+                       body: LabelRequest) -> Dict[str, Any]:
+    """An operator's verdict on a result, ``good`` or ``defect``, with an optional note; it
+    replaces an earlier label. Like the other admin routes it answers only on a server with a
+    token; ``label_by`` is that token's fingerprint (never the token)."""
+    assert service.recorder is not None  # there is a store: there is its writer
+    try:  # on the writer thread, as every write of the log
+        rec = await asyncio.wrap_future(service.recorder.call(
+            store.set_label, record_id, body.label, body.note,
+            token_fingerprint(service.settings.token)))
+    except NotImplementedError as exc:
+        raise ServeError(501, "not_implemented", f"this server's results store keeps no "
+                         f"labels ({exc})") from None
+    if rec is None:
+        raise ServeError(404, "not_found", f"no result with id {record_id}")
+    return rec.as_json()
+
+
+def token_fingerprint(token: Optional[str]) -> str:
+    """Who labels: ``token:`` and the first 12 hex digits of the token's SHA-256 (the token
+    itself is never stored); ``anonymous`` without one (admin routes then answer 403)."""
+    if not token:
+        return "anonymous"
+    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
 def _filters(since: Optional[str], until: Optional[str], anomalous: Optional[bool],
-             part_id: Optional[str]) -> Dict[str, Any]:
-    """The store's query filters of the routes' parameters."""
-    return {"since": parse_time(since, "since"), "until": parse_time(until, "until"),
-            "anomalous": anomalous, "part_id": part_id}
+             part_id: Optional[str], label: Optional[str] = None,
+             model: Optional[str] = None) -> Dict[str, Any]:
+    """The store's query filters of the routes' parameters (``label`` and ``model`` only when
+    given: a store plug-in written before them takes no such filter)."""
+    out: Dict[str, Any] = {"since": parse_time(since, "since"),
+                           "until": parse_time(until, "until"), "anomalous": anomalous,
+                           "part_id": part_id}
+    if label is not None:
+        out["label"] = label
+    if model is not None:
+        out["model"] = model
+    return out
 
 
 def parse_time(value: Optional[str], name: str) -> Optional[float]:

@@ -12,7 +12,10 @@ async function api(path, options = {}) {
   const body = type.includes("json") ? await response.json() : await response.text();
   if (!response.ok) {
     const message = (body && body.message) ? `${body.code}: ${body.message}` : `HTTP ${response.status}`;
-    throw new Error(message);
+    const err = new Error(message);
+    err.code = body && body.code;
+    err.detail = body && body.message;
+    throw err;
   }
   return body;
 }
@@ -28,8 +31,50 @@ function localTime(iso) {
   return isNaN(d) ? iso : d.toLocaleString();
 }
 
+// ---- which model: a server may serve several (GET /v1/models); the page works on one ----
+let currentModel = null;  // the selected model's name; null: the server has one model
+
+function modelUrl(suffix, single) {
+  return currentModel === null ? single : `/v1/models/${encodeURIComponent(currentModel)}${suffix}`;
+}
+
+async function loadModels() {
+  const select = $("model-select");
+  try {
+    const listed = await api("/v1/models");
+    if (listed.count < 2) { currentModel = null; return listed; }
+    const names = listed.models.map((m) => m.name);
+    if (!names.includes(currentModel)) currentModel = listed.default;
+    if (select.options.length !== names.length ||
+        [...select.options].some((o, i) => o.value !== names[i])) {
+      select.replaceChildren(...names.map((name) => {
+        const option = document.createElement("option");
+        option.value = name; option.textContent = name;
+        return option;
+      }));
+    }
+    select.value = currentModel;
+    select.hidden = false; $("model-select-label").hidden = false;
+    return listed;
+  } catch (err) {
+    return null;
+  }
+}
+
+function selectModel() {
+  currentModel = $("model-select").value;
+  refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
+}
+
 // ---- model state --------------------------------------------------------------------
 async function refreshModel() {
+  const listed = await loadModels();
+  const mine = listed && currentModel !== null ? listed.models.find((m) => m.name === currentModel) : null;
+  if (mine) {  // several models: the selected one's state
+    $("model-id").textContent = mine.ready ? mine.model_id : (mine.error || "loading…");
+    $("ready-dot").className = mine.ready ? "dot ok" : "dot bad";
+    return;
+  }
   try {
     const ready = await api("/readyz");
     $("model-id").textContent = ready.model_id;
@@ -37,6 +82,78 @@ async function refreshModel() {
   } catch (err) {
     $("model-id").textContent = err.message;
     $("ready-dot").className = "dot bad";
+  }
+}
+
+// ---- operating point: the threshold, what it was chosen for and what it will do ---------
+const pct = (x) => (x === null || x === undefined) ? "–" : `${(100 * x).toPrecision(3)} %`;
+const interval = (iv) => Array.isArray(iv) && iv.length === 2 ? ` [${pct(iv[0])}, ${pct(iv[1])}]` : "";
+
+function operatingRows(t) {
+  const rows = [["threshold", fmt(t.value)], ["objective", t.objective || "far"]];
+  rows.push(["expected false alarms", pct(t.expected_far ?? t.false_alarm_rate) + interval(t.far_interval)]);
+  if (t.recall !== null && t.recall !== undefined) {
+    rows.push(["recall on labelled defects", pct(t.recall) + interval(t.recall_interval) +
+               (t.n_defects ? ` (${t.n_defects} defects)` : "")]);
+  }
+  if (t.target_recall) rows.push(["target recall", pct(t.target_recall)]);
+  if (t.scores) rows.push(["good images scored out of sample", String(t.scores.length)]);
+  const prov = t.provenance || {};
+  const shown = new Set(rows.map(([k]) => k));
+  for (const [key, value] of Object.entries(prov)) {
+    const name = key.replaceAll("_", " ");
+    if (value === null || typeof value === "object" || shown.has(name)) continue;
+    rows.push([name, String(value)]);
+  }
+  return rows;
+}
+
+// ---- the serving model: its version of the models folder and its lineage -------------
+const short = (checksum) => checksum ? String(checksum).slice(0, 12) : "–";
+
+function modelRows(info) {
+  const rows = [["model", info.model_id + (currentModel !== null ? ` (${info.name})` : "")],
+                ["method", info.method],
+                ["file", String(info.path || "").split("/").pop()], ["checksum", short(info.file_sha256)]];
+  const v = info.version;
+  if (v) {
+    rows.push(["version", v.name + (v.since ? ` (since ${localTime(v.since)})` : "")]);
+    rows.push(["rollback to", v.previous ? `${v.previous.name} (${short(v.previous.checksum)})` : "– (none)"]);
+  }
+  const l = info.lineage;
+  if (l) {
+    rows.push(["lineage", `${l.updates} update(s), ${l.images_added} image(s) added`]);
+    if (l.last_update) rows.push(["last update", localTime(l.last_update)]);
+    if (l.parent_checksum) rows.push(["parent", short(l.parent_checksum)]);
+    if (l.labels_used !== null && l.labels_used !== undefined) rows.push(["labels used", String(l.labels_used)]);
+  } else {
+    rows.push(["lineage", "– (as fitted, no updates)"]);
+  }
+  return rows;
+}
+
+function kvRows(rows) {
+  return rows.map(([k, v]) => {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th"); th.textContent = k;
+    const td = document.createElement("td"); td.textContent = v;
+    tr.append(th, td);
+    return tr;
+  });
+}
+
+async function refreshOperatingPoint() {
+  const summary = $("operating-summary"), table = $("operating-table");
+  try {
+    const info = await api(modelUrl("", "/v1/model"));
+    servingChecksum = info.file_sha256 || null;
+    $("model-table").replaceChildren(...kvRows(modelRows(info)));
+    const t = info.threshold || {};
+    summary.textContent = `score > ${fmt(t.value)} is anomalous`;
+    table.replaceChildren(...kvRows(operatingRows(t)));
+  } catch (err) {
+    summary.textContent = err.message;
+    $("model-table").replaceChildren(...kvRows([["model", err.message]]));
   }
 }
 
@@ -79,7 +196,7 @@ async function inspect(file) {
   setStatus(`inspecting ${file.name}…`);
   const started = performance.now();
   try {
-    const res = await api("/v1/predict?heatmap=png", { method: "POST", body: form });
+    const res = await api(modelUrl("/predict", "/v1/predict") + "?heatmap=png", { method: "POST", body: form });
     if (lastObjectUrl) URL.revokeObjectURL(lastObjectUrl);
     lastObjectUrl = URL.createObjectURL(file);
     showResult(res, lastObjectUrl);
@@ -126,7 +243,7 @@ function renderRecent(rows) {
     tag.className = "tag " + (r.is_anomalous ? "anomalous" : "normal");
     tag.textContent = r.is_anomalous ? "anomalous" : "ok";
     verdict.append(tag);
-    tr.append(thumb, time, who, score, verdict);
+    tr.append(thumb, time, who, score, verdict, labelCell(r));
     tr.addEventListener("click", () => showResult(r, null));
     body.append(tr);
   }
@@ -167,12 +284,70 @@ function drawChart(rows) {
   });
 }
 
+// the operator's word on a verdict: good or defect (an admin route: the page's token)
+const LABEL_TEXT = {
+  good: (r) => r.is_anomalous ? "false alarm" : "confirmed good",
+  defect: (r) => r.is_anomalous ? "confirmed defect" : "missed defect",
+};
+
+function labelCell(r) {
+  const td = document.createElement("td");
+  if (r.label) {
+    const tag = document.createElement("span");
+    tag.className = "tag labelled-" + r.label;
+    tag.textContent = LABEL_TEXT[r.label] ? LABEL_TEXT[r.label](r) : r.label;
+    if (r.label_note) tag.title = r.label_note;
+    td.append(tag);
+  }
+  for (const label of ["good", "defect"]) {
+    if (r.label === label) continue;
+    const b = document.createElement("button");
+    b.type = "button"; b.className = "label"; b.dataset.label = label;
+    b.textContent = LABEL_TEXT[label](r);
+    b.addEventListener("click", (e) => { e.stopPropagation(); setLabel(r.id, label); });
+    td.append(b);
+  }
+  return td;
+}
+
+async function setLabel(id, label) {
+  try {
+    await api(`/v1/results/${id}/label`, {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ label }),
+    });
+    setStatus(`result ${id} labelled ${label}`);
+  } catch (err) {
+    setStatus(`label of result ${id}: ${err.message}`, true);
+  }
+  refreshResults();
+}
+
+let servingChecksum = null;  // the serving model's file_sha256 (from /v1/model)
+
+async function countFalseAlarms() {
+  if (!servingChecksum) return;
+  let n = 0, before = null;
+  for (let page = 0; page < 20; page++) {  // at most 20 pages of 1000
+    const q = "/v1/results?label=good&anomalous=true&limit=1000" + (before ? `&before_id=${before}` : "");
+    const rows = (await api(q)).results;
+    n += rows.filter((r) => r.model_checksum === servingChecksum).length;
+    if (rows.length < 1000) break;
+    before = rows[rows.length - 1].id;
+  }
+  $("false-alarms").textContent = `labelled false alarms of the serving model: ${n}`;
+}
+
 async function refreshResults() {
   try {
     const onlyAnomalous = $("only-anomalous").checked;
-    const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : ""));
+    const label = $("label-filter").value;
+    const model = currentModel === null ? "" : `&model=${encodeURIComponent(currentModel)}`;
+    const recent = await api("/v1/results?limit=50" + (onlyAnomalous ? "&anomalous=true" : "") +
+                             (label ? `&label=${label}` : "") + model);
     renderRecent(recent.results);
-    drawChart((await api("/v1/results?limit=200")).results);
+    await countFalseAlarms();
+    drawChart((await api("/v1/results?limit=200" + model)).results);
   } catch (err) {
     $("recent-empty").hidden = false;
     $("recent-empty").textContent = err.message;
@@ -192,7 +367,7 @@ function leaves(obj, prefix = "", out = []) {
 async function refreshDrift() {
   const state = $("drift-state"), table = $("drift-table");
   try {
-    const status = await api("/v1/drift");
+    const status = await api(modelUrl("/drift", "/v1/drift"));
     table.replaceChildren();
     if (!status.enabled) {
       state.textContent = "not enabled";
@@ -213,6 +388,12 @@ async function refreshDrift() {
       tr.append(a, b); table.append(tr);
     }
   } catch (err) {
+    if (err.code === "drift_unavailable") {  // the model cannot feed a monitor: say why
+      table.replaceChildren();
+      state.textContent = "not available"; state.className = "drift-state off";
+      $("drift-message").textContent = err.detail;
+      return;
+    }
     state.textContent = "unavailable"; state.className = "drift-state error";
     $("drift-message").textContent = err.message;
   }
@@ -220,7 +401,13 @@ async function refreshDrift() {
 
 setupUpload();
 $("only-anomalous").addEventListener("change", refreshResults);
-refreshModel(); refreshResults(); refreshDrift();
+$("label-filter").addEventListener("change", refreshResults);
+$("model-select").addEventListener("change", selectModel);
+// the model list first: on a server of several models, every panel shows the selected one
+loadModels().finally(() => {
+  refreshModel(); refreshResults(); refreshDrift(); refreshOperatingPoint();
+});
 setInterval(refreshModel, 10000);
+setInterval(refreshOperatingPoint, 10000);  // the operating point and the model card
 setInterval(refreshResults, 3000);
 setInterval(refreshDrift, 5000);

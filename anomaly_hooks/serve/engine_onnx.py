@@ -1,0 +1,146 @@
+"""The ONNX engine of the service: an exported model (``anomaly-hooks export``, ``.onnx``) on
+:class:`~anomaly_hooks.runtime.OnnxDetector` -- ONNX Runtime, numpy and Pillow, no PyTorch
+(the edge service: ``anomaly-hooks serve --model m.onnx``; see :mod:`.engine` for the
+interface).
+
+It uses the runtime's public steps only: :meth:`~anomaly_hooks.runtime.OnnxDetector.load`
+(which verifies the file's checksum, metadata and graph before any image),
+:meth:`~anomaly_hooks.runtime.OnnxDetector.preprocess`,
+:meth:`~anomaly_hooks.runtime.OnnxDetector.run` and
+:meth:`~anomaly_hooks.runtime.OnnxDetector.heatmap`, so that a prediction of the service is the
+runtime's ``predict`` of the same image.
+
+Drift: the exported graph outputs the patch scores, the heatmap and the image score only -- not
+the tapped layers' channel means the drift monitor compares with its reference -- and the
+export holds no drift reference, so this engine feeds no monitor
+(:attr:`OnnxEngine.drift_unavailable` says why; ``/v1/drift`` answers it with a 409).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from anomaly_hooks.errors import ConfigError, ModelFileError
+from anomaly_hooks.serve.engine import ModelEngine
+from anomaly_hooks.serve.modelpaths import physical_memory
+
+# the service forms its batches itself (--max-batch): one session run per batch
+SESSION_BATCH = 1 << 16
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+def providers_for(device: Optional[str]) -> List[Any]:
+    """ONNX Runtime execution providers for the service's ``--device``: none or ``cpu`` -> the
+    CPU; ``cuda`` / ``cuda:N`` -> CUDA (device N), then the CPU; ``auto`` -> CUDA where this
+    ONNX Runtime has it, else the CPU.
+
+    Raises:
+        ConfigError: another device, or CUDA asked for where ONNX Runtime has no CUDA
+            provider (the ``onnxruntime-gpu`` package).
+    """
+    if device in (None, "", "cpu"):
+        return [CPU]
+    match = re.fullmatch(r"cuda(?::(\d+))?", str(device))
+    if device != "auto" and match is None:
+        raise ConfigError(f"--device {device!r}: an ONNX model runs on cpu, cuda, cuda:N or "
+                          "auto")
+    try:
+        import onnxruntime as ort
+
+        available = list(ort.get_available_providers())
+    except ImportError:  # OnnxDetector.load then says what to install
+        available = [CPU]
+    if CUDA not in available:
+        if device == "auto":
+            return [CPU]
+        raise ConfigError(f"--device {device}: this ONNX Runtime has no CUDA provider "
+                          f"(it has {', '.join(available)}); install onnxruntime-gpu, or "
+                          "serve on the cpu")
+    index = int(match.group(1)) if match is not None and match.group(1) else 0
+    return [(CUDA, {"device_id": index}), CPU]
+
+
+class OnnxEngine(ModelEngine):
+    """An exported model on ONNX Runtime (``.onnx``); no drift monitor."""
+
+    kind = "onnx"
+    drift_unavailable = (
+        "this is an exported ONNX model: its graph outputs the image score, the heatmap and "
+        "the patch scores, but not the tapped layers' statistics that the drift monitor "
+        "compares with its reference (nor does the export hold that reference), so this "
+        "service runs without a drift monitor; serve the .safetensors model where drift must "
+        "be watched")
+
+    @classmethod
+    def check_file(cls, path: Path) -> None:
+        """A file larger than this machine's memory is refused before it is read (the
+        runtime verifies the rest: its checksum covers every byte)."""
+        size = path.stat().st_size
+        memory = physical_memory()
+        if memory is not None and size > memory:
+            raise ModelFileError(f"{path}: {size:,} bytes, more than this machine's memory "
+                                 f"({memory:,} bytes); a model is loaded into memory whole")
+
+    @classmethod
+    def open_detector(cls, path: Path, device: Optional[str]) -> Any:
+        from anomaly_hooks.runtime import OnnxDetector
+
+        return OnnxDetector.load(path, providers=providers_for(device),
+                                 batch_size=SESSION_BATCH)
+
+    @property
+    def method(self) -> str:
+        return str(self.detector.method)
+
+    @property
+    def backbone_name(self) -> str:
+        return str(self.detector.model.backbone["name"])
+
+    def info(self) -> Dict[str, Any]:
+        det = self.detector
+        model = det.model
+        meta = det.meta
+        return {
+            **self._file_info(),
+            "method": det.method,
+            "backbone": {"name": model.backbone["name"], "weights": None,
+                         "class": model.backbone["class"]},
+            "layers": [layer["name"] for layer in model.layers],
+            "layer_info": [dict(layer) for layer in model.layers],
+            "input_size": list(self.input_size),
+            "preprocess": dict(model.preprocess),
+            "threshold": det.threshold_.as_dict(),
+            "fitted_on": None,  # not part of an export
+            "fit": {},
+            "device": ",".join(_provider_names(det.session.get_providers())),
+            "config": {},
+            "export": {"scorer_form": model.scorer_form, "grid": list(model.grid),
+                       "int8": model.int8, "checksum": model.checksum,
+                       "source_checksum": meta.get("source_checksum") or None,
+                       "anomaly_hooks_version": meta.get("anomaly_hooks_version"),
+                       "max_pixels": model.max_pixels},
+        }
+
+    def network_input(self, canonical: np.ndarray) -> np.ndarray:
+        return self.detector.preprocess(canonical)
+
+    def stack(self, tensors: List[Any]) -> np.ndarray:
+        return np.stack(list(tensors))
+
+    def heat_to_frame(self, heat: Any, size: Tuple[int, int], fill: float) -> np.ndarray:
+        # the runtime's own way back (its fill is the map's minimum, as the service's)
+        return self.detector.heatmap(np.asarray(heat), size)
+
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
+              ) -> Tuple[np.ndarray, Any]:
+        """As :meth:`ModelEngine.infer`; ``features`` stays empty (:attr:`drift_unavailable`)."""
+        scores, maps = self.detector.run(self.stack(tensors))
+        return np.asarray(scores).astype(np.float64), maps
+
+
+def _provider_names(providers: Sequence[Any]) -> List[str]:
+    return [p if isinstance(p, str) else str(p[0]) for p in providers]
