@@ -2,6 +2,7 @@
 a throw-away PostgreSQL server and the results stores."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -22,7 +23,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 warnings.filterwarnings("ignore", message="backbone.weights is null")
 
 # The suite builds the same seeded random backbones hundreds of times: hand out bit-identical
-# copies instead of re-running the init (~25 s of the quick suite; tests/test_detector.py checks
+# copies instead of re-running the init (~25 s of the quick suite; tests/test_backbones.py checks
 # that a copy equals a fresh build).
 from anomaly_hooks.backbones import keep_random_backbones  # noqa: E402
 
@@ -61,6 +62,69 @@ def wrn50() -> torch.nn.Module:
 
     torch.manual_seed(0)
     return torchvision.models.wide_resnet50_2(weights=None).eval()
+
+
+# ---- float tolerances -------------------------------------------------------------------
+F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23: the spacing of float32 numbers at 1.0
+
+
+def f32_tol(n_ops: int, scale: float = 1.0) -> float:
+    """A float32 tolerance derived from the computation: ``n_ops * F32_EPS * scale``.
+
+    Each float32 operation (add, multiply, divide, a conversion) rounds its result to the
+    nearest float32, a relative error of at most F32_EPS / 2. A chain of ``n_ops`` such roundings
+    on values of magnitude at most ``scale`` errs by at most ``n_ops * F32_EPS / 2 * scale``, so
+    two float32 implementations of the same formula (different order, fused or not) differ by at
+    most ``n_ops * F32_EPS * scale``, and a float32 result differs from a float64 reference by
+    at most half that. For a sum or dot product of ``n`` terms ``n_ops`` is ``n`` (the bound
+    of any summation order) and ``scale`` the sum of the terms' magnitudes.
+
+    Use it as ``atol`` with ``rtol=0`` and ``scale`` the largest magnitude involved, or with
+    ``scale=1`` as an ``rtol`` where every value has the same relative error.
+    """
+    return n_ops * F32_EPS * scale
+
+
+def resample_tolerance(in_size, value_range: float, max_abs: float) -> float:
+    """The largest difference two float32 implementations of one bilinear / antialiased resize
+    may show. Each computes the source coordinate ``scale * (dst + 0.5) - 0.5`` in its own
+    order and precision: the coordinates, hence the interpolation weights, may differ by a few
+    ulps of the input size (``2 eps (H + W)``); a weight error moves an output by at most that
+    error times the value range. The weighted sums then round each output by a few ulps of the
+    values (``8 eps max|x|``)."""
+    return F32_EPS * (2 * (in_size[0] + in_size[1]) * value_range + 8 * max_abs)
+
+
+def backbone_rtol(convolutions: int = 13, fan_in: int = 3 * 3 * 256) -> float:
+    """Relative tolerance for a score computed twice through a float32 backbone by different
+    kernels (another batch size or composition, another thread count or process, another
+    device): each of ``convolutions`` layers sums up to ``fan_in`` products in its own order.
+    Rounding errors of random sign grow as sqrt(fan_in) * eps per layer (the statistical
+    estimate: the worst case, fan_in * eps, needs every rounding to go the same way), and add
+    over the layers: ``convolutions * sqrt(fan_in) * F32_EPS``. The defaults are ResNet18's up
+    to layer3 (13 convolutions of at most 3 * 3 * 256 inputs): 7.4e-5."""
+    return convolutions * math.sqrt(fan_in) * F32_EPS
+
+
+def knn_distance_tol(queries: torch.Tensor, bank: torch.Tensor,
+                     dist: torch.Tensor) -> torch.Tensor:
+    """Absolute tolerances (``dist``'s shape ``[m, k]``) of float32 nearest-neighbour distances
+    of ``queries`` ``[m, D]`` to ``bank`` ``[N, D]`` against float64 ones (``dist``). The fast
+    form d**2 = |q|**2 + |b|**2 - 2 q.b (a D-term dot product, the norms, two additions: D + 3
+    roundings of magnitudes up to |q|**2 + |b|**2) errs in d**2 by at most E; the square root
+    makes that min(E / (2 d), sqrt(E)) in d (the second near d = 0), plus its own rounding."""
+    q, b, d = queries.double().cpu(), bank.double().cpu(), dist.double().cpu()
+    e = f32_tol(q.shape[1] + 3) * ((q ** 2).sum(1, keepdim=True) + (b ** 2).sum(1).max())
+    return torch.minimum(e / (2 * d), e.sqrt()) + f32_tol(1) * d
+
+
+F64_EPS = float(np.finfo(np.float64).eps)  # 2**-52
+F16_EPS = float(np.finfo(np.float16).eps)  # 2**-10
+
+
+def f64_tol(n_ops: int, scale: float = 1.0) -> float:
+    """``f32_tol`` for float64 computations: ``n_ops * F64_EPS * scale``."""
+    return n_ops * F64_EPS * scale
 
 
 def textured_images(n: int, size=(96, 112), seed: int = 0) -> list[np.ndarray]:
@@ -129,6 +193,20 @@ def rewrite_safetensors_header(src: Path, dst: Path, edit) -> None:
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     dst.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+
+
+@pytest.fixture(scope="session")
+def padim_file(fitted, tmp_path_factory) -> Path:
+    """The ``fitted`` detector saved (low-rank PaDiM, format 2); tests copy it, never edit it."""
+    return fitted.save(tmp_path_factory.mktemp("padim") / "padim.safetensors")
+
+
+def one_error_line(err: str) -> str:
+    """The single ``error:`` line of a command's stderr (no traceback, no second error)."""
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
 
 
 # ---- a throw-away PostgreSQL server (the PostgreSQL results-store tests) ---------------------

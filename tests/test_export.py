@@ -22,10 +22,12 @@ from conftest import textured_images, with_defect  # noqa: E402
 from anomaly_hooks import Detector  # noqa: E402
 from anomaly_hooks.errors import ExportError, ModelFileError, NotFittedError  # noqa: E402
 from anomaly_hooks.export import export_onnx  # noqa: E402
-from anomaly_hooks.export.onnx import INPUT  # noqa: E402
-from anomaly_hooks.runtime import OnnxDetector  # noqa: E402
 
-SCORE_RTOL, HEAT_TOL = 1e-4, 1e-3
+# the parity export itself enforces before it writes a file (docs/edge-onnx.md): a
+# specification, not a rounding bound -- ONNX Runtime's kernels against torch's through a whole
+# backbone differ by ~1e-6 relative (docs/benchmarks.md), far inside it
+from anomaly_hooks.export.onnx import HEAT_TOL, INPUT, SCORE_RTOL  # noqa: E402
+from anomaly_hooks.runtime import OnnxDetector  # noqa: E402
 
 MODELS = {
     "padim-lowrank": {"method": "padim", "padim": {"n_features": 40, "covariance": "lowrank"}},

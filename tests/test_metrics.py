@@ -9,6 +9,7 @@ from bisect import bisect
 
 import numpy as np
 import pytest
+from conftest import f64_tol
 from scipy import ndimage
 from sklearn.metrics import precision_recall_curve, roc_auc_score, roc_curve
 
@@ -85,7 +86,9 @@ def _brute_aupro(masks, maps, limit):
 # image level
 # --------------------------------------------------------------------------------------------
 def test_image_auroc_hand_computed():
-    assert M.image_auroc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) == pytest.approx(0.75, abs=1e-12)
+    # float64 sums of 4 pairs' counts, divided: a few roundings of numbers <= 1
+    assert M.image_auroc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) == pytest.approx(0.75,
+                                                                             abs=f64_tol(4))
     assert M.image_auroc([False, True], [0.2, 0.9]) == 1.0
     assert M.image_auroc([1, 0], [0.2, 0.9]) == 0.0
     assert M.image_auroc([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5]) == pytest.approx(0.5)
@@ -100,17 +103,20 @@ def test_image_metrics_match_sklearn(seed):
     labels = rng.random(n) < rng.uniform(0.1, 0.9)
     labels[:2] = [False, True]
     scores = np.round(rng.normal(size=n) + labels, int(rng.integers(0, 3)))   # many ties
+    # float64 on both sides: an AUROC sums at most n trapezoids of rates in [0, 1]; a rate is
+    # an integer count divided once (counts are exact); an F1 a few operations on two rates
+    tol = f64_tol(n)
     assert M.image_auroc(labels, scores) == pytest.approx(roc_auc_score(labels, scores),
-                                                          abs=1e-12)
+                                                          abs=tol)
     fpr, tpr, thr = M.roc_curve_points(labels.astype(int), scores)
     sk_fpr, sk_tpr, sk_thr = roc_curve(labels, scores, drop_intermediate=False)
-    np.testing.assert_allclose(fpr, sk_fpr, atol=1e-15)
-    np.testing.assert_allclose(tpr, sk_tpr, atol=1e-15)
+    np.testing.assert_allclose(fpr, sk_fpr, rtol=0, atol=f64_tol(1))
+    np.testing.assert_allclose(tpr, sk_tpr, rtol=0, atol=f64_tol(1))
     assert np.isinf(thr[0]) and np.array_equal(thr[1:], sk_thr[1:])
     best, t = M.f1_max(labels, scores)
-    assert best == pytest.approx(_sk_f1_max(labels, scores), abs=1e-12)
+    assert best == pytest.approx(_sk_f1_max(labels, scores), abs=f64_tol(8))
     p, r = M.precision_recall_at(labels, scores, t)
-    assert 2 * p * r / (p + r) == pytest.approx(best, abs=1e-12)
+    assert 2 * p * r / (p + r) == pytest.approx(best, abs=f64_tol(8))
 
 
 def test_f1_max_hand_computed():
@@ -143,13 +149,14 @@ def test_pixel_metrics_match_sklearn_on_concatenation(seed):
     masks = [m.astype(np.uint8) * (255 if seed % 2 else 1) for m in masks]   # 0/1 and 0/255
     labels = np.concatenate([m.ravel() > 0 for m in masks])
     scores = np.concatenate([a.ravel() for a in maps])
-    assert M.pixel_auroc(masks, maps) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+    tol = f64_tol(len(scores))  # n trapezoids of rates in [0, 1], as for images
+    assert M.pixel_auroc(masks, maps) == pytest.approx(roc_auc_score(labels, scores), abs=tol)
     best, t = M.pixel_f1_max(masks, maps)
-    assert best == pytest.approx(_sk_f1_max(labels, scores), abs=1e-12)
-    assert (best, t) == pytest.approx(M.f1_max(labels, scores), abs=1e-12)
+    assert best == pytest.approx(_sk_f1_max(labels, scores), abs=f64_tol(8))
+    assert (best, t) == pytest.approx(M.f1_max(labels, scores), abs=f64_tol(8))
     # defect-majority data takes the swapped-class path
     inv = [(m == 0) for m in masks]
-    assert M.pixel_auroc(inv, maps) == pytest.approx(roc_auc_score(~labels, scores), abs=1e-12)
+    assert M.pixel_auroc(inv, maps) == pytest.approx(roc_auc_score(~labels, scores), abs=tol)
 
 
 def test_pixel_auroc_stacked_array_and_perfect_and_constant():
@@ -190,15 +197,19 @@ def test_pro_hand_computed_4x4():
     amap[3, 3], amap[3, 2] = 0.6, 0.25
     fpr, pro = _brute_pro_curve([mask], [amap])
     # thresholds 0.9, 0.8, 0.6, 0.3, 0.25, 0.2, 0.1 (12 normal pixels)
-    np.testing.assert_allclose(fpr, [0, 0, 0, 1 / 12, 1 / 12, 2 / 12, 2 / 12, 1, 1])
-    np.testing.assert_allclose(pro, [0, .25, .5, .5, .75, .75, 1, 1, 1])
+    # counts divided (one rounding), overlaps averaged over one region (a few)
+    np.testing.assert_allclose(fpr, [0, 0, 0, 1 / 12, 1 / 12, 2 / 12, 2 / 12, 1, 1], rtol=0,
+                               atol=f64_tol(1))
+    np.testing.assert_allclose(pro, [0, .25, .5, .5, .75, .75, 1, 1, 1], rtol=0, atol=f64_tol(4))
     # the library's compact curve keeps a subset of these points (same polyline)
     points = set(zip(np.round(fpr, 12), np.round(pro, 12)))
     c_fpr, c_pro = M.pro_curve([mask], [amap])
     assert set(zip(np.round(c_fpr, 12), np.round(c_pro, 12))) <= points
     # area to FPR 0.3: 1/12 * 0.5 + 1/12 * 0.75 + (0.3 - 2/12) * 1
     expected = (1 / 12 * 0.5 + 1 / 12 * 0.75 + (0.3 - 2 / 12)) / 0.3
-    assert M.aupro([mask], [amap], fpr_limit=0.3) == pytest.approx(expected, abs=1e-12)
+    # 3 trapezoids of a few roundings each, divided by the limit
+    assert M.aupro([mask], [amap], fpr_limit=0.3) == pytest.approx(expected,
+                                                                   abs=f64_tol(16) / 0.3)
 
 
 def test_aupro_hand_computed_interpolated_segment():
@@ -257,7 +268,11 @@ def test_aupro_matches_brute_force(seed, limit):
                                  dtype=np.float64 if seed % 2 else np.float32)
     assert any(m.any() for m in masks)
     expected = _brute_aupro(masks, maps, limit)
-    assert M.aupro(masks, maps, fpr_limit=limit) == pytest.approx(expected, abs=1e-6)
+    # float64 areas: at most one trapezoid a pixel (a few roundings each, of numbers <= 1),
+    # then divided by the limit
+    n = sum(m.size for m in masks)
+    tol = f64_tol(4 * n) / limit
+    assert M.aupro(masks, maps, fpr_limit=limit) == pytest.approx(expected, abs=tol)
     # the compact curve is a subset of the brute-force points with the same area
     b_fpr, b_pro = _brute_pro_curve(masks, maps)
     c_fpr, c_pro = M.pro_curve(masks, maps)
@@ -265,11 +280,11 @@ def test_aupro_matches_brute_force(seed, limit):
     assert set(zip(np.round(c_fpr, 9), np.round(c_pro, 9))) <= points
     assert np.all(np.diff(c_fpr) >= 0) and c_fpr[0] == 0 and c_fpr[-1] == 1
     assert _official_trapezoid(c_fpr, c_pro, limit) == pytest.approx(
-        _official_trapezoid(b_fpr, b_pro, limit), abs=1e-9)
+        _official_trapezoid(b_fpr, b_pro, limit), abs=tol * limit)
     # one-pass pixel_metrics gives the same values as the separate functions
     allm = M.pixel_metrics(masks, maps, fpr_limit=limit)
     assert allm["aupro"] == M.aupro(masks, maps, fpr_limit=limit)
-    assert allm["pixel_auroc"] == pytest.approx(M.pixel_auroc(masks, maps), abs=1e-12)
+    assert allm["pixel_auroc"] == pytest.approx(M.pixel_auroc(masks, maps), abs=f64_tol(n))
     assert (allm["pixel_f1_max"], allm["pixel_f1_threshold"]) == M.pixel_f1_max(masks, maps)
     np.testing.assert_array_equal(allm["pro_curve"][0], c_fpr)
     np.testing.assert_array_equal(allm["pro_curve"][1], c_pro)

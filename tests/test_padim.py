@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import F16_EPS, f32_tol
+from gaussian_bounds import accumulation_tolerances, batches, mahalanobis_rtol, shifts_of_splits
 from scipy.spatial.distance import mahalanobis
 
 from anomaly_hooks.config import ConfigError, load_config
@@ -40,11 +42,14 @@ def test_streaming_mean_cov_equal_numpy(buffer_samples, device):
     chunks = list(acc.covariances())
     assert [lo for lo, _ in chunks] == [0]  # all 6 positions are in the first chunk
     cov = chunks[0][1].cpu()
+    # the accumulator's float32 roundings (gaussian_bounds), batches as fed
+    mean_tol, cov_tol = accumulation_tolerances(torch.from_numpy(x).permute(2, 0, 1),
+                                                shifts_of_splits(23, [5, 6, 15]))
     for p in range(x.shape[2]):
-        # the model keeps the mean in float32: float32 precision is what matters
-        np.testing.assert_allclose(acc.mean()[p].cpu().numpy(), x[:, :, p].mean(0), rtol=1e-7)
+        np.testing.assert_allclose(acc.mean()[p].cpu().numpy(), x[:, :, p].mean(0), rtol=0,
+                                   atol=mean_tol)
         ref = np.cov(x[:, :, p], rowvar=False)
-        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        assert np.all(np.abs(cov[p].numpy() - ref) <= cov_tol[p].numpy())
     with pytest.raises(RuntimeError, match="already computed"):
         list(acc.covariances())
     with pytest.raises(RuntimeError, match="already computed"):
@@ -63,9 +68,13 @@ def test_many_images_keep_float32_sums_accurate():
         acc.update(torch.from_numpy(x[lo:lo + 32]).float().permute(1, 0, 2))
     x32 = torch.from_numpy(x).float().double().numpy()
     cov = dict(acc.covariances())[0]
+    # the accumulator's float32 roundings (gaussian_bounds): the far-off first batch's mean is
+    # the shift, so the second moments about it (variance + 3 sd squared) set the scale
+    _, cov_tol = accumulation_tolerances(torch.from_numpy(x32).permute(1, 0, 2),
+                                         batches(2000, 32))
     for p in range(3):
         ref = np.cov(x32[:, p], rowvar=False)
-        np.testing.assert_allclose(cov[p].numpy(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        assert np.all(np.abs(cov[p].numpy() - ref) <= cov_tol[p].numpy())
 
 
 def test_accumulator_rejects_a_different_grid():
@@ -102,6 +111,16 @@ def _fit(emb: torch.Tensor, covariance: str, splits=(12,), begin: bool = True,
     return scorer
 
 
+def _distance_rtol(train: torch.Tensor, test: torch.Tensor, splits, ref: np.ndarray) -> np.ndarray:
+    """gaussian_bounds.mahalanobis_rtol for ``[N, D, h, w]`` embeddings fed in ``splits``,
+    as ``[T, h * w]`` like _reference's distances ``ref``."""
+    x = train.double().flatten(2).permute(2, 0, 1)
+    t = test.double().flatten(2).permute(2, 0, 1)
+    dist = torch.from_numpy(ref).t()
+    rtol = mahalanobis_rtol(x, t, shifts_of_splits(x.shape[1], splits), 0.01, dist)
+    return rtol.t().numpy()
+
+
 @pytest.mark.parametrize("covariance", ["dense", "lowrank", "auto"])
 def test_mahalanobis_equals_scipy(covariance, device):
     """23 images of 6 dimensions: more images than dimensions, every form still exact."""
@@ -110,7 +129,8 @@ def test_mahalanobis_equals_scipy(covariance, device):
     assert scorer.gaussians.kind == ("lowrank" if covariance == "lowrank" else "dense")
     test = _embeddings(n=3, seed=1)
     got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
-    np.testing.assert_allclose(got, _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (12,), ref) * ref)
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank"])
@@ -126,8 +146,9 @@ def test_fewer_images_than_dimensions(covariance, device):
     test = torch.cat([test, emb[3:4]])  # a training image too (small distances)
     scorer = _fit(emb, covariance, splits=(4, 5), device=device)
     got = scorer.score(test.float().to(device)).flatten(1).cpu().numpy()
-    rtol = 2e-5 if covariance == "lowrank" else 2e-3
-    np.testing.assert_allclose(got, _reference(emb.float(), test.float()), rtol=rtol)
+    ref = _reference(emb.float(), test.float())
+    rtol = _distance_rtol(emb.float().double(), test.float().double(), (4, 5), ref)
+    assert np.all(np.abs(got - ref) <= rtol * ref)
 
 
 def test_auto_picks_lowrank_for_few_images_and_dense_for_many():
@@ -150,8 +171,9 @@ def test_auto_without_begin_switches_to_dense_when_the_images_outnumber_lowrank(
     small = _fit(emb[:8], "auto", splits=(3,), begin=False)
     assert small.gaussians.kind == "lowrank"
     test = _embeddings(n=2, d=20, seed=4)
-    np.testing.assert_allclose(switched.score(test.float()).flatten(1).numpy(),
-                               _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    got = switched.score(test.float()).flatten(1).numpy()
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (5, 8, 20), ref) * ref)
 
 
 def test_sample_store_grows_and_keeps_every_sample():
@@ -177,8 +199,9 @@ def test_fewer_images_than_announced():
     assert scorer.gaussians.kind == "lowrank" and scorer.gaussians.y.shape[1] == 10
     assert scorer.gaussians.y.is_contiguous()
     test = _embeddings(n=2, d=30, seed=6)
-    np.testing.assert_allclose(scorer.score(test.float()).flatten(1).numpy(),
-                               _reference(emb, test), rtol=2e-4)
+    ref = _reference(emb, test)
+    got = scorer.score(test.float()).flatten(1).numpy()
+    assert np.all(np.abs(got - ref) <= _distance_rtol(emb, test, (), ref) * ref)
     with pytest.raises(RuntimeError, match="already fitted"):
         scorer.partial_fit(emb.float())
 
@@ -204,7 +227,14 @@ def test_inverse_cholesky_equals_float64_lapack(m, device):
     got = inverse_cholesky(gram.to(device)).cpu()
     ref = _inverse_factor64(gram)
     assert bool((got.triu(1) == 0).all())
-    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
+    # normwise first-order bounds: the float32 factorisation's backward error (m + 1 roundings
+    # of |G|) moves C by |dC| / |C| <= kappa(G) m eps (Sun); the inversion, X = C^-1, moves by
+    # |X| kappa(C) times that, plus its own m roundings: |dX| <= f32_tol(2 m, kappa(G)^1.5) |X|
+    # with kappa(C) = sqrt(kappa(G)) and |X| = 1 / sqrt(lambda_min) (2-norms, bounding entries)
+    lam = torch.linalg.eigvalsh(gram.double())
+    kappa = lam[:, -1] / lam[:, 0]
+    atol = float((f32_tol(2 * m) * kappa ** 1.5 / lam[:, 0].sqrt()).max())
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=atol)
 
 
 def test_inverse_cholesky_falls_back_to_float64_and_refuses_what_is_not_positive_definite():
@@ -262,6 +292,7 @@ def test_subset_before_upsampling_equals_after():
 
 def test_float16_factors_score_close_to_float32(device):
     emb = _embeddings(n=40, d=8, h=4, w=4).float().to(device)
+    test = _embeddings(n=3, d=8, h=4, w=4, seed=2).float()
     layers = [LayerInfo("a", 8, 4)]
     scores = {}
     for dtype in ("float32", "float16"):
@@ -270,9 +301,25 @@ def test_float16_factors_score_close_to_float32(device):
         scorer.partial_fit(emb)
         scorer.finalize()
         assert scorer.gaussians.chol.dtype == getattr(torch, dtype)
-        scores[dtype] = scorer.score(_embeddings(n=3, d=8, h=4, w=4, seed=2).float()
-                                     .to(device)).cpu()
-    torch.testing.assert_close(scores["float16"], scores["float32"], rtol=2e-3, atol=1e-3)
+        scores[dtype] = scorer.score(test.to(device)).cpu()
+    # the factor's entries rounded to float16 (relative F16_EPS / 2 each), then solved in
+    # float32: first order, d**2 = |L^-1 v|**2 moves by 2 |z^T L^-1 dL z| <= F16_EPS |w|^T |L| |z|
+    # (z = L^-1 v, w = L^-T z, from the float64 fit), d by that over 2 d; plus both paths'
+    # float32 roundings (gaussian_bounds.mahalanobis_rtol)
+    x = emb.double().cpu().flatten(2).permute(2, 0, 1)  # [P, n, D]
+    t = test.double().cpu().flatten(2).permute(2, 0, 1)  # [P, T, D]
+    mean = x.mean(dim=1, keepdim=True)
+    centred = x - mean
+    chol = torch.linalg.cholesky(centred.transpose(1, 2) @ centred / (x.shape[1] - 1)
+                                 + 0.01 * torch.eye(8, dtype=torch.float64))
+    v = (t - mean).transpose(1, 2)
+    z = torch.linalg.solve_triangular(chol, v, upper=False)
+    w = torch.cholesky_solve(v, chol)
+    d64 = z.norm(dim=1)  # [P, T]
+    half = F16_EPS * (w.abs() * (chol.abs() @ z.abs())).sum(1) / (2 * d64 ** 2)
+    rtol = half + 2 * mahalanobis_rtol(x, t, [(0, x.shape[1])], 0.01, d64)
+    got, ref = scores["float16"].double().flatten(1).t(), scores["float32"].double().flatten(1).t()
+    assert bool(((got - ref).abs() <= rtol * ref).all())
 
 
 def test_fit_under_inference_mode_then_finalize_outside():

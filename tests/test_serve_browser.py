@@ -193,7 +193,8 @@ def test_operator_page_model_selector(chromium, fitted, tmp_path):
                 page.set_input_files("#file", str(upload))
                 page.wait_for_selector("#verdict[data-state]", timeout=60000)
                 shown = float(page.inner_text("#r-threshold"))
-                assert shown == pytest.approx(3 * fitted.threshold_.value, rel=1e-3)
+                # shown with 4 significant digits: within half a unit of the 4th
+                assert shown == pytest.approx(3 * fitted.threshold_.value, rel=5e-4)
                 page.wait_for_function("document.querySelectorAll('#recent tr').length === 1")
                 assert "line-b" in page.inner_text("#model-id") or \
                     page.inner_text("#model-id").startswith("padim-")

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import textured_images, with_defect
+from conftest import backbone_rtol, f32_tol, textured_images, with_defect
 from PIL import Image
 from serve_helpers import encode
 
@@ -34,10 +34,13 @@ def test_engine_matches_detector_predict(engine, fitted):
                             thumb_side=64)
         verdict = out.verdict
         assert isinstance(verdict, Verdict)  # the library's one verdict record
-        assert verdict.score == pytest.approx(exp.score, rel=1e-5)
+        # the engine's batch against predict's: other kernels in the backbone
+        assert verdict.score == pytest.approx(exp.score, rel=backbone_rtol())
         assert verdict.is_anomalous == exp.is_anomalous
         assert verdict.threshold == exp.threshold
-        assert verdict.normalized_score == pytest.approx(exp.normalized_score, rel=1e-4)
+        # normalize is a logistic of (score - value) / scale: its slope is at most 1 / 4
+        slack = backbone_rtol() * exp.score / (4 * fitted.threshold_.scale)
+        assert verdict.normalized_score == pytest.approx(exp.normalized_score, rel=0, abs=slack)
         assert abs(verdict.anomalous_pixels - int(exp.mask.sum())) <= max(2,
                                                                            exp.mask.size // 1000)
         assert (item.height, item.width) == exp.heatmap.shape
@@ -62,8 +65,11 @@ def test_engine_taps_channel_means_without_changing_scores(engine, fitted):
     assert list(features) == list(reference) == fitted.layers
     for name, feat in reference.items():
         assert features[name].dtype == np.float32 and features[name].shape == feat.shape[:2]
+        # the same forward pass, then a float32 mean of h * w values: n * F32_EPS / 2 times the
+        # mean of their magnitudes
+        hw = feat.shape[2] * feat.shape[3]
         np.testing.assert_allclose(features[name], feat.double().mean(dim=(2, 3)).numpy(),
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=0, atol=f32_tol(hw, float(feat.abs().mean((2, 3)).max())))
 
 
 def test_engine_overlay_is_capped_and_rendered_only_when_asked(engine):

@@ -1,0 +1,721 @@
+"""Model files: save and load (round trip, checksum, format versions, stored configs), damaged
+and hostile files (flipped bytes, truncation, absurd headers, pickles), forged files whose
+checksum verifies but whose content does not hold together, atomic saves under faults and
+SIGKILL, and fuzzing of the reader. Everything runs on the CPU with a random-init ResNet18
+(conftest.small_cfg); every file lives under tmp_path."""
+from __future__ import annotations
+
+import builtins
+import os
+import pickle
+import random
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from conftest import (
+    ROOT,
+    one_error_line,
+    rewrite_safetensors_header,
+    safetensors_header,
+    textured_images,
+    with_defect,
+)
+from fuzzing import fuzz_settings, mutate, mutation
+from hypothesis import given
+from hypothesis import strategies as st
+from image_files import good_rgb, png_bytes
+from safetensors.torch import save_file
+
+from anomaly_hooks import Detector, modelfile
+from anomaly_hooks.cli import main
+from anomaly_hooks.modelfile import (
+    FORMAT_VERSION,
+    ModelFileError,
+    checksum,
+    load_model,
+    save_model,
+)
+
+
+@pytest.fixture(scope="module")
+def dense_padim_file(small_cfg, tmp_path_factory) -> Path:
+    det = Detector.from_config(small_cfg, padim__covariance="dense")
+    det.fit(textured_images(8), progress=False)
+    return det.save(tmp_path_factory.mktemp("dense") / "padim.safetensors")
+
+
+@pytest.fixture(scope="module")
+def patchcore_file(small_cfg, tmp_path_factory) -> Path:
+    det = Detector.from_config(small_cfg, method="patchcore", patchcore__coreset_ratio=0.5,
+                               patchcore__knn_backend="torch")
+    det.fit(textured_images(8), progress=False)
+    return det.save(tmp_path_factory.mktemp("patchcore") / "patchcore.safetensors")
+
+
+# ---- saving and loading ------------------------------------------------------------------
+def test_model_roundtrip_and_checksum_is_verified(padim_file, fitted, tmp_path):
+    img = with_defect(textured_images(1, seed=5)[0])
+    loaded = Detector.load(padim_file, method="padim")
+    a, b = fitted.predict(img), loaded.predict(img)
+    assert a.score == b.score and np.array_equal(a.heatmap, b.heatmap)
+    _, header = safetensors_header(padim_file)
+    meta = header["__metadata__"]
+    tensors, _ = load_model(padim_file)
+    assert meta["checksum"] == checksum(meta["meta"], tensors)
+
+
+def test_saved_model_has_ordinary_permissions(padim_file):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (padim_file.stat().st_mode & 0o777) == (0o666 & ~mask)
+
+
+def test_model_files_record_the_oldest_format_that_holds_them(padim_file, dense_padim_file,
+                                                               patchcore_file):
+    """Dense PaDiM and PatchCore files stay format 1 (older readers open them); low-rank PaDiM
+    needs format 2."""
+    versions = {p: safetensors_header(p)[1]["__metadata__"]["format_version"]
+                for p in (padim_file, dense_padim_file, patchcore_file)}
+    assert versions == {padim_file: "2", dense_padim_file: "1", patchcore_file: "1"}
+    assert FORMAT_VERSION == 2
+
+
+def test_newer_format_version_refused(padim_file, tmp_path):
+    newer = tmp_path / "newer.safetensors"
+    rewrite_safetensors_header(padim_file, newer, lambda h: h["__metadata__"].update(
+        format_version=str(FORMAT_VERSION + 1)))
+    with pytest.raises(ModelFileError, match="newer anomaly_hooks.*upgrade"):
+        Detector.load(newer)
+    for bogus in ("0", "-1", "abc", ""):
+        odd = tmp_path / "odd.safetensors"
+        rewrite_safetensors_header(padim_file, odd,
+                       lambda h, v=bogus: h["__metadata__"].update(format_version=v))
+        with pytest.raises(ModelFileError):
+            Detector.load(odd)
+    # the rewrite itself is sound: the same header rewritten with the current version loads
+    same = tmp_path / "same.safetensors"
+    rewrite_safetensors_header(padim_file, same, lambda h: None)
+    assert Detector.load(same).is_fitted
+
+
+def test_patchcore_file_refused_as_padim(patchcore_file, padim_file):
+    with pytest.raises(ModelFileError, match="is a patchcore model, but a padim model"):
+        Detector.load(patchcore_file, method="padim")
+    with pytest.raises(ModelFileError, match="is a padim model, but a patchcore model"):
+        Detector.load(padim_file, method="patchcore")
+    assert Detector.load(patchcore_file, method="patchcore").is_fitted
+
+
+def test_user_config_interpolations_are_stored_resolved(small_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("AH_MODELS", str(tmp_path))
+    det = Detector.from_config({**small_cfg, "output": "${oc.env:AH_MODELS}/m.safetensors"})
+    det.fit(textured_images(8), progress=False)
+    _, meta = load_model(det.save(tmp_path / "m.safetensors"))
+    assert meta["config"]["output"] == f"{tmp_path}/m.safetensors"
+
+
+def test_stored_config_is_read_with_no_interpolation(padim_file, tmp_path, monkeypatch):
+    """A stored config is plain values: a '${...}' in it (a forged file, or a literal string
+    in the fitted config) stays text on load, never reads the environment or other keys."""
+    monkeypatch.setenv("AH_SECRET", "leaked")
+    tensors, meta = load_model(padim_file)
+    meta["config"]["output"] = "${oc.env:AH_SECRET}/m.safetensors"
+    meta["config"]["threshold"]["folder"] = "\\\\${threshold.quantile}"
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    det = Detector.load(forged)
+    assert det.cfg.output == "${oc.env:AH_SECRET}/m.safetensors"
+    assert det.cfg.threshold.folder == "\\\\${threshold.quantile}"
+    resaved = Detector.load(det.save(tmp_path / "again.safetensors"))
+    assert resaved.cfg.output == det.cfg.output
+    assert resaved.cfg.threshold.folder == det.cfg.threshold.folder
+
+
+def test_model_file_is_opened_once_and_survives_concurrent_replacement(padim_file, fitted,
+                                                                       tmp_path):
+    """Header and tensors come from one open file: replacing the file atomically while it is
+    being loaded gives one version or the other, never a false 'checksum mismatch'."""
+    det_b = Detector.from_config(fitted.cfg)
+    det_b.fit(textured_images(12, seed=7), progress=False)
+    versions = [padim_file.read_bytes(), det_b.save(tmp_path / "b.safetensors").read_bytes()]
+    target = tmp_path / "m.safetensors"
+    target.write_bytes(versions[0])
+    stop = threading.Event()
+
+    def replace_forever() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            tmp = tmp_path / f".m.{i}.tmp"
+            tmp.write_bytes(versions[i % 2])
+            os.replace(tmp, target)
+
+    thread = threading.Thread(target=replace_forever)
+    thread.start()
+    try:
+        for _ in range(40):
+            tensors, meta = load_model(target)
+            assert meta["threshold"]["value"] in (fitted.threshold_.value,
+                                                   det_b.threshold_.value)
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ---- damaged files -----------------------------------------------------------------------
+def test_flipped_bytes_in_tensor_data(padim_file, tmp_path):
+    raw = bytearray(padim_file.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    rng = random.Random(0)
+    for trial in range(5):
+        data = bytearray(raw)
+        pos = rng.randrange(8 + n, len(raw))
+        data[pos] ^= 1 << rng.randrange(8)
+        bad = tmp_path / f"flip{trial}.safetensors"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ModelFileError, match="checksum mismatch") as err:
+            Detector.load(bad)
+        assert str(bad) in str(err.value)
+
+
+def test_flipped_bytes_in_header(padim_file, tmp_path):
+    raw = padim_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8:8 + n]
+    positions = [0, 3, 7]  # the length prefix
+    positions += [8 + header.index(b'"checksum"') + 14, 8 + header.index(b'"data_offsets"') + 17,
+                  8 + header.index(b'"format_version"') + 18, 8 + header.index(b'"dtype"') + 9]
+    positions += [8 + header.index(b'\\"threshold\\"') + 20, 8, 8 + n - 1]
+    rng = random.Random(1)
+    positions += [rng.randrange(8, 8 + n) for _ in range(10)]
+    for i, pos in enumerate(positions):
+        data = bytearray(raw)
+        data[pos] ^= 0x01 if i % 2 else 0x20
+        if bytes(data) == raw:
+            continue
+        bad = tmp_path / f"hdr{i}.safetensors"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ModelFileError) as err:
+            Detector.load(bad)
+        assert str(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 100, "header", "half", "minus1"])
+def test_truncated_model_file(padim_file, tmp_path, keep):
+    raw = padim_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    size = {"header": 8 + n, "half": len(raw) // 2, "minus1": len(raw) - 1}.get(keep, keep)
+    bad = tmp_path / "trunc.safetensors"
+    bad.write_bytes(raw[:size])
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(bad)
+    assert str(bad) in str(err.value)
+
+
+def test_garbage_files_are_refused(tmp_path):
+    for name, data in (("text", b"hello, I am not a model"), ("zeros", bytes(4096)),
+                       ("png", png_bytes(good_rgb()))):
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(data)
+        with pytest.raises(ModelFileError, match="not an anomaly_hooks model file|too short"):
+            Detector.load(bad)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h["a"].update(shape=[3, 5]), "do not fit shape"),
+    (lambda h: h["a"].update(data_offsets=[0, 10 ** 9]), "do not fit shape"),
+    (lambda h: h["a"].update(shape=[10 ** 8], data_offsets=[0, 4 * 10 ** 8]), "past the end"),
+    (lambda h: h["a"].update(dtype="Q99"), "malformed header entry"),
+    (lambda h: h["a"].pop("data_offsets"), "malformed header entry"),
+])
+def test_reader_checks_offsets_before_reading(tmp_path, edit, message):
+    """The loader reads each tensor straight into an owned buffer: an entry whose offsets do not
+    match its shape, point past the file, or name an unknown dtype is refused before any read."""
+    good = save_model(tmp_path / "m.safetensors",
+                      {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                       "b": torch.tensor([1, 2], dtype=torch.int64)}, {"x": 1})
+    tensors, meta = load_model(good)
+    assert torch.equal(tensors["a"], torch.arange(12.0).reshape(3, 4)) and meta["x"] == 1
+    assert tensors["a"].data_ptr() % 64 == 0  # owned, aligned memory
+    bad = tmp_path / "bad.safetensors"
+    rewrite_safetensors_header(good, bad, edit)
+    with pytest.raises(ModelFileError, match=message):
+        load_model(bad)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h[_first_tensor(h)].update(shape=[2 ** 63]), "do not fit shape"),
+    (lambda h: h[_first_tensor(h)].update(shape=[2 ** 40, 2 ** 40, 2 ** 40]),
+     "do not fit shape"),
+    (lambda h: h[_first_tensor(h)].update(shape=[1.5]), "malformed header entry"),
+    (lambda h: h[_first_tensor(h)].update(shape=[True]), "malformed header entry"),
+    (lambda h: h[_first_tensor(h)].update(data_offsets=["0", "4"]), "malformed header entry"),
+    (lambda h: h.update(x=[[[[]]]]), "malformed header entry"),
+    (lambda h: h["__metadata__"].update(format_version=7), "metadata values must be strings"),
+])
+def test_absurd_header_entries_are_model_file_errors(padim_file, tmp_path, edit, message):
+    bad = tmp_path / "bad.safetensors"
+    rewrite_safetensors_header(padim_file, bad, edit)
+    with pytest.raises(ModelFileError, match=message) as err:
+        load_model(bad)
+    assert str(bad) in str(err.value)
+
+
+def _first_tensor(header: dict) -> str:
+    return next(k for k in sorted(header) if k != "__metadata__")
+
+
+def test_deeply_nested_json_is_a_model_file_error(tmp_path):
+    blob = (b"[" * 200_000 + b"]" * 200_000)
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(ModelFileError, match="header is not valid JSON"):
+        load_model(path)
+    meta = {"format": "anomaly_hooks", "format_version": "1",
+            "meta": "[" * 100_000 + "]" * 100_000, "checksum": ""}
+    tensors = {"x": torch.zeros(2)}
+    meta["checksum"] = checksum(meta["meta"], tensors)
+    save_file(tensors, str(tmp_path / "deep_meta.safetensors"), metadata=meta)
+    with pytest.raises(ModelFileError, match="metadata is not valid JSON"):
+        load_model(tmp_path / "deep_meta.safetensors")
+
+
+def test_unreadable_or_odd_model_paths_are_model_file_errors(padim_file, tmp_path,
+                                                             monkeypatch):
+    with pytest.raises(ModelFileError, match=f"{tmp_path}: is a folder, not a model file"):
+        load_model(tmp_path)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelFileError, match=r"not a regular file \(a FIFO\), not a model file"):
+        load_model(fifo)  # refused without opening: never blocks
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == str(padim_file):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(padim_file)
+    assert str(err.value) == f"{padim_file}: cannot read the model file (Permission denied)"
+
+
+# ---- forged files ------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this creates the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _forge(path: Path, metadata: dict, tensors: dict | None = None) -> None:
+    save_file(tensors or {"x": torch.zeros(2)}, str(path), metadata=metadata)
+
+
+def test_pickle_payloads_never_run(tmp_path, padim_file, capsys):
+    marker = tmp_path / "MARKER_code_ran"
+    payload = _Payload(str(marker))
+    assert pickle.loads(pickle.dumps(payload)) is None and marker.exists()  # the payload works
+    marker.unlink()
+
+    files = {}
+    files["torch_save"] = tmp_path / "torch_save.safetensors"
+    torch.save({"state": payload, "w": torch.zeros(3)}, files["torch_save"])
+    files["torch_save_legacy"] = tmp_path / "torch_legacy.safetensors"
+    torch.save({"state": payload}, files["torch_save_legacy"], _use_new_zipfile_serialization=False)
+    files["raw_pickle"] = tmp_path / "raw_pickle.safetensors"
+    files["raw_pickle"].write_bytes(pickle.dumps(payload, protocol=2))
+    # a pickle behind a plausible length prefix
+    blob = pickle.dumps(payload)
+    files["prefixed_pickle"] = tmp_path / "prefixed.safetensors"
+    files["prefixed_pickle"].write_bytes(struct.pack("<Q", len(blob)) + blob)
+    # safetensors files whose metadata carries a pickle
+    pickled_text = pickle.dumps(payload, protocol=0).decode("latin-1")
+    files["meta_pickle"] = tmp_path / "meta_pickle.safetensors"
+    _forge(files["meta_pickle"], {"format": "anomaly_hooks", "format_version": "1",
+                                  "meta": pickled_text, "checksum": "0" * 64})
+    # ... even with a checksum that matches it (the checksum is no signature)
+    t = {"x": torch.zeros(2)}
+    files["meta_pickle_valid_checksum"] = tmp_path / "meta_pickle_ck.safetensors"
+    _forge(files["meta_pickle_valid_checksum"],
+           {"format": "anomaly_hooks", "format_version": "1", "meta": pickled_text,
+            "checksum": checksum(pickled_text, t)}, t)
+    # a real model with an extra metadata key holding a pickle
+    files["extra_key"] = tmp_path / "extra_key.safetensors"
+    rewrite_safetensors_header(padim_file, files["extra_key"],
+                   lambda h: h["__metadata__"].update(pickle=pickled_text))
+
+    for name, path in files.items():
+        with pytest.raises(ModelFileError) as err:
+            Detector.load(path)
+        assert str(path) in str(err.value), name
+        assert main(["score", "--model", str(path), str(tmp_path), "--out",
+                     str(tmp_path / "o")]) == 2, name
+        one_error_line(capsys.readouterr().err)
+        with pytest.raises(ModelFileError):
+            load_model(path)
+    assert not marker.exists(), "code from a model file ran"
+
+
+@pytest.mark.parametrize("case", [
+    "bad_channel_idx",
+    "no_config",
+    "config_unknown_key",
+    "no_threshold",
+    "layers_not_dicts",
+    "scorer_meta_null",
+    "lowrank_y_wrong_shape",
+    "lowrank_cinv_wrong_dtype",
+    "lowrank_y_missing",
+    "unknown_covariance_form",
+    "dense_meta_on_lowrank_tensors",
+])
+def test_forged_file_with_valid_checksum_is_refused_on_load(case, padim_file, tmp_path):
+    """A file written through save_model (so its checksum verifies) whose content does not fit
+    together: refused by Detector.load with ModelFileError, never a raw error, never later."""
+    tensors, meta = load_model(padim_file)
+    if case == "bad_channel_idx":
+        tensors["embed.channel_idx"] = tensors["embed.channel_idx"] + 10_000
+    elif case == "no_config":
+        del meta["config"]
+    elif case == "config_unknown_key":
+        meta["config"]["bogus"] = 1
+    elif case == "no_threshold":
+        del meta["threshold"]
+    elif case == "layers_not_dicts":
+        meta["layers"] = "layer1"
+    elif case == "scorer_meta_null":
+        meta["scorer"] = None
+    elif case == "lowrank_y_wrong_shape":
+        tensors["padim.lowrank_y"] = tensors["padim.lowrank_y"][:10].clone()
+    elif case == "lowrank_cinv_wrong_dtype":
+        tensors["padim.lowrank_cinv"] = tensors["padim.lowrank_cinv"].double()
+    elif case == "lowrank_y_missing":
+        del tensors["padim.lowrank_y"]
+    elif case == "unknown_covariance_form":
+        meta["scorer"]["covariance"] = "diagonal"
+    else:
+        meta["scorer"]["covariance"] = "dense"
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(forged).predict(textured_images(1)[0])
+    assert str(forged) in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["chol_wrong_shape", "chol_int", "mean_float64",
+                                  "lowrank_meta_on_dense_tensors"])
+def test_forged_dense_file_with_valid_checksum_is_refused_on_load(case, dense_padim_file,
+                                                                   tmp_path):
+    tensors, meta = load_model(dense_padim_file)
+    assert meta["scorer"]["covariance"] == "dense"
+    if case == "chol_wrong_shape":
+        tensors["padim.chol"] = tensors["padim.chol"][:10].clone()
+    elif case == "chol_int":
+        tensors["padim.chol"] = tensors["padim.chol"].int()
+    elif case == "mean_float64":
+        tensors["padim.mean"] = tensors["padim.mean"].double()
+    else:
+        meta["scorer"]["covariance"] = "lowrank"
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(forged).predict(textured_images(1)[0])
+    assert str(forged) in str(err.value)
+
+
+def _both_preprocess(**changes):
+    """An edit of the preprocessing in the metadata and in the config it is built from."""
+    def edit(meta: dict) -> None:
+        meta["preprocess"].update(changes)
+        meta["config"]["preprocess"].update(changes)
+    return edit
+
+
+def _threshold(**changes):
+    return lambda meta: meta["threshold"].update(changes)
+
+
+_DISTANCE = "expected a finite number > 0 (image scores are distances >= 0)"
+
+
+_STD = "expected three finite numbers >= 1.18e-38 (the smallest normal float32)"
+
+
+_PIXELS = "expected an integer in 1..1099511627776"
+
+
+FORGED_VALUES = {
+    "threshold_inf": (_threshold(value=float("inf")), f"threshold.value = inf: {_DISTANCE}"),
+    "threshold_minus_inf": (_threshold(value=float("-inf")),
+                            f"threshold.value = -inf: {_DISTANCE}"),
+    "threshold_minus_1e9": (_threshold(value=-1e9),
+                            f"threshold.value = -1000000000.0: {_DISTANCE}"),
+    "threshold_nan": (_threshold(value=float("nan")), f"threshold.value = nan: {_DISTANCE}"),
+    "threshold_zero": (_threshold(value=0), f"threshold.value = 0: {_DISTANCE}"),
+    "threshold_string": (_threshold(value="1.5"), f"threshold.value = '1.5': {_DISTANCE}"),
+    "scale_zero": (_threshold(scale=0.0), "threshold.scale = 0.0: expected a finite number > 0"),
+    "scale_inf": (_threshold(scale=float("inf")),
+                  "threshold.scale = inf: expected a finite number > 0"),
+    "std_zero": (_both_preprocess(std=[0.0, 0.0, 0.0]), f"preprocess.std[0] = 0.0: {_STD}"),
+    "std_nan_in_config": (lambda m: m["config"]["preprocess"].update(std=[0.2, float("nan"),
+                                                                          0.2]),
+                          f"config.preprocess.std[1] = nan: {_STD}"),
+    "mean_two_values": (_both_preprocess(mean=[0.5, 0.5]),
+                        "preprocess.mean = [0.5, 0.5]: expected three finite float32 numbers"),
+    "resize_20000": (_both_preprocess(resize=[20000, 20000]),
+                     "preprocess.resize = [20000, 20000]: expected [height, width], integers "
+                     "in 1..8192"),
+    "preprocess_not_the_config": (lambda m: m["preprocess"].update(crop=None),
+                                  "preprocess = {'crop': None, "),
+    "max_pixels_zero": (lambda m: m["config"]["data"].update(max_pixels=0),
+                        f"config.data.max_pixels = 0: {_PIXELS}"),
+    "max_pixels_1e24": (lambda m: m["config"]["data"].update(max_pixels=10 ** 24),
+                        f"config.data.max_pixels = {10 ** 24}: {_PIXELS}"),
+    "layers_nested": (lambda m: m.update(layers=[[[["layer1"]]]]),
+                      "layers[0] = [[['layer1']]]: expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_VALUES))
+def test_forged_values_with_valid_checksum_are_refused_naming_the_field(case, padim_file,
+                                                                        tmp_path, capsys):
+    """Values that would decide every image the same way or fail at the first predict (a NaN,
+    infinite or non-positive threshold or scale, a zero std, absurd sizes): refused by the
+    reader, the loader and ``score`` (exit 2), naming the field."""
+    edit, message = FORGED_VALUES[case]
+    tensors, meta = load_model(padim_file)
+    edit(meta)
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    for load in (load_model, Detector.load):
+        with pytest.raises(ModelFileError) as err:
+            load(forged)
+        assert str(err.value).startswith(f"{forged}: {message}")
+    assert main(["score", "--model", str(forged), str(tmp_path), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert one_error_line(capsys.readouterr().err).startswith(f"error: {forged}: {message}")
+
+
+def test_deep_stored_config_is_a_model_file_error(padim_file, tmp_path):
+    tensors, meta = load_model(padim_file)
+    deep: list = []
+    node = deep
+    for _ in range(900):
+        node.append([])
+        node = node[0]
+    meta["config"]["backbone"]["layers"] = deep
+    forged = save_model(tmp_path / "deep.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError, match="inconsistent model file .*nested more than 32"):
+        Detector.load(forged)
+
+
+# ---- atomic saves ------------------------------------------------------------------------
+KILLER = r"""
+import os, shutil, signal, sys
+import torch
+torch.set_num_threads(1)
+import safetensors.torch as st
+from anomaly_hooks import Detector, modelfile
+det = Detector.load(sys.argv[1])
+old, out = sys.argv[2], sys.argv[3]
+
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(point):
+    if point == "mid-write":  # the temp file holds half of what safetensors writes
+        real = st.save_file
+        def half(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            os.truncate(filename, os.path.getsize(filename) // 2)
+            die()
+        st.save_file = half
+    elif point == "written":  # complete temp file, header not yet canonical
+        modelfile._canonicalise_header = die
+    elif point == "unsynced":  # before the temp file's fsync
+        os.fsync = die
+    elif point == "before-rename":
+        os.replace = die
+    elif point == "after-rename":  # renamed, folder not yet synced
+        real_replace = os.replace
+        def then_die(src, dst):
+            real_replace(src, dst)
+            die()
+        os.replace = then_die
+
+
+print("ready", flush=True)
+for line in sys.stdin:
+    point, existing = line.split()
+    if os.path.exists(out):
+        os.unlink(out)
+    if existing == "1":
+        shutil.copyfile(old, out)
+    pid = os.fork()
+    if pid == 0:
+        kill_at(point)
+        det.save(out)
+        os._exit(3)  # never reached when the kill point is hit
+    print(os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+KILL_POINTS = ["mid-write", "written", "unsynced", "before-rename", "after-rename"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_each_step_of_a_save_never_leaves_a_broken_model(padim_file,
+                                                                    dense_padim_file, tmp_path):
+    """SIGKILL of a saving process at each step of the atomic save, deterministically (the
+    process kills itself at that step), with and without a model already at the path: before
+    the rename the path holds exactly the old model (or nothing), after it exactly the new one;
+    a leftover is only ever a hidden ``.tmp`` file, never a ``.safetensors`` path."""
+    out_dir = tmp_path / "models"
+    out_dir.mkdir()
+    out = out_dir / "model.safetensors"
+    new, old = padim_file.read_bytes(), dense_padim_file.read_bytes()  # saves are byte-identical
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(padim_file), str(dense_padim_file),
+                             str(out)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for point in KILL_POINTS:
+            for existing in (False, True):
+                proc.stdin.write(f"{point} {int(existing)}\n")
+                proc.stdin.flush()
+                status = int(proc.stdout.readline())
+                case = f"{point}, {'old model there' if existing else 'no file'}"
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, case
+                if point == "after-rename":
+                    assert out.read_bytes() == new, case
+                    load_model(out)  # complete and verified
+                elif existing:
+                    assert out.read_bytes() == old, case
+                else:
+                    assert not out.exists(), case
+                for left in out_dir.iterdir():
+                    if left != out:
+                        assert left.name.startswith(".") and left.name.endswith(".tmp"), case
+                        left.unlink()
+    finally:
+        proc.stdin.close()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("fail_at", ["save_file", "canonicalise", "fsync", "replace"])
+def test_save_interrupted_at_each_step_keeps_the_old_model(fail_at, fitted, padim_file,
+                                                           tmp_path, monkeypatch):
+    """Fault injection at every step of the atomic save (an exception, or KeyboardInterrupt as
+    for Ctrl-C): the model already at the path is untouched and no temp file is left."""
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(padim_file.read_bytes())
+    before = target.read_bytes()
+    exc = KeyboardInterrupt() if fail_at in ("fsync", "replace") else OSError("disk full")
+
+    def boom(*args, **kwargs):
+        raise exc
+
+    if fail_at == "save_file":  # a partial file, then the failure
+        def partial(tensors, filename, metadata=None):
+            Path(filename).write_bytes(b"\x00" * 1000)
+            raise exc
+        monkeypatch.setattr(safetensors.torch, "save_file", partial)
+    elif fail_at == "canonicalise":
+        monkeypatch.setattr(modelfile, "_canonicalise_header", boom)
+    elif fail_at == "fsync":
+        monkeypatch.setattr(modelfile.os, "fsync", boom)
+    else:
+        monkeypatch.setattr(modelfile.os, "replace", boom)
+    with pytest.raises(type(exc)):
+        fitted.save(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+# ---- fuzzing the reader ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model_bytes(padim_file) -> bytes:
+    return padim_file.read_bytes()
+
+
+@fuzz_settings(60)
+@given(ops=st.lists(mutation, min_size=1, max_size=4), in_header=st.booleans())
+def test_fuzz_model_file_mutations(tiny_model_bytes, tmp_path, ops, in_header):
+    raw = tiny_model_bytes
+    if in_header:  # aim the mutations at the 8-byte prefix and the JSON header
+        n = struct.unpack("<Q", raw[:8])[0]
+        ops = [(op, pos % (8 + n), val) for op, pos, val in ops]
+    mutated = mutate(raw, ops)
+    bad = tmp_path / "fuzz.safetensors"
+    bad.write_bytes(mutated)
+    try:
+        tensors, meta = load_model(bad)
+    except ModelFileError as exc:
+        assert str(bad) in str(exc)
+        return
+    # it verified: then its tensors and metadata are exactly what was saved
+    ref_tensors, ref_meta = load_model_cached(raw, tmp_path)
+    assert meta == ref_meta
+    assert tensors.keys() == ref_tensors.keys()
+    assert all(torch.equal(tensors[k], ref_tensors[k]) for k in tensors)
+
+
+_REF: dict = {}
+
+
+def load_model_cached(raw: bytes, tmp_path: Path):
+    key = hash(raw)
+    if key not in _REF:
+        p = tmp_path / "ref.safetensors"
+        p.write_bytes(raw)
+        _REF[key] = load_model(p)
+    return _REF[key]
+
+
+header_values = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+                          st.text(max_size=8), st.none(), st.booleans(),
+                          st.lists(st.integers(-5, 2 ** 64), max_size=4),
+                          st.recursive(st.integers(0, 9), lambda c: st.lists(c, max_size=3),
+                                       max_leaves=30))
+
+
+@fuzz_settings(80)
+@given(field=st.sampled_from(["dtype", "shape", "data_offsets", "entry", "metadata", "new"]),
+       value=header_values, which=st.integers(0, 100))
+@pytest.mark.slow
+def test_fuzz_model_file_headers(padim_file, tmp_path, field, value, which):
+    """JSON header mutations: a ModelFileError naming the file, or a model that loads and
+    verifies; never another exception."""
+    def edit(header: dict) -> None:
+        names = sorted(k for k in header if k != "__metadata__")
+        name = names[which % len(names)]
+        if field == "entry":
+            header[name] = value
+        elif field == "metadata":
+            keys = sorted(header["__metadata__"])
+            header["__metadata__"][keys[which % len(keys)]] = value
+        elif field == "new":
+            header[f"extra{which}"] = value
+        else:
+            header[name][field] = value
+
+    bad = tmp_path / "fuzz.safetensors"
+    rewrite_safetensors_header(padim_file, bad, edit)
+    try:
+        load_model(bad)
+    except ModelFileError as exc:
+        assert str(bad) in str(exc)
