@@ -23,6 +23,7 @@ capture order, so a fold is also a stretch of production) for methods that cross
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -35,6 +36,14 @@ POOL = 4  # descriptor grid: the embeddings averaged over a POOL x POOL grid of 
 MEDIAN_PAIRS = 200_000  # pairs sampled (seeded) for the median distance of larger fits
 PAIR_CHUNK = 1024  # rows of the pairwise distance matrix at a time
 SHOWN_PAIRS = 20  # near-duplicate pairs recorded by name in the model file
+# Near-duplicate links chain transitively: on images that all look alike (one texture, one
+# product shot the same way) the pairs below ratio x median can percolate into one group of
+# most of the set, and leaving it out fits the model on a remnant (the sample data: 48 of 60
+# images in one group, out-of-sample scores twice an unseen part's). One physical part is not
+# a quarter of a training set, so a larger group means the ratio links independent parts: it
+# is halved until no group exceeds this share (a re-shot sits at 0.0-0.3 of the median).
+MAX_GROUP_SHARE = 0.25
+MIN_RATIO_STEP = 1 / 16  # the ratio is halved down to this fraction of the configured one
 
 
 def image_descriptors(embeddings: Any) -> np.ndarray:
@@ -61,6 +70,7 @@ class Grouping:
     by_name: int = 0
     duplicate_pairs: List[tuple] = field(default_factory=list)
     median_distance: Optional[float] = None
+    ratio_used: Optional[float] = None  # the near-duplicate ratio after the chaining guard
 
     @property
     def n_groups(self) -> int:
@@ -78,7 +88,8 @@ class Grouping:
                                "largest_group": int(np.bincount(self.groups).max())
                                if self.groups.size else 0,
                                "grouped_by_name": self.by_name,
-                               "near_duplicate_pairs": len(self.duplicate_pairs)}
+                               "near_duplicate_pairs": len(self.duplicate_pairs),
+                               "near_duplicate_ratio": self.ratio_used}
         if names is not None and self.duplicate_pairs:
             out["near_duplicate_examples"] = [[str(names[i]), str(names[j])]
                                               for i, j in self.duplicate_pairs[:SHOWN_PAIRS]]
@@ -173,9 +184,9 @@ def find_groups(n: int, names: Optional[Sequence[str]], pattern: Optional[str],
         by_name = int(sizes[sizes > 1].sum())
         pairs.extend(named)
     dups: List[tuple] = []
-    med = None
+    med = used = None
     if ratio and descriptors is not None and n > 2:
-        dups, med = duplicate_pairs(descriptors, ratio, seed)
+        dups, med, used = unchained_pairs(n, pairs, descriptors, ratio, seed)
         pairs.extend(dups)
     groups = _components(n, pairs)
     if n > 1 and groups.max() == 0:
@@ -183,7 +194,38 @@ def find_groups(n: int, names: Optional[Sequence[str]], pattern: Optional[str],
                        f"{pattern!r}, threshold.near_duplicates={ratio}): none can be scored "
                        "by a model without it; loosen the pattern or lower "
                        "threshold.near_duplicates")
-    return Grouping(groups, by_name, dups, med)
+    return Grouping(groups, by_name, dups, med, used)
+
+
+def unchained_pairs(n: int, named: Sequence[tuple], descriptors: np.ndarray, ratio: float,
+                    seed: int) -> tuple[List[tuple], float, Optional[float]]:
+    """Near-duplicate pairs at ``ratio`` (halved while, with the ``named`` pairs, they link
+    a group of more than ``MAX_GROUP_SHARE`` of the ``n`` images), the median distance and the
+    ratio used (None: no ratio small enough; a warning says so)."""
+    named_largest = int(np.bincount(_components(n, named)).max()) if named else 1
+    cap = max(2, int(MAX_GROUP_SHARE * n), named_largest)
+    first = None
+    r = ratio
+    while r >= ratio * MIN_RATIO_STEP:
+        dups, med = duplicate_pairs(descriptors, r, seed)
+        largest = int(np.bincount(_components(n, [*named, *dups])).max())
+        first = largest if first is None else first
+        if largest <= cap:
+            if r < ratio:
+                warnings.warn(
+                    f"threshold.near_duplicates={ratio} linked {first} of the {n} training "
+                    "images into one group (images that look alike throughout: the links "
+                    f"chain across parts); used {r:g}, which keeps every group within {cap} "
+                    "images. Name re-shots with threshold.groups to group them for certain",
+                    UserWarning, stacklevel=3)
+            return dups, med, r
+        r /= 2
+    warnings.warn(
+        f"threshold.near_duplicates={ratio} linked {first} of the {n} training images into "
+        f"one group, and so did every ratio down to {r * 2:g}: no near-duplicate grouping is "
+        "used (leave-one-out). Name re-shots with threshold.groups to group them",
+        UserWarning, stacklevel=3)
+    return [], med, None
 
 
 def blocked_folds(groups: np.ndarray, k: int) -> np.ndarray:

@@ -4,6 +4,7 @@ the sharded fit's second pass, and the re-shot scenario that leave-one-out gets 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +275,30 @@ def test_near_duplicates_are_pairs_closer_than_a_fraction_of_the_median():
     assert g.groups[3] == g.groups[7] == g.groups[8] and g.grouped_images == 3
     assert g.n_groups == 38 and g.summary([f"{i}.png" for i in range(40)])[
         "near_duplicate_examples"][0] == ["3.png", "7.png"]
+
+
+def test_near_duplicate_links_that_chain_across_parts_are_tightened():
+    """Images along a smooth drift (one texture, a slowly moving pose): every image is within
+    half the median distance of its neighbours, so the links chain into one group of all of
+    them. The ratio is halved until no group holds more than a quarter of the images, with a
+    warning; real re-shots (at 1e-3 of the spacing) stay grouped."""
+    n = 40
+    t = np.linspace(0.0, 1.0, n)
+    x = np.stack([np.cos(3 * t), np.sin(3 * t), t], axis=1) * 10.0  # a curve: spacing ~0.8
+    x[7] = x[3] + 1e-3  # a re-shot of image 3
+    with pytest.warns(UserWarning, match="linked 40 of the 40 training images"):
+        g = find_groups(n, None, None, x, 0.5, 0)
+    assert np.bincount(g.groups).max() <= n // 4
+    assert g.groups[3] == g.groups[7] and g.ratio_used < 0.5
+    assert g.summary()["near_duplicate_ratio"] == g.ratio_used
+    # without chaining nothing changes and nothing is said
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(n, 64))
+    y[7] = y[3] + 1e-3 * rng.normal(size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = find_groups(n, None, None, y, 0.5, 0)
+    assert h.ratio_used == 0.5 and h.grouped_images == 2
 
 
 def test_sampled_median_is_close_to_the_exact_one(monkeypatch):
