@@ -39,10 +39,11 @@ SHOWN_PAIRS = 20  # near-duplicate pairs recorded by name in the model file
 # Near-duplicate links chain transitively: on images that all look alike (one texture, one
 # product shot the same way) the pairs below ratio x median can percolate into one group of
 # most of the set, and leaving it out fits the model on a remnant (the sample data: 48 of 60
-# images in one group, out-of-sample scores twice an unseen part's). One physical part is not
-# a quarter of a training set, so a larger group means the ratio links independent parts: it
-# is halved until no group exceeds this share (a re-shot sits at 0.0-0.3 of the median).
-MAX_GROUP_SHARE = 0.25
+# images in one group, out-of-sample scores twice an unseen part's). Leaving a group out must
+# leave the model at least half the images; a larger group is taken for links across
+# independent parts, and the ratio is halved until no group exceeds this share (a re-shot
+# sits at 0.0-0.3 of the median).
+MAX_GROUP_SHARE = 0.5
 MIN_RATIO_STEP = 1 / 16  # the ratio is halved down to this fraction of the configured one
 
 
