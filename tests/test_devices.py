@@ -1,4 +1,4 @@
-"""The GPU paths (issue 17), tested where they can be: device names and the saved device, the
+"""The GPU paths, tested where they can be: device names and the saved device, the
 IEEE float32 scope (no TF32), the memory guard on a GPU, the backbone module a detector is
 given, the once-per-batch heatmap transfer, pinned batches, and end-to-end fits on each device
 (mixed precision, channels-last, threaded predict, save on one device and load on another).

@@ -405,7 +405,7 @@ def test_bounded_fit_and_float16_bank(patchcore_cfg, tmp_path):
     assert a[2].score > max(a[0].score, a[1].score)
 
 
-# -- the GPU paths (issue 17): each runs on the CPU, and on CUDA where present -------------
+# -- the GPU paths: each runs on the CPU, and on CUDA where present -------------
 def test_principal_basis_lives_on_the_banks_device(device):
     """The variance target is made on the eigenvalues' device: a CPU scalar beside CUDA
     eigenvalues made ``knn_backend=projected`` raise at fit and at load on a GPU."""
