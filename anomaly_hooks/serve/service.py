@@ -50,7 +50,7 @@ from anomaly_hooks.serve.engine import (
     PreparedImage,
 )
 from anomaly_hooks.serve.engines import engine_class, load_engine
-from anomaly_hooks.serve.errors import ServeError, not_ready
+from anomaly_hooks.serve.errors import ServeError, not_ready, results_unavailable
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder, load_cancelled
 from anomaly_hooks.serve.monitoring import (
@@ -65,6 +65,7 @@ from anomaly_hooks.serve.results import (
     Recorder,
     ResultStore,
     SQLiteResultStore,
+    StoreUnavailableError,
     iso_time,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
@@ -750,6 +751,9 @@ class Service:
             record.id = await until_done(asyncio.wrap_future(self.recorder.submit(record)))
         except asyncio.CancelledError:
             raise
+        except StoreUnavailableError as exc:
+            self.metrics.log_errors.inc()
+            raise results_unavailable(exc) from None
         # broad: a store plug-in may raise anything; the client must learn that its
         # prediction was not recorded (500), never get an answer for a record that is not
         except Exception as exc:  # noqa: BLE001
