@@ -46,8 +46,9 @@ from benchmarks.measure import ROOT, machine, percentile, write_json
 
 HOST = "127.0.0.1"  # never anything else
 SCENARIOS = ("steady", "replica-kill", "db-kill")
+# error kinds: "503 <code>", "<status> <code>", "transport <Exception>"
 TRANSPORT = "transport"
-WARM_UP = "warm-up"  # the part id of the requests before the load (not counted)  # error kinds: "503 <code>", "<status> <code>", "transport <Exception>"
+WARM_UP = "warm-up"  # the part id of the requests before the load (not counted)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
