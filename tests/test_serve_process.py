@@ -192,8 +192,9 @@ def test_a_killed_database_server_answers_503_then_serves_again(model_files, tmp
     and every acknowledged result is in the log once."""
     pg = own_postgres_server
     url = pg.url(pg.new_database())
+    results = tmp_path / "results"
     with ServerProcess(model_files["good"], tmp_path, "--results-db", url, "--results-dir",
-                       str(tmp_path / "results"), "--max-wait-ms", "5") as server:
+                       str(results), "--max-wait-ms", "5", "--keep-images", "all") as server:
         def predict(i: int) -> httpx.Response:
             return httpx.post(server.url + f"/v1/predict?part_id=p{i}", content=good_png(i),
                               timeout=60)
@@ -215,8 +216,12 @@ def test_a_killed_database_server_answers_503_then_serves_again(model_files, tmp
         assert [r.status_code for r in again] == [200] * 3, [r.text for r in again]
         acked = [r.json() for r in acked + again]
         assert {a["id"] for a in acked} <= _listed_ids(server.url)
-        _each_once(acked, _db_rows(url))
+        rows = _db_rows(url)
+        _each_once(acked, rows)
         log = server.log()
+    # the pictures of the refused predictions went with them: each kept file has its row
+    kept = {p.name.split("_", 1)[0] for p in (results / "images").rglob("*.*")}
+    assert kept == set(rows), kept ^ set(rows)
     assert "results log is unavailable" in log and "reachable again" in log
     assert "Traceback" not in log, log[-3000:]
 

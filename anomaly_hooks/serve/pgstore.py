@@ -317,16 +317,17 @@ class PostgresResultStore(ResultStore):
                         raise
                     if committing:
                         raise self._lost(exc, "the commit (whether it was recorded is "
-                                              "unknown)") from None
+                                              "unknown)", outcome_unknown=True) from None
                     if attempt == 0:
                         continue
                     raise self._lost(exc, "a write (nothing was recorded)") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _lost(self, exc: Exception, during: str) -> StoreUnavailableError:
+    def _lost(self, exc: Exception, during: str, outcome_unknown: bool = False
+              ) -> StoreUnavailableError:
         return StoreUnavailableError(f"the connection to the results database "
                                      f"{self.display_url} was lost during {during}: "
-                                     f"{_reason(exc)}")
+                                     f"{_reason(exc)}", outcome_unknown=outcome_unknown)
 
     # -- the store -------------------------------------------------------------------------
     def add(self, records: Sequence[Record]) -> List[int]:

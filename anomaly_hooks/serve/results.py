@@ -125,8 +125,13 @@ class StoreUnavailableError(AnomalyHooksError):
     """The results log cannot be reached now (its database server is down, restarting or
     unreachable, or the connection was lost during a write): a passing state, not a fault of
     the request. Nothing was recorded, or (a connection lost during the ``COMMIT``) whether it
-    was is unknown; either way the write is not acknowledged. The service answers it with 503
-    ``results_unavailable`` and a Retry-After."""
+    was is unknown (:attr:`outcome_unknown`); either way the write is not acknowledged. The
+    service answers it with 503 ``results_unavailable`` and a Retry-After."""
+
+    def __init__(self, message: str, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        # True: the connection was lost during the COMMIT, the records may be stored
+        self.outcome_unknown = outcome_unknown
 
 
 class ResultStore(abc.ABC):

@@ -778,6 +778,10 @@ class Service:
             raise
         except StoreUnavailableError as exc:
             self.metrics.log_errors.inc()
+            if self.files is not None and not exc.outcome_unknown:
+                # no row will name them: the pictures go too (a commit of unknown outcome
+                # keeps them, in case its row was stored)
+                await self.loop.run_in_executor(self.pool, self.files.delete, [record])
             raise results_unavailable(exc) from None
         # broad: a store plug-in may raise anything; the client must learn that its
         # prediction was not recorded (500), never get an answer for a record that is not
