@@ -336,6 +336,8 @@ class Service:
         while True:
             try:
                 await self.prune()
+            except StoreUnavailableError as exc:  # a passing state: tried again next time
+                log.warning("results-log retention skipped: %s", exc)
             # broad: retention keeps running whatever one pass met (a locked database, a
             # full disk, a store plug-in's own error); each failure is logged
             except Exception:
