@@ -100,7 +100,6 @@ class Service:
         # (None without --models-dir)
         self.versions: Optional[VersionShelf] = (
             VersionShelf(self.models_dir).load() if settings.models_dir else None)
-        self.model_option = os.path.realpath(settings.model)  # --model, as started
         # each model's --model path as started (the versions record's track follows it)
         self.model_options = {name: os.path.realpath(sl.path) for name, sl in self.slots.items()}
         self._store_given = store
