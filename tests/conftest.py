@@ -205,10 +205,9 @@ def one_error_line(err: str) -> str:
 
 
 # ---- a throw-away PostgreSQL server (anomaly_hooks.serve.pgtesting) ----------------------
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[Any]:
-    """One PostgreSQL server for the session (a ``pgtesting.PostgresServer``, stopped and
-    removed at its end); skips where psycopg or the PostgreSQL programs are absent."""
+def _postgres() -> Iterator[Any]:
+    """A started ``pgtesting.PostgresServer``, stopped and removed afterwards; skips where
+    psycopg or the PostgreSQL programs are absent."""
     pytest.importorskip("psycopg", reason="psycopg (the [postgres] extra) is not installed")
     from anomaly_hooks.serve.pgtesting import PostgresServer, PostgresUnavailableError
 
@@ -220,23 +219,19 @@ def postgres_server() -> Iterator[Any]:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """One PostgreSQL server for the session (see :func:`_postgres`)."""
+    yield from _postgres()
 
 
 @pytest.fixture
 def own_postgres_server() -> Iterator[Any]:
-    """A PostgreSQL server of the test's own (which it may kill -9 and restart: the session's
-    server stays up for the others); skips as :func:`postgres_server` does."""
-    pytest.importorskip("psycopg", reason="psycopg (the [postgres] extra) is not installed")
-    from anomaly_hooks.serve.pgtesting import PostgresServer, PostgresUnavailableError
-
-    try:
-        server = PostgresServer()
-    except PostgresUnavailableError as exc:
-        pytest.skip(f"{exc} to run the PostgreSQL results-store tests")
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+    """A PostgreSQL server of the test's own, which it may kill -9 and restart (the session's
+    server stays up for the others)."""
+    yield from _postgres()
 
 
 @pytest.fixture

@@ -317,6 +317,25 @@ def test_a_killed_and_restarted_server_is_unavailable_then_serves_again(own_post
     store.close()
 
 
+def test_the_throwaway_server_says_what_is_missing(monkeypatch):
+    """pgtesting: without the programs, PostgresUnavailableError naming them (the fixtures
+    skip with it); a server not started cannot be killed."""
+    from anomaly_hooks.serve import pgtesting
+
+    monkeypatch.setattr(pgtesting, "find_program", lambda name: None)
+    assert pgtesting.missing_programs() == ["initdb", "pg_ctl"]
+    with pytest.raises(pgtesting.PostgresUnavailableError, match="initdb, pg_ctl"):
+        pgtesting.PostgresServer()
+    monkeypatch.undo()
+    server = pgtesting.PostgresServer()
+    try:
+        assert server.postmaster_pid() is None
+        with pytest.raises(RuntimeError, match="not running"):
+            server.kill9()
+    finally:
+        server.stop()
+
+
 def test_commits_wait_for_the_wal_flush_whatever_the_server_default(postgres_url):
     with psycopg.connect(postgres_url, autocommit=True) as con:
         dbname = postgres_url.rsplit("/", 1)[1]
