@@ -453,9 +453,23 @@ def plot_sweep(rows: List[Dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def small_png(picture: Any, path: Path, width: int, colours: int = 128) -> None:
+    """Save ``picture`` as a PNG for the docs: resized to ``width`` pixels wide (aspect kept)
+    and reduced to ``colours`` palette entries, which keeps a photograph with an overlay
+    under ~200 KB where the full-size RGB picture takes megabytes."""
+    from PIL import Image
+
+    if picture.width > width:
+        height = round(picture.height * width / picture.width)
+        picture = picture.resize((width, height), Image.Resampling.LANCZOS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    picture.quantize(colours, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
 def cmd_example(args: argparse.Namespace) -> None:
     """A defective macaroni's stitched heatmap in its own 1500 x 1000 frame, the tile cuts
-    drawn (the frame's cut lines mapped back to the image): ``heatmap_example.png``."""
+    drawn (the frame's cut lines mapped back to the image), written to ``--picture``
+    (default ``heatmap_example.png`` under ``--out``), ``--width`` pixels wide."""
     from PIL import Image, ImageDraw
 
     from anomaly_hooks.data import resolve_items
@@ -465,25 +479,31 @@ def cmd_example(args: argparse.Namespace) -> None:
 
     data = DATA / "visa_macaroni1"
     det = Detector.from_config(str(ROOT / CONFIGS[("patchcore", "highres")]),
-                               overrides=["threshold.mode=holdout"])
-    det.fit(data, progress=False)
+                               overrides=["threshold.mode=holdout", *args.overrides])
+    train = resolve_items(data, training=True)
+    det.fit(train[:args.fit_images] if args.fit_images else train, progress=False)
     item = resolve_items(data / "test" / args.defect)[args.index]
     pred = det.predict(item)
     image = to_uint8_rgb(read_image(item).numpy())
     heat = colorize(pred.heatmap, 0.0, max(2 * pred.threshold, float(pred.heatmap.max())))
     picture = Image.fromarray(overlay(image, heat, mask=pred.mask))
+    shrink = min(1.0, args.width / picture.width)  # lines drawn after the resize stay sharp
+    picture = picture.resize((round(picture.width * shrink), round(picture.height * shrink)),
+                             Image.Resampling.LANCZOS)
     draw = ImageDraw.Draw(picture)
     grid, frame = det.tiling.grid, det.tiling.frame
-    h, w = frame.placement(image.shape[:2])
-    sy, sx = image.shape[0] / h, image.shape[1] / w
+    h, w = frame.placement(image.shape[:2])  # the image's part of the frame, network px
+    sy, sx = shrink * image.shape[0] / h, shrink * image.shape[1] / w
     for y in grid.cuts_y[1:-1]:
-        draw.line([(0, y * sy), (image.shape[1], y * sy)], fill=(255, 255, 255), width=2)
+        draw.line([(0, y * sy), (picture.width, y * sy)], fill=(255, 255, 255), width=2)
     for x in grid.cuts_x[1:-1]:
-        draw.line([(x * sx, 0), (x * sx, image.shape[0])], fill=(255, 255, 255), width=2)
-    args.out.mkdir(parents=True, exist_ok=True)
-    picture.save(args.out / "heatmap_example.png")
+        draw.line([(x * sx, 0), (x * sx, picture.height)], fill=(255, 255, 255), width=2)
+    path = args.picture or args.out / "heatmap_example.png"
+    small_png(picture, path, args.width)
     print(json.dumps({"image": str(item), "score": pred.score, "threshold": pred.threshold,
-                      "picture": str(args.out / "heatmap_example.png")}))
+                      "fit_images": args.fit_images or len(train),
+                      "framing": det.fit_info_.get("framing"), "picture": str(path),
+                      "bytes": path.stat().st_size}, default=float))
 
 
 # -- the report: every part's table from what the runs wrote --------------------------------
@@ -533,8 +553,9 @@ def cmd_report(args: argparse.Namespace) -> None:
             print(f"\n## {title}\n\n{fmt(rows)}")
     sweep = read_rows(args.out, "sweep.jsonl")
     if sweep:
-        plot_sweep(sweep, args.out / "sweep.png")
-        print(f"\n(picture: {args.out / 'sweep.png'})")
+        picture = getattr(args, "picture", None) or args.out / "sweep.png"
+        plot_sweep(sweep, picture)
+        print(f"\n(picture: {picture})")
     for name in ("memory.jsonl", "cost.jsonl"):
         rows = read_rows(args.out, name)
         if rows:
@@ -599,8 +620,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("example")
     p.add_argument("--defect", default="small_cracks")
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--fit-images", type=int, default=0,
+                   help="fit on the first N training images (0: all of them)")
+    p.add_argument("--width", type=int, default=750, help="the picture's width in pixels")
+    p.add_argument("--picture", type=Path, default=None,
+                   help="where to write it (default: heatmap_example.png under --out), "
+                        "e.g. docs/highres_heatmap.png")
+    p.add_argument("overrides", nargs="*", help="config key=value overrides")
     p.set_defaults(func=cmd_example)
     p = sub.add_parser("report")
+    p.add_argument("--picture", type=Path, default=None,
+                   help="where to write the sweep's picture (default: sweep.png under --out), "
+                        "e.g. docs/highres_sweep.png")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("all")
     p.set_defaults(func=cmd_all)
