@@ -480,7 +480,8 @@ def small_png(picture: Any, path: Path, width: int, colours: int = 128) -> None:
 
 def cmd_example(args: argparse.Namespace) -> None:
     """A defective macaroni's stitched heatmap in its own 1500 x 1000 frame, the tile cuts
-    drawn (the frame's cut lines mapped back to the image), written to ``--picture``
+    drawn in black (the frame's cut lines mapped back to the image) and the thresholded mask
+    outlined in white, written to ``--picture``
     (default ``heatmap_example.png`` under ``--out``), ``--width`` pixels wide."""
     from PIL import Image, ImageDraw
 
@@ -494,22 +495,31 @@ def cmd_example(args: argparse.Namespace) -> None:
                                overrides=["threshold.mode=holdout", *args.overrides])
     train = resolve_items(data, training=True)
     det.fit(train[:args.fit_images] if args.fit_images else train, progress=False)
-    item = resolve_items(data / "test" / args.defect)[args.index]
-    pred = det.predict(item)
+    defects = resolve_items(data / "test" / args.defect)
+    scored = [(det.predict(defects[i]), defects[i]) for i in args.index]
+    for pred, item in scored:
+        print(json.dumps({"image": str(item), "score": pred.score, "threshold": pred.threshold}))
+    # the drawn one: the highest score relative to the threshold among those asked for
+    pred, item = max(scored, key=lambda s: s[0].score / s[0].threshold)
     image = to_uint8_rgb(read_image(item).numpy())
-    heat = colorize(pred.heatmap, 0.0, max(2 * pred.threshold, float(pred.heatmap.max())))
-    picture = Image.fromarray(overlay(image, heat, mask=pred.mask))
-    shrink = min(1.0, args.width / picture.width)  # lines drawn after the resize stay sharp
-    picture = picture.resize((round(picture.width * shrink), round(picture.height * shrink)),
-                             Image.Resampling.LANCZOS)
+    # blue up to the image's median patch score, red at its largest (or the threshold)
+    heat = colorize(pred.heatmap, float(np.median(pred.heatmap)),
+                    max(pred.threshold, float(pred.heatmap.max())))
+    # shrink first, then outline and draw: the lines stay sharp at the picture's size
+    shrink = min(1.0, args.width / image.shape[1])
+    size = (round(image.shape[1] * shrink), round(image.shape[0] * shrink))
+    small = [np.asarray(Image.fromarray(a).resize(size, Image.Resampling.LANCZOS))
+             for a in (image, heat)]
+    mask = np.asarray(Image.fromarray(pred.mask).resize(size, Image.Resampling.NEAREST))
+    picture = Image.fromarray(overlay(*small, mask=mask))  # the mask outlined in white
     draw = ImageDraw.Draw(picture)
     grid, frame = det.tiling.grid, det.tiling.frame
     h, w = frame.placement(image.shape[:2])  # the image's part of the frame, network px
-    sy, sx = shrink * image.shape[0] / h, shrink * image.shape[1] / w
-    for y in grid.cuts_y[1:-1]:
-        draw.line([(0, y * sy), (picture.width, y * sy)], fill=(255, 255, 255), width=2)
+    sy, sx = size[1] / h, size[0] / w
+    for y in grid.cuts_y[1:-1]:  # the tile cuts in black
+        draw.line([(0, y * sy), (size[0], y * sy)], fill=(0, 0, 0), width=2)
     for x in grid.cuts_x[1:-1]:
-        draw.line([(x * sx, 0), (x * sx, picture.height)], fill=(255, 255, 255), width=2)
+        draw.line([(x * sx, 0), (x * sx, size[1])], fill=(0, 0, 0), width=2)
     path = args.picture or args.out / "heatmap_example.png"
     small_png(picture, path, args.width)
     print(json.dumps({"image": str(item), "score": pred.score, "threshold": pred.threshold,
@@ -631,7 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cost)
     p = sub.add_parser("example")
     p.add_argument("--defect", default="small_cracks")
-    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--index", type=int, nargs="+", default=[0],
+                   help="test images of --defect to score; the picture shows the one with the "
+                        "highest score relative to the threshold")
     p.add_argument("--fit-images", type=int, default=0,
                    help="fit on the first N training images (0: all of them)")
     p.add_argument("--width", type=int, default=750, help="the picture's width in pixels")
