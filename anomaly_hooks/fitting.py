@@ -517,7 +517,8 @@ def score_images(det: "Detector", items: Sequence[Any], scorer: Scorer,
     for batch in det.batches(items):
         errors.extend(msg for _, msg in batch.errors)
         if batch.indices:
-            scores.extend(det.infer(batch.images, scorer=scorer, observe=lambda *a: None)
+            scores.extend(det.infer(batch.images, sizes=batch.sizes, scorer=scorer,
+                                    observe=lambda *a: None)
                           .scores.tolist())
             names.extend(_name(items[i]) for i in batch.indices)
     return scores, names

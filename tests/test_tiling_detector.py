@@ -248,4 +248,5 @@ def test_tiled_detector_predicts_on_its_device(device):
     det.fit(textured_images(4, size=SIZE), progress=False)
     pred = det.predict(with_defect(textured_images(1, size=SIZE, seed=2)[0]))
     assert pred.heatmap.shape == SIZE and np.isfinite(pred.score)
-    assert det.tiling.content_maps(torch.zeros(1, 160, 240)).shape == (1, *SIZE)
+    masked, inside = det.tiling.mask_padding(torch.zeros(1, 10, 15), [SIZE])
+    assert masked.shape == (1, 10, 15) and int(inside.sum()) == SIZE[0] * SIZE[1]

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -151,7 +151,7 @@ class ModelEngine:
         pixels = np.full((h, w, 3), 128, np.uint8)
         pixels[: h // 2] = 200
         item = self.prepare(pictures.png_bytes(pixels), h * w, max(h, w))
-        scores, maps = self.infer([item.tensor])
+        scores, maps = self.infer([item.tensor], sizes=[(item.height, item.width)])
         self.finish(float(scores[0]), maps[0], item, overlay=True, keep_anomalous=False,
                     thumb_side=32)
 
@@ -217,12 +217,14 @@ class ModelEngine:
         del canonical
         return PreparedImage(tensor, width, height, fmt, prev)
 
-    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
-              ) -> Tuple[np.ndarray, Any]:
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
+              sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
         """Image scores ``[B]`` float64 and heatmaps ``[B, h, w]`` of network inputs (the
         model thread).
 
         Args:
+            sizes: each image's own (H, W): a tiled model gives the padding around an image
+                of another aspect no score (None: every image fills the frame).
             features: if given, receives each tapped layer's per-image channel means
                 ``[B, C_l]`` float32, read in the scoring pass (for a drift monitor; no second
                 forward pass). An engine that cannot (:attr:`drift_unavailable`) leaves it

@@ -135,10 +135,10 @@ class OnnxEngine(ModelEngine):
         # the runtime's own way back (its fill is the map's minimum, as the service's)
         return self.detector.heatmap(np.asarray(heat), size)
 
-    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
-              ) -> Tuple[np.ndarray, Any]:
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
+              sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
         """As :meth:`ModelEngine.infer`; ``features`` stays empty (:attr:`drift_unavailable`)."""
-        scores, maps = self.detector.run(self.stack(tensors))
+        scores, maps = self.detector.run(self.stack(tensors), sizes=sizes)
         return np.asarray(scores).astype(np.float64), maps
 
 

@@ -664,7 +664,8 @@ class Service:
         del data
         marks["decoded"] = time.perf_counter()
         assert slot.batcher is not None
-        score, heat, info = await slot.batcher.submit(item.tensor, engine)
+        score, heat, info = await slot.batcher.submit(item.tensor, engine,
+                                                      (item.height, item.width))
         item.tensor = None
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
