@@ -189,8 +189,10 @@ class ModelEngine:
                 "drift_unavailable": self.drift_unavailable, "lineage": self.lineage}
 
     # -- the model-specific parts of the three steps ---------------------------------------
-    def network_input(self, canonical: np.ndarray) -> Any:
-        """``[H, W, 3]`` float32 canonical image -> the network input ``[3, h, w]``."""
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> Any:
+        """``[H, W, 3]`` float32 canonical image -> the network input ``[3, h, w]``; ``size``:
+        the original (H, W) of a reduced decode (a working frame places an image by it)."""
         raise NotImplementedError
 
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
@@ -212,7 +214,7 @@ class ModelEngine:
         preprocess them (runs in the decode pool)."""
         pre = self.detector.preprocessor
         canonical, (height, width), fmt = decode_upload(data, pre.min_source_size, max_pixels)
-        tensor = self.network_input(canonical)
+        tensor = self.network_input(canonical, (height, width))
         prev = self.preview(canonical, overlay_max_side)
         del canonical
         return PreparedImage(tensor, width, height, fmt, prev)

@@ -125,8 +125,9 @@ class OnnxEngine(ModelEngine):
                        "max_pixels": model.max_pixels},
         }
 
-    def network_input(self, canonical: np.ndarray) -> np.ndarray:
-        return self.detector.preprocess(canonical)
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> np.ndarray:
+        return self.detector.preprocess(canonical, size)
 
     def stack(self, tensors: List[Any]) -> np.ndarray:
         return np.stack(list(tensors))

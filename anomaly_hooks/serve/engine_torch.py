@@ -97,8 +97,9 @@ class TorchEngine(ModelEngine):
             "config": cfg,
         }
 
-    def network_input(self, canonical: np.ndarray) -> torch.Tensor:
-        return self.detector.preprocessor(canonical_tensor(canonical))
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> torch.Tensor:
+        return self.detector.preprocessor(canonical_tensor(canonical), size)
 
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
         return preview(canonical_tensor(canonical), max_side)
