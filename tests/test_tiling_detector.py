@@ -79,21 +79,6 @@ def test_tiled_model_saves_and_loads_the_same_predictions(tiled, tmp_path):
     np.testing.assert_array_equal(a.heatmap, b.heatmap)
 
 
-def test_a_tiled_model_is_refused_by_the_export_from_python_and_the_cli(tiled, tmp_path,
-                                                                         capsys):
-    """The ONNX graph has no tiling: both ways into the export refuse before tracing."""
-    pytest.importorskip("onnx", reason="the [export] extra is not installed")
-    from anomaly_hooks.cli import main
-    from anomaly_hooks.errors import ExportError
-
-    with pytest.raises(ExportError, match="tiled"):
-        tiled.export_onnx(tmp_path / "m.onnx")
-    path = tiled.save(tmp_path / "tiled.safetensors")
-    assert main(["export", "--model", str(path), "--out", str(tmp_path / "m.onnx")]) == 2
-    assert "tiled (high-resolution) model is not available" in capsys.readouterr().err
-    assert not (tmp_path / "m.onnx").exists()
-
-
 def test_a_failed_fit_keeps_the_previous_frame(tiled):
     before = (tiled.preprocessor, tiled.tiling.frame, tiled.threshold_)
     with pytest.raises(FitError):
