@@ -60,9 +60,12 @@ def resize_aa(image: np.ndarray, size: Tuple[int, int], method: str = "numpy") -
     if method != "numpy":
         raise ValueError(f"method={method!r}: numpy or pillow")
     ih, iw, c = image.shape
-    out = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=F32)  # [C, H, W]
-    if iw != w:  # horizontal first (torch's order): [C * H, W] @ [W, w]
-        out = (out.reshape(c * ih, iw) @ aa_weights(iw, w).T).reshape(c, ih, w)
+    if iw != w:  # horizontal first (torch's order): [w, W] @ [H, W, C] -> [H, w, C], read in
+        # place (no transposed copy of a large image), then [C, H, w]
+        out = np.matmul(aa_weights(iw, w), image.astype(F32, copy=False)).transpose(2, 0, 1)
+    else:
+        out = image.transpose(2, 0, 1)
+    out = np.ascontiguousarray(out, dtype=F32)  # [C, H, w]
     if ih != h:  # vertical: [h, H] @ [C, H, w]
         out = np.matmul(aa_weights(ih, h), out)
     return np.ascontiguousarray(out, dtype=F32)
