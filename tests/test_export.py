@@ -353,11 +353,30 @@ def tiled_probes() -> list:
             textured_images(1, size=(480, 720), seed=24)[0]]
 
 
+def assert_tiled_parity(ref: list, got: list) -> None:
+    """Predictions of the tiled graph against eager, within float32 tolerances derived from
+    the computation: the cutting and stitching are copies (exact), so the scores differ by the
+    backbone's float32 summation order (``backbone_rtol``: ONNX Runtime's kernels against
+    torch's), which the scorer and the heatmap's convex combinations (upsampling, blur, the
+    way back) carry to the maps, relative to their largest value, plus those steps' own
+    roundings (two 33-tap blur passes and two bilinear resizes: 80 roundings)."""
+    from conftest import backbone_rtol, f32_tol
+
+    rtol = backbone_rtol()
+    for r, g in zip(ref, got, strict=True):
+        assert abs(g.score - r.score) <= rtol * abs(r.score), (g.score, r.score)
+        assert g.heatmap.shape == r.heatmap.shape
+        top = float(np.abs(r.heatmap).max())
+        assert float(np.abs(g.heatmap - r.heatmap).max()) <= rtol * top + f32_tol(80, top)
+        assert g.is_anomalous == r.is_anomalous
+        assert np.array_equal(g.mask, r.mask) or np.mean(g.mask != r.mask) < 1e-3
+
+
 def test_tiled_export_predicts_as_the_eager_tiled_detector(tiled_export):
     """The runtime frames the images (aspect kept, letterboxed), runs the tiled graph on whole
-    frames' tiles and maps the heatmaps back: the eager tiled Detector's predictions, within
-    the parity the export enforces, at any images per run; the frame, tiles and box input are
-    in the metadata."""
+    frames' tiles and maps the heatmaps back: the eager tiled Detector's predictions at any
+    images per run (:func:`assert_tiled_parity`); the frame, tiles and box input are in the
+    metadata."""
     from anomaly_hooks.export.onnx import tiling_entry
 
     _, det, path = tiled_export
@@ -366,12 +385,14 @@ def test_tiled_export_predicts_as_the_eager_tiled_detector(tiled_export):
     assert ref[1].score > ref[0].score  # the defect is what the score sees
     for batch in (1, 3):
         runtime = OnnxDetector.load(path, batch_size=batch)
-        assert_parity(ref, runtime.predict(images))
+        assert_tiled_parity(ref, runtime.predict(images))
     assert json.loads(runtime.meta["tiling"]) == tiling_entry(det)
     assert runtime.preprocessor.input_size == det.preprocessor.input_size == (96, 144)
     assert runtime.per_run == 1  # 8 tiles a frame, tile_batch 8: one frame per session run
+    from conftest import backbone_rtol
+
     np.testing.assert_allclose(runtime.decision_function(images), [r.score for r in ref],
-                               rtol=SCORE_RTOL)
+                               rtol=backbone_rtol())
 
 
 def test_tiled_graph_masks_each_images_padding(tiled_export):
@@ -391,7 +412,9 @@ def test_tiled_graph_masks_each_images_padding(tiled_export):
     patch, heat, image = sess.run(None, {INPUT: x.numpy(),
                                          BOXES: np.array([[96, 144], [96, 64]], np.int64)})
     scores, maps = det.infer(x, sizes=sizes)
-    np.testing.assert_allclose(image, scores.numpy(), rtol=SCORE_RTOL)
+    from conftest import backbone_rtol
+
+    np.testing.assert_allclose(image, scores.numpy(), rtol=backbone_rtol())
     cut = 64 // det.tiling.grid_stride  # the columns right of the box: the least inside it
     assert np.all(patch[1, :, cut:] == patch[1, :, :cut].min())
     full, _ = det.infer(x)  # without sizes the blotch is part of the image
