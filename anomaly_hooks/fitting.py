@@ -245,11 +245,13 @@ def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
 
 def describe_cross_fit(grouping: Optional[Grouping], folds: Optional[np.ndarray],
                        names: Optional[Sequence[str]]) -> Dict[str, Any]:
-    """How the out-of-sample scores left images out, for the threshold's provenance."""
+    """How the out-of-sample scores left images out, for the threshold's provenance. Folds
+    of one image each (no more groups than images per fold allow) leave one image out: the
+    scorer gets no groups then, so they are described as that."""
     if grouping is None:
         return {"scheme": "leave-one-image-out"}
     out: Dict[str, Any] = grouping.summary(names)
-    if folds is not None:
+    if folds is not None and int(np.bincount(folds).max()) > 1:
         out["scheme"] = f"{int(folds.max()) + 1} blocked folds of whole groups (cross-fit)"
     elif grouping.grouped_images:
         out["scheme"] = "leave-one-group-out"
