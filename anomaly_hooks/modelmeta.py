@@ -279,6 +279,11 @@ def _operating_point(data: Mapping[str, Any], field: str) -> Dict[str, Any]:
     for key in ("supported_rate", "target_recall", "prevalence"):
         if data.get(key) is not None:
             out[key] = _fraction(data[key], f"{field}.{key}", low_open=True)
+    if data.get("prevalence_given") is not None:
+        if not isinstance(data["prevalence_given"], bool):
+            raise refuse(f"{field}.prevalence_given", data["prevalence_given"],
+                         "null, true or false")
+        out["prevalence_given"] = data["prevalence_given"]
     for key in ("tail_far_interval", "recall_interval"):
         if data.get(key) is not None:
             out[key] = _interval(data[key], f"{field}.{key}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, textured_images, with_defect
+from conftest import ROOT, backbone_rtol, textured_images, with_defect
 from PIL import Image
 
 from anomaly_hooks import Detector
@@ -42,6 +42,22 @@ def tiled(request):
     det = Detector.from_config(tiled_cfg(method, **section))
     det.fit(textured_images(10, size=SIZE), progress=False)
     return det
+
+
+@pytest.mark.slow
+def test_padim_tile_positions_second_pass_scores_equal_a_refit_without_the_image():
+    """PaDiM ``positions: tile`` with more tile windows than it keeps samples for (5 images x
+    8 tiles > 2 x 8 dimensions): the threshold's second pass scores each image's windows by
+    the Gaussians fitted without them, as a fit without the image scores it."""
+    cfg = tiled_cfg("padim", positions="tile", n_features=8)
+    cfg["threshold"] = {"mode": "all-images", "near_duplicates": None}
+    images = textured_images(5, size=SIZE)
+    det = Detector.from_config(cfg).fit(images, progress=False)
+    assert det.threshold_.n_images == 5
+    refit = Detector.from_config(cfg).fit(images[:2] + images[3:], progress=False)
+    want = float(refit.decision_function([images[2]])[0])
+    # the same embeddings; the Gaussians' float32 sums in another order
+    assert det.threshold_.scores[2] == pytest.approx(want, rel=2 * backbone_rtol())
 
 
 def test_tiled_fit_decides_the_frame_and_reports_it(tiled):
