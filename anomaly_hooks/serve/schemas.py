@@ -127,6 +127,8 @@ class Prediction(Verdict):  # type: ignore[misc,valid-type]
     overlay_url: Optional[str] = Field(None, description="the kept overlay (when kept)")
     mask_url: Optional[str] = Field(None, description="the kept mask (when kept)")
     thumb_url: Optional[str] = Field(None, description="the kept thumbnail (when kept)")
+    original_url: Optional[str] = Field(None, description="the kept original upload (when "
+                                        "kept: --keep-originals)")
 
 
 class BatchPrediction(Prediction):
@@ -178,6 +180,8 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     overlay_url: Optional[str]
     mask_url: Optional[str]
     thumb_url: Optional[str]
+    original_url: Optional[str] = Field(None, description="the original upload, as sent (kept "
+                                        "by --keep-originals; null: not kept)")
 
 
 class LabelRequest(BaseModel):
