@@ -148,7 +148,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
         results_db=_results_db(args),
-        keep_images=args.keep_images, keep_originals=args.keep_originals, thumbnails=not args.no_thumbnails,
+        keep_images=args.keep_images, keep_originals=args.keep_originals,
+        thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
         sighup_reload=not args.no_sighup).validate()

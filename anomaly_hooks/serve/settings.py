@@ -89,10 +89,7 @@ class ServeSettings:
         if self.max_queue < self.max_batch:
             raise ConfigError(f"max-queue ({self.max_queue}) must be >= max-batch "
                              f"({self.max_batch})")
-        for name in ("keep_images", "keep_originals"):
-            if getattr(self, name) not in KEEP_CHOICES:
-                raise ConfigError(f"{name.replace('_', '-')} must be one of "
-                                  f"{', '.join(KEEP_CHOICES)}, not {getattr(self, name)!r}")
+        self._check_keep()
         if self.retention_days is not None and self.retention_days <= 0:
             raise ConfigError("retention-days must be > 0")
         if self.retention_count is not None and self.retention_count < 1:
@@ -107,6 +104,13 @@ class ServeSettings:
 
             check_store_spec(self.results_db)
         return self
+
+    def _check_keep(self) -> None:
+        """ConfigError for a ``keep_images`` / ``keep_originals`` outside KEEP_CHOICES."""
+        for name in ("keep_images", "keep_originals"):
+            if getattr(self, name) not in KEEP_CHOICES:
+                raise ConfigError(f"{name.replace('_', '-')} must be one of "
+                                  f"{', '.join(KEEP_CHOICES)}, not {getattr(self, name)!r}")
 
     @property
     def keeps_results(self) -> bool:
