@@ -3,6 +3,7 @@ labelled results of both stores, the update against ``Detector.update`` on the s
 CLI's ``--from-results``, the refusals; and the loop end to end through a real server."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +174,88 @@ def test_cli_from_results_errors(parent, tmp_path, capsys):
         main(["update", "--model", str(parent), "--good", "x", "--from-results", "y",
               "--out", out])
     assert not Path(out).exists()
+
+
+# -- the loop, end to end through a real server ----------------------------------------------
+def _tint(img: np.ndarray) -> np.ndarray:
+    """The same texture on a new material: another colour (v1 flags it)."""
+    return np.clip(img.astype(np.float32) * np.array([0.6, 1.0, 1.4]), 0, 255).astype(np.uint8)
+
+
+def _write_pngs(folder: Path, images: list[np.ndarray], stem: str) -> list[Path]:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, img in enumerate(images):
+        paths.append(folder / f"{stem}_{i:02d}.png")
+        Image.fromarray(img).save(paths[-1])
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_line_learns_end_to_end(kind, request, tmp_path):
+    """Serve v1 (fitted on one material) with --models-dir and --keep-originals; a new
+    material's good parts raise false alarms; label them good and the defects defect through
+    the HTTP API; ``anomaly-hooks update --from-results``; promote v2: the labelled images and
+    new ones like them no longer alarm, the defects still do; a rollback brings v1 back."""
+    import httpx
+    from conftest import textured_images, with_defect
+    from serve_helpers import TOKEN, ServerProcess
+
+    old = textured_images(12, size=(72, 72), seed=0)
+    new = [_tint(img) for img in textured_images(12, size=(72, 72), seed=5)]
+    labelled = _write_pngs(tmp_path / "line", new[:8], "new")
+    alike = _write_pngs(tmp_path / "line", new[8:], "alike")
+    defects = _write_pngs(tmp_path / "line", [with_defect(i) for i in
+                                              textured_images(3, size=(72, 72), seed=9)]
+                          + [with_defect(i) for i in new[8:10]], "defect")
+    models, results = tmp_path / "models", tmp_path / "results"
+    models.mkdir()
+    cfg = load_config(None, method="padim", **{**SMALL, "padim": {"n_features": 40,
+                                                                  "covariance": "lowrank"}})
+    Detector(cfg).fit(old, progress=False).save(models / "v1.safetensors")
+    store = ["--results-dir", str(results)]
+    spec = str(results)
+    if kind == "postgres":
+        spec = request.getfixturevalue("postgres_url")
+        store += ["--results-db", spec]
+    with ServerProcess(models / "v1.safetensors", tmp_path, "--models-dir", str(models),
+                       "--token", TOKEN, "--keep-originals", "anomalous", *store) as server:
+        client = httpx.Client(base_url=server.url, timeout=60,
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+
+        def send(paths: list[Path]) -> list[dict]:
+            out = []
+            for p in paths:
+                r = client.post("/v1/predict", content=p.read_bytes(),
+                                headers={"Content-Type": "image/png"})
+                assert r.status_code == 200, r.text
+                out.append(r.json())
+            return out
+
+        since = time.time()
+        first = send(labelled + defects)
+        assert all(p["is_anomalous"] for p in first)  # the new material: false alarms
+        for p, label in zip(first, ["good"] * len(labelled) + ["defect"] * len(defects)):
+            r = client.post(f"/v1/results/{p['id']}/label", json={"label": label})
+            assert r.status_code == 200 and r.json()["original_url"], r.text
+        assert client.get(first[0]["original_url"]).content == labelled[0].read_bytes()
+        v2 = models / "v2.safetensors"
+        extra = ["--results-dir", str(results)] if kind == "postgres" else []
+        assert main(["update", "--model", str(models / "v1.safetensors"), "--from-results",
+                     spec, *extra, "--since", str(since), "--out", str(v2), "--quiet"]) == 0
+        r = client.post("/v1/admin/promote", json={"version": "v2.safetensors"})
+        assert r.status_code == 200, r.text
+        lineage = client.get("/v1/model").json()["lineage"]
+        assert lineage["images_added"] == len(labelled)
+        assert lineage["labels_used"] == len(defects)
+        after = send(labelled + alike + defects)
+        flags = [p["is_anomalous"] for p in after]
+        assert not any(flags[:len(labelled) + len(alike)]), after
+        assert all(flags[len(labelled) + len(alike):]), after
+        assert {p["model"]["id"] for p in after} == {r.json()["model_id"]}
+        assert client.post("/v1/admin/rollback").status_code == 200
+        assert send(labelled[:1])[0]["is_anomalous"]  # v1 again
+        client.close()
