@@ -251,6 +251,8 @@ def test_the_line_learns_end_to_end(kind, request, tmp_path):
         lineage = client.get("/v1/model").json()["lineage"]
         assert lineage["images_added"] == len(labelled)
         assert lineage["labels_used"] == len(defects)
+        assert lineage["source"]["good"] == len(labelled) and lineage["source"]["kind"] == \
+            "results" and lineage["source"]["defect"] == len(defects)
         after = send(labelled + alike + defects)
         flags = [p["is_anomalous"] for p in after]
         assert not any(flags[:len(labelled) + len(alike)]), after
