@@ -264,7 +264,7 @@ def test_label_results_over_http(models, tmp_path, store_factory):
         assert listed("label=good") == [ids[1], ids[0]] and listed("label=defect") == []
         csv_text = client.get("/v1/results.csv?label=good").text
         header, *rows = csv_text.strip().splitlines()
-        assert header.endswith(",label,label_note,label_by,label_at_iso,model_name")
+        assert header.endswith(",label,label_note,label_by,label_at_iso,model_name,original_path")
         assert len(rows) == 2
         assert f",good,\"no, fine\",{fingerprint}," in rows[1]
 
