@@ -182,10 +182,12 @@ def main(argv=None) -> int:
             found = update_from_results(det, str(results), since=since)
             out["update_s"] = time.perf_counter() - start
             out["images_added"] = len(found.good)
+            out["update_steps"] = det.update_timings_
             det.save(models / "v2.safetensors")
             start = time.perf_counter()
             refit = Detector(cfg).fit(train, progress=False)
             out["refit_s"] = time.perf_counter() - start
+            out["refit_steps"] = refit.fit_timings_
             out["promote"] = server.promote("v2.safetensors")["version"]
             out["after"] = served(server, tests, labels)
             again = server.predict([second[i] for i, p in enumerate(new) if p["id"] in chosen])
@@ -218,6 +220,8 @@ def report(out: Dict[str, Any]) -> None:
     print(row("refit on all", out["refit"], ""))
     print(f"update {out['update_s']:.1f} s ({out['images_added']} images), refit "
           f"{out['refit_s']:.1f} s: ratio {out['update_over_refit']:.2f}")
+    for name in ("update_steps", "refit_steps"):
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[name].items()))
 
 
 if __name__ == "__main__":
