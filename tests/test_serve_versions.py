@@ -110,7 +110,8 @@ def test_versions_lists_the_model_files_of_the_folder(shelf, models, tmp_path):
         assert rows["v3.safetensors"]["lineage"] == {
             "updates": 1, "images_added": 8, "labels_used": 2,
             "parent_checksum": content_checksum(shelf / "v1.safetensors"),
-            "last_update": "2026-01-02T03:04:05+00:00", "parent_version": "v1.safetensors"}
+            "last_update": "2026-01-02T03:04:05+00:00", "parent_version": "v1.safetensors",
+            "source": None}
         half = rows["half.safetensors"]
         assert half["checksum"] is None and "incomplete" in half["problem"]
         assert half["serving"] is False
