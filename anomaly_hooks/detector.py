@@ -197,7 +197,8 @@ class Detector:
         self.source_checksum = None
         return self
 
-    def update(self, X: Any, *, progress: bool = False) -> "Detector":
+    def update(self, X: Any, *, defects: Optional[Sequence[Any]] = None,
+               source: Optional[Dict[str, Any]] = None, progress: bool = False) -> "Detector":
         """Update the fitted model in place with new good images ``X`` (a folder, an MVTec
         root, a list of paths or folders, an iterable of images), without the images it was
         fitted on, and return ``self`` (as ``fit``: save the model first, or load it again,
@@ -208,11 +209,16 @@ class Detector:
         pools the new images in, and ``lineage_`` records the update (saved with the model).
         Raises :class:`FitError` for a model that cannot be updated (tiled; PaDiM with float16
         factors; no stored good scores), saying what to do; a failed update leaves the model
-        as it was. See :mod:`anomaly_hooks.updating`."""
+        as it was. ``defects``: labelled defective images (paths or images) the threshold
+        uses in place of ``threshold.defects`` (the objectives ``f1`` and ``recall`` choose by
+        them; ``far`` records their recall); ``source``: where the images came from, recorded
+        in the lineage entry. See :mod:`anomaly_hooks.updating`, and
+        :func:`anomaly_hooks.learning.update_from_results` for an update from the service's
+        labelled results."""
         from anomaly_hooks.updating import update
 
         self._check_fitted()
-        update(self, X, progress=progress)
+        update(self, X, progress=progress, defects=defects, lineage_source=source)
         return self
 
     @property
