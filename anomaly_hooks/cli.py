@@ -72,8 +72,21 @@ def _update_parser(sub) -> None:
     p = sub.add_parser("update", help="update a fitted model with new good images (no refit "
                                       "on the old ones); write it to --out")
     p.add_argument("--model", required=True, help="model file written by fit (or update)")
-    p.add_argument("--good", required=True, nargs="+", metavar="DIR",
-                   help="folders (or MVTec roots) of new good images")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--good", nargs="+", metavar="DIR",
+                     help="folders (or MVTec roots) of new good images")
+    src.add_argument("--from-results", metavar="RESULTS",
+                     help="the service's results log: its --results-dir, a results .sqlite "
+                     "file or its postgresql:// URL; the kept original images of the results "
+                     "labelled good are the new good images, those labelled defect the "
+                     "threshold's labelled defects (the service keeps originals with "
+                     "--keep-originals)")
+    p.add_argument("--since", metavar="T", help="with --from-results: results recorded from "
+                   "this time on (Unix seconds or ISO 8601, e.g. 2026-11-26T08:00:00Z)")
+    p.add_argument("--until", metavar="T", help="with --from-results: results recorded before "
+                   "this time")
+    p.add_argument("--results-dir", metavar="DIR", help="with a postgresql:// --from-results: "
+                   "the service's --results-dir, where it keeps the original images")
     p.add_argument("--out", required=True, help="the updated model's path (not --model's)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -249,12 +262,27 @@ def cmd_update(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out is the --model file ({display(out)}): write the updated "
                           "model to a new path (the parent stays as it was, for its lineage)")
     _writable_folder(out.parent, "--out folder")
-    items = [item for folder in args.good for item in resolve_items(folder, training=True)]
+    found = None
+    if args.from_results is not None:
+        from anomaly_hooks.learning import labelled_results
+
+        found = labelled_results(args.from_results, since=args.since, until=args.until,
+                                 pictures=args.results_dir)
+        print(found.summary())
+        items = [str(p) for p in found.good]
+    else:
+        if args.since or args.until or args.results_dir:
+            raise ConfigError("--since, --until and --results-dir go with --from-results")
+        items = [item for folder in args.good for item in resolve_items(folder, training=True)]
     det = Detector.load(args.model, device=args.device)
     parent = file_checksum(args.model)
     old = det.threshold_
     start = time.perf_counter()
-    det.update(items, progress=not args.quiet)
+    if found is not None:
+        det.update(items, defects=[str(p) for p in found.defects] or None,
+                   source=found.lineage_source(), progress=not args.quiet)
+    else:
+        det.update(items, progress=not args.quiet)
     seconds = time.perf_counter() - start
     entry, thr = det.lineage_[-1], det.threshold_
     size = det.scorer_.summary()
@@ -263,6 +291,8 @@ def cmd_update(args: argparse.Namespace) -> int:
     print(f"added {entry['images_added']} images in {seconds:.1f} s: {model}")
     print(f"threshold {thr.value:.5g} (was {old.value:.5g}) from {thr.n_images} good images "
           f"({thr.describe()})")
+    if entry["labels_used"]:
+        print(f"labelled defects used: {entry['labels_used']}")
     print(f"parent {parent}; updates in the lineage: {len(det.lineage_)}")
     print(det.save(out))
     return 0

@@ -170,7 +170,8 @@ def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
     [n_used, F] or None}``, plain data for Ray. ``on_batch(b)`` is called after batch ``b``'s
     work (the fault-injection hook)."""
     scorer = det.new_scorer()
-    scorer.begin_shard(n_total, len(items))
+    per = tiled.units_per_image(det)  # a tiled scorer's samples: each image's tile windows
+    scorer.begin_shard(n_total * per, len(items) * per)
     collector = new_collector(det)
     errors: List[str] = []
     used: List[int] = []
@@ -192,13 +193,16 @@ def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
             "descriptors": np.concatenate(desc) if desc else None}
 
 
-def second_pass_units(scorer: Scorer, n: int, batch_size: int) -> List[List[int]]:
+def second_pass_units(scorer: Scorer, n: int, batch_size: int,
+                      per_image: int = 1) -> List[List[int]]:
     """The fit-order images each call of the second pass scores: consecutive batches of
     ``batch_size``, or, where the scorer needs whole groups, whole groups packed up to
-    ``batch_size`` images (a larger group alone)."""
+    ``batch_size`` images (a larger group alone). ``per_image``: the scorer's samples per
+    image (a tiled scorer's tile windows, :func:`tiling.detector.units_per_image`), whose
+    groups are given per sample: an image's samples share its group."""
     if not scorer.out_of_sample_whole_groups:
         return [list(range(lo, min(lo + batch_size, n))) for lo in range(0, n, batch_size)]
-    groups = scorer.oos_groups.tolist()
+    groups = scorer.oos_groups.tolist()[::per_image]
     members: Dict[int, List[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
@@ -215,8 +219,10 @@ def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
     """Image scores of training ``items`` (fit-order images ``images``, all read by the fit)
     from ``scorer`` as if each were unseen: the second pass of a fit whose scorer kept too
     little to make them in ``finalize`` (and, on the actors, of a sharded fit). A scorer that
-    needs whole groups gets the items' embeddings in one call."""
+    needs whole groups gets the items' embeddings in one call. A tiled scorer with statistics
+    per tile position is told the fit-order ids of its samples (each image's tile windows)."""
     images = list(images)
+    per = tiled.units_per_image(det)
     embs: List[torch.Tensor] = []
     ids: List[List[int]] = []
     scores: List[float] = []
@@ -227,7 +233,7 @@ def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
                 raise FitError("a training image could not be read again for its "
                                f"out-of-sample score:\n{format_errors(m for _, m in batch.errors)}")
             emb = det.embed(batch.images, scorer=scorer)
-            mine = [images[i] for i in batch.indices]
+            mine = [images[i] * per + t for i in batch.indices for t in range(per)]
             if whole:
                 embs.append(emb)
                 ids.append(mine)
@@ -245,11 +251,13 @@ def out_of_sample_scores(det: "Detector", scorer: Scorer, items: Sequence[Any],
 
 def describe_cross_fit(grouping: Optional[Grouping], folds: Optional[np.ndarray],
                        names: Optional[Sequence[str]]) -> Dict[str, Any]:
-    """How the out-of-sample scores left images out, for the threshold's provenance."""
+    """How the out-of-sample scores left images out, for the threshold's provenance. Folds
+    of one image each (no more groups than images per fold allow) leave one image out: the
+    scorer gets no groups then, so they are described as that."""
     if grouping is None:
         return {"scheme": "leave-one-image-out"}
     out: Dict[str, Any] = grouping.summary(names)
-    if folds is not None:
+    if folds is not None and int(np.bincount(folds).max()) > 1:
         out["scheme"] = f"{int(folds.max()) + 1} blocked folds of whole groups (cross-fit)"
     elif grouping.grouped_images:
         out["scheme"] = "leave-one-group-out"
@@ -429,7 +437,8 @@ class FitRun:
             if patch is not None:
                 good = det.image_scores_from_patches(patch)
             else:
-                units = second_pass_units(scorer, self.n_used, self.cfg.data.batch_size)
+                units = second_pass_units(scorer, self.n_used, self.cfg.data.batch_size,
+                                          tiled.units_per_image(det))
                 if second_pass is not None:
                     parts = second_pass(scorer, units)
                 else:
@@ -517,7 +526,8 @@ def score_images(det: "Detector", items: Sequence[Any], scorer: Scorer,
     for batch in det.batches(items):
         errors.extend(msg for _, msg in batch.errors)
         if batch.indices:
-            scores.extend(det.infer(batch.images, scorer=scorer, observe=lambda *a: None)
+            scores.extend(det.infer(batch.images, sizes=batch.sizes, scorer=scorer,
+                                    observe=lambda *a: None)
                           .scores.tolist())
             names.extend(_name(items[i]) for i in batch.indices)
     return scores, names

@@ -42,6 +42,10 @@ THRESHOLD_REQUIRED = ("value", "scale", "quantile", "margin", "n_images", "good_
 PREPROCESS_KEYS = ("resize", "crop", "mean", "std")
 LAYER_KEYS = ("name", "channels", "stride")
 LINEAGE_KEYS = ("parent_checksum", "images_added", "labels_used", "time")
+# an update's optional ``source``: where its images came from (anomaly_hooks.learning)
+LINEAGE_SOURCE_KEYS = ("kind", "store", "since", "until", "good_results", "defect_results",
+                       "skipped")
+MAX_SOURCE_IDS = 1_000_000  # result ids recorded per list
 MAX_LINEAGE = 100_000  # updates recorded in one model file
 
 
@@ -279,6 +283,11 @@ def _operating_point(data: Mapping[str, Any], field: str) -> Dict[str, Any]:
     for key in ("supported_rate", "target_recall", "prevalence"):
         if data.get(key) is not None:
             out[key] = _fraction(data[key], f"{field}.{key}", low_open=True)
+    if data.get("prevalence_given") is not None:
+        if not isinstance(data["prevalence_given"], bool):
+            raise refuse(f"{field}.prevalence_given", data["prevalence_given"],
+                         "null, true or false")
+        out["prevalence_given"] = data["prevalence_given"]
     for key in ("tail_far_interval", "recall_interval"):
         if data.get(key) is not None:
             out[key] = _interval(data[key], f"{field}.{key}")
@@ -380,13 +389,14 @@ def check_lineage(data: Any, field: str = "lineage") -> List[Dict[str, Any]]:
     list of at most :data:`MAX_LINEAGE` objects, each with exactly ``parent_checksum`` (the
     parent model file's SHA-256, 64 lowercase hex digits), ``images_added`` (an integer >= 1),
     ``labels_used`` (labelled defective images the new threshold used, an integer >= 0) and
-    ``time`` (ISO 8601 with its UTC offset, as ``datetime.isoformat`` writes it)."""
+    ``time`` (ISO 8601 with its UTC offset, as ``datetime.isoformat`` writes it), and
+    optionally ``source`` (:func:`check_lineage_source`)."""
     if not isinstance(data, list) or len(data) > MAX_LINEAGE:
         raise refuse(field, data, f"a list of at most {MAX_LINEAGE} updates")
     out = []
     for i, entry in enumerate(data):
         where = f"{field}[{i}]"
-        check_keys(entry, where, LINEAGE_KEYS, LINEAGE_KEYS)
+        check_keys(entry, where, (*LINEAGE_KEYS, "source"), LINEAGE_KEYS)
         when = text(entry["time"], f"{where}.time", None, "an ISO 8601 time with its offset",
                     max_len=64)
         try:
@@ -404,6 +414,33 @@ def check_lineage(data: Any, field: str = "lineage") -> List[Dict[str, Any]]:
                     "labels_used": integer(entry["labels_used"], f"{where}.labels_used", 0,
                                            (1 << 63) - 1),
                     "time": when})
+        if "source" in entry:
+            out[-1]["source"] = check_lineage_source(entry["source"], f"{where}.source")
+    return out
+
+
+def check_lineage_source(data: Any, field: str = "source") -> Dict[str, Any]:
+    """Where an update's images came from: an object with ``kind`` (a name, e.g.
+    ``results``: an operator's labelled results) and optionally ``store`` (the results log,
+    without a password), ``since`` / ``until`` (ISO 8601 or null), ``good_results`` /
+    ``defect_results`` (the result ids used, at most :data:`MAX_SOURCE_IDS` each) and
+    ``skipped`` (results left out, an integer >= 0)."""
+    check_keys(data, field, LINEAGE_SOURCE_KEYS, ("kind",))
+    out: Dict[str, Any] = {"kind": text(data["kind"], f"{field}.kind", r"[a-z][a-z_-]{0,31}",
+                                        "a lowercase name")}
+    for key in ("store", "since", "until"):
+        if key in data:
+            value = data[key]
+            out[key] = None if value is None else text(value, f"{field}.{key}", None, "a text",
+                                                       max_len=2000)
+    for key in ("good_results", "defect_results"):
+        if key in data:
+            ids = data[key]
+            if not isinstance(ids, list) or len(ids) > MAX_SOURCE_IDS:
+                raise refuse(f"{field}.{key}", ids, f"a list of at most {MAX_SOURCE_IDS} ids")
+            out[key] = [integer(v, f"{field}.{key}", 1, (1 << 63) - 1) for v in ids]
+    if "skipped" in data:
+        out["skipped"] = integer(data["skipped"], f"{field}.skipped", 0, (1 << 63) - 1)
     return out
 
 

@@ -233,11 +233,13 @@ def choose_recall(sets: ScoreSets, target: float) -> float:
     return lo
 
 
-def trade_off(sets: ScoreSets, chosen: OperatingPoint, tail: str) -> List[OperatingPoint]:
+def trade_off(sets: ScoreSets, chosen: OperatingPoint, tail: str,
+              prevalence: Optional[float] = None) -> List[OperatingPoint]:
     """The table an operator chooses from: the thresholds of the rates in
-    :data:`TABLE_RATES` (the good-only rule, ``tail``), with defects the F1-max and the
-    thresholds of the recalls in :data:`TABLE_RECALLS`, and the chosen point; highest
-    threshold first."""
+    :data:`TABLE_RATES` (the good-only rule, ``tail``), with defects the F1-max at the share
+    ``prevalence`` of defective parts (None: the labelled images as given, as
+    :func:`choose_f1`) and the thresholds of the recalls in :data:`TABLE_RECALLS`, and the
+    chosen point; highest threshold first."""
     rows = [chosen]
     for rate in TABLE_RATES:
         if sets.n >= 3:
@@ -246,7 +248,7 @@ def trade_off(sets: ScoreSets, chosen: OperatingPoint, tail: str) -> List[Operat
     if sets.defects is not None and sets.defects.max() > sets.good.min():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the table is a survey, not a choice
-            rows.append(sets.point(choose_f1(sets), "F1-max"))
+            rows.append(sets.point(choose_f1(sets, prevalence), "F1-max"))
             for r in TABLE_RECALLS:
                 try:
                     rows.append(sets.point(choose_recall(sets, r), f"recall {r:g}"))

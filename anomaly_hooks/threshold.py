@@ -73,6 +73,9 @@ class Threshold:
     defect_scores: Optional[List[float]] = None
     target_recall: Optional[float] = None  # objective recall
     prevalence: Optional[float] = None  # objective f1: the share of defective parts used
+    # whether that share was given (threshold.prevalence, --prevalence): a recalibration keeps
+    # a given share and derives "the labelled images as given" again from its own images
+    prevalence_given: Optional[bool] = None
     provenance: Optional[Dict[str, Any]] = None  # which images, which objective, parent model
 
     @classmethod
@@ -112,6 +115,9 @@ class Threshold:
             false_alarm_rate: objective ``far``'s rate (given alone: objective ``far``).
             tail: the rule for ``far`` (default ``auto``).
             objective: ``far``, ``f1`` or ``recall`` (:mod:`anomaly_hooks.operating`).
+            prevalence: objective ``f1``'s share of defective parts. Default: the stored share
+                where it was given, else the labelled images as given, ``m / (n + m)`` of the
+                scores this choice uses (not the stored share derived from other images).
             good_scores / defect_scores: scores of other good / labelled defective images, as
                 the fitted model gives them (``Detector.decision_function``); good images
                 scored by the fitted model must not be training images.
@@ -131,7 +137,7 @@ class Threshold:
                               else 0.01),
             target_recall=target_recall if target_recall is not None else self.target_recall,
             prevalence=prevalence if prevalence is not None else (
-                self.prevalence if objective == self.objective == "f1" and defect_scores is None
+                self.prevalence if objective == self.objective == "f1" and self.prevalence_given
                 else None))
         defects = self.defect_scores if defect_scores is None else list(defect_scores)
         src = self.source if good_scores is None else (source or "images")
@@ -140,7 +146,9 @@ class Threshold:
 
     def trade_off(self, tail: str = "auto") -> List["OperatingPoint"]:
         """The operating points of other thresholds from the stored scores
-        (:func:`anomaly_hooks.operating.trade_off`), this one marked ``chosen``."""
+        (:func:`anomaly_hooks.operating.trade_off`), this one marked ``chosen``; its F1-max
+        row at this threshold's ``prevalence`` where objective ``f1`` recorded one (the share
+        the chosen point was optimised for), else the labelled images as given."""
         from anomaly_hooks.operating import ScoreSets, trade_off
 
         if not self.scores:
@@ -149,7 +157,8 @@ class Threshold:
         sets = ScoreSets(self.scores, self.defect_scores)
         chosen = sets.point(self.value, f"chosen ({self.objective})",
                             expected_far=self.expected_far)
-        return trade_off(sets, chosen, tail)
+        prevalence = self.prevalence if self.objective == "f1" else None
+        return trade_off(sets, chosen, tail, prevalence)
 
     def describe(self) -> str:
         """Where the threshold came from, in words (printed by ``fit``)."""
@@ -333,9 +342,9 @@ def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], ob
     sets = ScoreSets(good, defects)
     if objective == "f1":
         value = choose_f1(sets, getattr(cfg, "prevalence", None))
-        prevalence = (sets.m / (sets.n + sets.m) if getattr(cfg, "prevalence", None) is None
-                      else float(cfg.prevalence))
-        extra: Dict[str, Any] = {"prevalence": prevalence}
+        given = getattr(cfg, "prevalence", None) is not None
+        prevalence = float(cfg.prevalence) if given else sets.m / (sets.n + sets.m)
+        extra: Dict[str, Any] = {"prevalence": prevalence, "prevalence_given": given}
     elif objective == "recall":
         if getattr(cfg, "target_recall", None) is None:
             from anomaly_hooks.errors import ConfigError

@@ -32,14 +32,17 @@ fold; the images already in the model form one more fold, never scored). The sto
 from the model of their time, fitted on fewer images: a little higher than a refit would give
 them, so the threshold leans to fewer false alarms. ``holdout``: the new images are split by the
 same rule, their held part scored by the updated model and added to the stored held-out scores;
-``threshold.folder``: that folder scored again. The labelled defects of ``threshold.defects``
-are scored again when the folder is there. The threshold is then chosen as a fit chooses it
+``threshold.folder``: that folder scored again. The labelled defects given to the update
+(``defects``: the results an operator labelled defect, :mod:`anomaly_hooks.learning`) or else
+those of ``threshold.defects`` (when the folder is there) are scored by the updated model.
+The threshold is then chosen as a fit chooses it
 (``calibrate_threshold``, the config's objective and rate).
 
 **Drift reference**: the new images' statistics pooled in (``DriftReference.updated``).
 
-**Lineage**: each update appends ``{parent_checksum, images_added, labels_used, time}`` to the
-model's ``lineage_`` (saved in the model file's metadata, checked by
+**Lineage**: each update appends ``{parent_checksum, images_added, labels_used, time}`` (and
+``source``, where the images came from, when the caller gives it: the results log of an update
+from labelled results) to the model's ``lineage_`` (saved in the model file's metadata, checked by
 ``modelmeta.check_lineage``); a fit starts a new one.
 
 Refused with a :class:`FitError` that says what to do: tiled (high-resolution) models, models
@@ -52,7 +55,7 @@ import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -73,6 +76,7 @@ from anomaly_hooks.fitting import (
     split_holdout,
 )
 from anomaly_hooks.grouping import blocked_folds, find_groups, image_descriptors
+from anomaly_hooks.modelmeta import check_lineage_source
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.resources import check_fit_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
@@ -102,13 +106,18 @@ def check_updatable(det: "Detector") -> None:
 
 
 def update(det: "Detector", source: Any, *, progress: bool = False,
-           parent_checksum: Optional[str] = None) -> Dict[str, Any]:
+           parent_checksum: Optional[str] = None, defects: Optional[Sequence[Any]] = None,
+           lineage_source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Update the fitted ``det`` in place with the good images ``source`` (a folder, an MVTec
     root, a list of paths or folders, an iterable of images): see the module docstring.
     ``parent_checksum``: the checksum of the model file ``det`` was loaded from (default: the
     one it had when loaded or saved, else that of its content as :meth:`Detector.save` would
-    write it). Returns the lineage entry added. A failed update leaves ``det`` as it was."""
-    run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum)
+    write it). ``defects``: labelled defective images (paths or images) for the threshold, in
+    place of ``threshold.defects``. ``lineage_source``: where the images came from, recorded
+    as the lineage entry's ``source`` (:func:`~anomaly_hooks.modelmeta.check_lineage`).
+    Returns the lineage entry added. A failed update leaves ``det`` as it was."""
+    run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
+                    defects=defects, lineage_source=lineage_source)
     return run.run()
 
 
@@ -116,8 +125,16 @@ class UpdateRun:
     """One update of ``det`` with the good images ``source`` (see the module docstring)."""
 
     def __init__(self, det: "Detector", source: Any, *, progress: bool = False,
-                 parent_checksum: Optional[str] = None) -> None:
+                 parent_checksum: Optional[str] = None, defects: Optional[Sequence[Any]] = None,
+                 lineage_source: Optional[Dict[str, Any]] = None) -> None:
         check_updatable(det)
+        if lineage_source is not None:
+            check_lineage_source(lineage_source)
+        self.defects = None if defects is None else list(defects)
+        if self.defects is not None and not self.defects:
+            raise FitError("defects=[]: give labelled defective images, or None to use "
+                           "threshold.defects")
+        self.lineage_source = lineage_source
         self.det, self.cfg, self.progress = det, det.cfg, progress
         self.clock = Stopwatch(det.device)
         # the parent, as it was: before anything changes
@@ -343,6 +360,13 @@ class UpdateRun:
         """The labelled defects of ``threshold.defects`` scored by the updated model, where
         the folder is here; without it, an objective that needs them is an error."""
         thr = self.cfg.threshold
+        if self.defects is not None:  # given: the operator's labelled defects
+            scores, _ = score_images(self.det, self.defects, scorer, self.errors["defect"])
+            report_unreadable(self.cfg, {"defect": self.errors["defect"]})
+            if not scores:
+                raise FitError("none of the labelled defective images could be read")
+            self.clock.lap("defects")
+            return scores
         folder = Path(thr.defects) if thr.defects else None
         if folder is not None and folder.is_dir():
             scores, _ = score_images(self.det, list_images(folder), scorer,
@@ -379,7 +403,9 @@ class UpdateRun:
         if self.out_of_sample:
             prov["good"]["out_of_sample"] = self.cross_fit
         if defects is not None:
-            prov["defects"] = {"source": str(cfg.threshold.defects), "n": len(defects)}
+            prov["defects"] = {"source": "labelled defects given to the update"
+                               if self.defects is not None else str(cfg.threshold.defects),
+                               "n": len(defects)}
         threshold = calibrate_threshold(good, cfg.threshold, old.source, defects=defects,
                                         provenance=prov)
         reference = drift.update_reference(det.drift_reference_, self.collector, good,
@@ -390,6 +416,8 @@ class UpdateRun:
         entry = {"parent_checksum": self.parent, "images_added": len(self.used),
                  "labels_used": len(defects or []),
                  "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if self.lineage_source is not None:
+            entry["source"] = dict(self.lineage_source)
         info = dict(det.fit_info_)
         skipped = [*info.get("skipped", []), *self.errors["training"],
                    *self.errors["threshold"]]

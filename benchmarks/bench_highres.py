@@ -105,8 +105,9 @@ def cmd_table(args: argparse.Namespace) -> None:
         for (method, framing), config in CONFIGS.items():
             if args.methods and method not in args.methods:
                 continue
-            row = {"method": method, "framing": framing,
-                   **evaluate_one(config, DATA / name)}
+            result = evaluate_one(config, DATA / name)
+            # "framing": the config's (default | highres); "frame": what the fit decided
+            row = {"method": method, **result, "framing": framing, "frame": result["framing"]}
             emit(args.out, "table.jsonl", row)
             rows.append(row)
     print(format_table(rows))

@@ -144,6 +144,24 @@ def with_defect(img: np.ndarray) -> np.ndarray:
     return bad
 
 
+TILED_SIZE = (96, 144)  # the small tiled models' training images: 2 x 4 tiles of 64 px
+
+
+def tiled_cfg(method: str = "patchcore", **section) -> dict:
+    """A small tiled (high-resolution) config: random-init ResNet18, the working frame at the
+    images' own size (scale 1), tiles of 64 px overlapping by 32; ``section``: the method's
+    keys."""
+    cfg = {"method": method, "seed": 0, "device": "cpu",
+           "backbone": {"name": "resnet18", "weights": None},
+           "tiling": {"enabled": True, "scale": 1.0, "tile": 64, "overlap": 32,
+                      "tile_batch": 8},
+           "threshold": {"mode": "all-images"},
+           "data": {"batch_size": 4, "num_workers": 0},
+           "patchcore": {"coreset_ratio": 0.1, "prereduce": 4}, "padim": {"n_features": 40}}
+    cfg[method] = {**cfg[method], **section}
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def small_cfg() -> dict:
     """A fast PaDiM config: random-init ResNet18, small input."""

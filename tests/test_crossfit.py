@@ -17,6 +17,7 @@ from anomaly_hooks import Detector
 from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.fitting import (
     FitRun,
+    describe_cross_fit,
     fit_shard,
     out_of_sample_scores,
     second_pass_units,
@@ -160,6 +161,24 @@ def test_patchcore_cross_fit_equals_refits_without_the_fold(small_cfg, tmp_path)
         # other batches and other float32 sums, as above
         np.testing.assert_allclose([det.threshold_.scores[i] for i in mine], want,
                                    rtol=2 * backbone_rtol())
+
+
+def test_folds_of_one_image_are_described_as_leave_one_image_out(small_cfg, tmp_path):
+    """Fewer images than folds: every fold holds one image, the scorer gets no groups and
+    leaves one image out (the foreign-neighbour search); the provenance says so, not "K
+    blocked folds"."""
+    paths = write_parts(tmp_path / "train", 4, 1, seed=9)
+    cfg = {**small_cfg, "method": "patchcore", "patchcore": {"coreset_ratio": 0.25},
+           "threshold": {"mode": "all-images", "near_duplicates": None}}  # PatchCore's 5 folds
+    det = Detector.from_config(cfg).fit(paths, progress=False)
+    assert det.scorer_.oos_groups is None  # the leave-one-image-out rule ran
+    scheme = det.threshold_.provenance["good"]["out_of_sample"]["scheme"]
+    assert scheme.startswith("leave-one-image-out") and "folds" not in scheme
+    grouping = find_groups(4, None, None, None, None, 0)
+    assert describe_cross_fit(grouping, blocked_folds(grouping.groups, 5), None)[
+        "scheme"].startswith("leave-one-image-out")
+    assert describe_cross_fit(grouping, blocked_folds(grouping.groups, 2), None)[
+        "scheme"] == "2 blocked folds of whole groups (cross-fit)"
 
 
 def test_patchcore_leave_one_image_out_search_equals_brute_force(small_cfg):

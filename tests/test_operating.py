@@ -144,6 +144,43 @@ def test_trade_off_lists_rates_recalls_and_the_choice_highest_first():
     assert values == sorted(values, reverse=True)
 
 
+def test_trade_off_f1_row_is_at_the_prevalence():
+    """The table's F1-max row is the choice at the given share of defective parts, and a
+    stored ``f1`` threshold's table uses the share it was chosen at."""
+    s = sets(2)
+    for prevalence in (None, 0.05):
+        chosen = s.point(choose_f1(s, prevalence), "chosen (f1)")
+        rows = trade_off(s, chosen, "auto", prevalence)
+        f1_row = next(r for r in rows if r.label == "F1-max")
+        assert f1_row.threshold == choose_f1(s, prevalence)
+    assert choose_f1(s, 0.05) != choose_f1(s, None)  # the case tells the two apart
+    cfg = load_config({"threshold": {"objective": "f1", "prevalence": 0.05}}).threshold
+    thr = calibrate_threshold(s.good, cfg, "all-images", defects=s.defects)
+    f1_row = next(r for r in thr.trade_off() if r.label == "F1-max")
+    assert f1_row.threshold == pytest.approx(thr.value)
+
+
+def test_recalibration_derives_the_labelled_share_from_its_own_images():
+    """``prevalence: null`` means the labelled images as given, ``m / (n + m)``: new good
+    images (another ``n``) give a new share; a given share is kept."""
+    s = sets(2)
+    rng = np.random.default_rng(5)
+    new_good = rng.normal(0.0, 1.0, size=3 * s.n)
+    as_given = calibrate_threshold(s.good, load_config(
+        {"threshold": {"objective": "f1"}}).threshold, "all-images", defects=s.defects)
+    assert as_given.prevalence == s.m / (s.n + s.m) and as_given.prevalence_given is False
+    again = as_given.recalibrate(good_scores=new_good)
+    assert again.prevalence == pytest.approx(s.m / (new_good.size + s.m))
+    assert again.value == pytest.approx(choose_f1(ScoreSets(new_good, s.defects), None))
+    given = calibrate_threshold(s.good, load_config(
+        {"threshold": {"objective": "f1", "prevalence": 0.05}}).threshold, "all-images",
+        defects=s.defects)
+    kept = given.recalibrate(good_scores=new_good)
+    assert kept.prevalence == 0.05 and kept.prevalence_given is True
+    assert kept.value == pytest.approx(choose_f1(ScoreSets(new_good, s.defects), 0.05))
+    assert Threshold.from_dict(json.loads(json.dumps(kept.as_dict()))) == kept
+
+
 # -- hostile labelled defects ------------------------------------------------------------------
 def test_defects_below_every_good_image_are_an_error():
     s = ScoreSets([5.0, 6.0, 7.0], [1.0, 2.0])
@@ -262,6 +299,22 @@ def test_threshold_cli_writes_the_model_with_provenance(small_cfg, folders, tmp_
     # preview: no --out, nothing written
     assert main(["threshold", "--model", str(model), "--false-alarm-rate", "0.2"]) == 0
     assert "nothing written" in capsys.readouterr().out
+
+
+def test_threshold_cli_good_images_give_the_share_of_their_own_count(small_cfg, folders,
+                                                                     tmp_path):
+    """``threshold --good DIR`` on an ``f1`` model fitted with ``prevalence: null``: the share
+    is the 6 defects among the 12 new good images, not the fit's 6 among 24."""
+    det = Detector.from_config({**small_cfg, "threshold": {
+        "mode": "all-images", "objective": "f1", "defects": str(folders["defects"])}})
+    model = det.fit(folders["train"], progress=False).save(tmp_path / "m.safetensors")
+    assert det.threshold_.prevalence == pytest.approx(6 / 30)
+    out = tmp_path / "m2.safetensors"
+    assert main(["threshold", "--model", str(model), "--good", str(folders["good"]),
+                 "--out", str(out)]) == 0
+    thr = Detector.load(out).threshold_
+    assert thr.n_images == 12 and thr.prevalence == pytest.approx(6 / 18)
+    assert thr.value == pytest.approx(choose_f1(ScoreSets(thr.scores, thr.defect_scores)))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -245,3 +245,115 @@ def test_api_docs_render_offline(chromium, fitted, tmp_path):
                 browser.close()
         assert not elsewhere, elsewhere
         assert not problems, problems
+
+
+@pytest.mark.slow
+def test_operator_workflow_label_update_promote(chromium, tmp_path):
+    """The operator's workflow on the page, against a real server and a real update: a new
+    material raises false alarms; the operator marks one on the page ("false alarm") and a
+    defect ("confirmed defect"), the label filter lists the labelled ones; ``anomaly-hooks
+    update --from-results`` and a promote; the Model card shows the new version, what it
+    learned from, and what to roll back to. ``ANOMALY_HOOKS_DOCS_SCREENSHOT=1`` writes the
+    three pictures of docs/updating.md (docs/workflow_*.png)."""
+    import numpy as np
+    from conftest import textured_images, with_defect
+    from playwright.sync_api import sync_playwright
+    from serve_helpers import encode
+
+    from anomaly_hooks.cli import main
+    from anomaly_hooks.config import load_config
+    from anomaly_hooks.detector import Detector
+
+    def tint(img):  # the same texture on a new material: another colour
+        return np.clip(img * np.array([0.6, 1.0, 1.4]), 0, 255).astype(np.uint8)
+
+    shelf, results = tmp_path / "models", tmp_path / "results"
+    shelf.mkdir()
+    cfg = load_config(None, method="padim", seed=0, device="cpu",
+                      backbone={"name": "resnet18", "weights": None},
+                      preprocess={"resize": 72, "crop": 64},
+                      padim={"n_features": 40, "covariance": "lowrank"},
+                      data={"batch_size": 4, "num_workers": 0})
+    Detector(cfg).fit(textured_images(12, seed=0), progress=False).save(
+        shelf / "v1.safetensors")
+    stream = ([("SN-1001", textured_images(1, seed=40)[0]),
+               ("SN-1002", with_defect(textured_images(1, seed=41)[0]))]
+              + [(f"SN-20{i:02d}", tint(img))
+                 for i, img in enumerate(textured_images(5, seed=50), 1)])
+    docs = os.environ.get("ANOMALY_HOOKS_DOCS_SCREENSHOT") == "1"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with ServerProcess(shelf / "v1.safetensors", tmp_path, "--token", TOKEN, "--models-dir",
+                       str(shelf), "--results-dir", str(results), "--keep-originals",
+                       "anomalous") as server:
+        ids = []
+        for part, img in stream:
+            r = httpx.post(server.url + f"/v1/predict?part_id={part}", content=encode(img),
+                           headers=auth, timeout=60)
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        problems: list = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
+                                        headless=True)
+            try:
+                context = browser.new_context(
+                    viewport={"width": 1280, "height": 900},
+                    http_credentials={"username": "operator", "password": TOKEN})
+                page = context.new_page()
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.on("console", lambda msg: problems.append(msg.text)
+                        if msg.type == "error" else None)
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 7")
+                rows = page.locator("#recent tr")
+                # the newest inspections: the new material, every one flagged
+                assert page.eval_on_selector_all(
+                    "#recent .tag", "ts => ts.map(t => t.textContent)")[:5] == ["anomalous"] * 5
+                rows.nth(0).locator("button[data-label='good']").click()
+                page.wait_for_selector("#recent tr:first-child .tag.labelled-good")
+                rows.nth(5).locator("button[data-label='defect']").click()  # SN-1002
+                page.wait_for_selector("#recent tr:nth-child(6) .tag.labelled-defect")
+                page.wait_for_function("document.getElementById('false-alarms').textContent"
+                                       ".endsWith(': 1')")
+                page.wait_for_function(
+                    "[...document.querySelectorAll('#recent img')].every("
+                    "i => i.complete && i.naturalWidth > 0)")
+                shots = {"label": page.locator("#recent-card").screenshot()}
+                for rid in ids[2:6]:  # the other false alarms, through the API
+                    r = httpx.post(server.url + f"/v1/results/{rid}/label", headers=auth,
+                                   json={"label": "good", "note": "new material"}, timeout=30)
+                    assert r.status_code == 200, r.text
+                page.select_option("#label-filter", "good")
+                page.wait_for_function("document.querySelectorAll('#recent tr').length === 5")
+                page.wait_for_function(
+                    "[...document.querySelectorAll('#recent img')].every("
+                    "i => i.complete && i.naturalWidth > 0)")
+                assert page.eval_on_selector_all(
+                    "#recent .tag.labelled-good", "ts => ts.length") == 5
+                shots["filter"] = page.locator("#recent-card").screenshot()
+                # the update from the results log, then the promote
+                assert main(["update", "--model", str(shelf / "v1.safetensors"),
+                             "--from-results", str(results), "--out",
+                             str(shelf / "v2.safetensors"), "--quiet"]) == 0
+                r = httpx.post(server.url + "/v1/admin/promote", headers=auth, timeout=60,
+                               json={"version": "v2.safetensors"})
+                assert r.status_code == 200, r.text
+                page.reload(wait_until="load")  # the card refreshes itself every 10 s
+                page.wait_for_function("document.getElementById('model-table').textContent"
+                                       ".includes('learned from')", timeout=60000)
+                card = page.inner_text("#model-table")
+                assert "v2.safetensors" in card and "v1.safetensors (" in card
+                assert "5 result(s) labelled good, 1 defect" in card
+                shots["promoted"] = page.locator("#model-card").screenshot()
+                # the new material passes now; the defect does not
+                for part, img in stream[1:4]:
+                    r = httpx.post(server.url + f"/v1/predict?part_id={part}-again",
+                                   content=encode(img), headers=auth, timeout=60)
+                    assert r.json()["is_anomalous"] == (part == "SN-1002"), r.json()
+            finally:
+                browser.close()
+        assert not problems, problems
+        for name, shot in shots.items():
+            assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+            if docs:
+                (ROOT / "docs" / f"workflow_{name}.png").write_bytes(shot)

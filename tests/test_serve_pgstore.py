@@ -197,12 +197,38 @@ def test_a_version_1_database_gains_the_label_columns(postgres_url):
                     "is_anomalous, threshold, model_id, model_checksum) VALUES "
                     "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c')")
     store = PostgresResultStore(postgres_url)
-    assert store.schema_version() == 3 == SCHEMA_VERSION
+    assert store.schema_version() == 4 == SCHEMA_VERSION
     old = store.get(1)
     assert old.request_id == "old" and old.label is None and old.verdict.is_anomalous
     assert old.model_name is None
     assert store.set_label(1, "defect", "seen", "token:ab").label_by == "token:ab"
     assert [r.request_id for r in store.query(label="defect")] == ["old"]
+    store.close()
+
+
+def test_a_version_3_database_gains_the_original_path_column(postgres_url):
+    """A database written before originals were kept (schema version 3): opened, it is
+    migrated to version 4 (a nullable ``original_path``), old records have none, new ones
+    keep theirs."""
+    from anomaly_hooks.serve.pgstore import MIGRATIONS, SCHEMA_VERSION_TABLE
+
+    with psycopg.connect(postgres_url, autocommit=True) as con:
+        con.execute(SCHEMA_VERSION_TABLE)
+        for version, description, statements in MIGRATIONS[:3]:
+            for statement in statements:
+                con.execute(statement)
+            con.execute("INSERT INTO schema_version (version, description) VALUES (%s, %s)",
+                        [version, description])
+        con.execute("INSERT INTO results (time, request_id, score, normalized_score, "
+                    "is_anomalous, threshold, model_id, model_checksum) VALUES "
+                    "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c')")
+    store = PostgresResultStore(postgres_url)
+    assert store.schema_version() == 4
+    assert store.get(1).original_path is None
+    rec = _record(2)
+    rec.original_path = "images/1970-01-01/x_original.png"
+    store.add([rec])
+    assert store.get(rec.id).original_path == rec.original_path
     store.close()
 
 
@@ -223,7 +249,7 @@ def test_a_version_2_database_gains_the_model_name_column(postgres_url):
                     "is_anomalous, threshold, model_id, model_checksum, label) VALUES "
                     "(1000.0, 'old', 2.5, 0.7, true, 2.0, 'm', 'c', 'good')")
     store = PostgresResultStore(postgres_url)
-    assert store.schema_version() == 3
+    assert store.schema_version() == 4
     old = store.get(1)
     assert old.model_name is None and old.label == "good"
     store.add([_record(2, model_name="line-2")])

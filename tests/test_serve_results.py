@@ -248,7 +248,8 @@ def test_a_version_1_sqlite_log_gains_the_label_columns(tmp_path):
     """A log written before labels (schema version 1): opened, it gets the label columns
     (version 2), its records read back unlabelled and can be labelled."""
     v1 = SCHEMA.replace(",\n    label TEXT,\n    label_note TEXT,\n    label_by TEXT,\n"
-                        "    label_at REAL", "").replace("    model_name TEXT,\n", "")
+                        "    label_at REAL", "").replace("    model_name TEXT,\n", "").replace(
+                            "    original_path TEXT,\n", "")
     assert "label" not in v1 and "model_name" not in v1
     con = sqlite3.connect(tmp_path / "r.sqlite")
     con.executescript(v1)
@@ -261,7 +262,7 @@ def test_a_version_1_sqlite_log_gains_the_label_columns(tmp_path):
     store = SQLiteResultStore(tmp_path / "r.sqlite")
     assert store.get(1).label is None and store.query(label="none")[0].request_id == "old"
     assert store.set_label(1, "good").label == "good"
-    assert store._write.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     store.close()
     SQLiteResultStore(tmp_path / "r.sqlite").close()  # opened again: nothing left to do
 
@@ -270,7 +271,7 @@ def test_a_version_2_sqlite_log_gains_the_model_name_column(tmp_path):
     """A log written before model names (schema version 2): opened, it gets the nullable
     ``model_name`` column (version 3); its records read back without a name, new ones carry
     theirs, and the model filter finds them."""
-    v2 = SCHEMA.replace("    model_name TEXT,\n", "")
+    v2 = SCHEMA.replace("    model_name TEXT,\n", "").replace("    original_path TEXT,\n", "")
     assert "model_name" not in v2 and "label" in v2
     con = sqlite3.connect(tmp_path / "r.sqlite")
     con.executescript(v2)
@@ -281,7 +282,7 @@ def test_a_version_2_sqlite_log_gains_the_model_name_column(tmp_path):
     con.commit()
     con.close()
     store = SQLiteResultStore(tmp_path / "r.sqlite")
-    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 4
     old = store.get(1)
     assert old.model_name is None and old.label == "good"
     new = Record(time=2000.0, request_id="new", verdict=old.verdict, model_id="m",
@@ -292,6 +293,38 @@ def test_a_version_2_sqlite_log_gains_the_model_name_column(tmp_path):
     assert store.query(model="nothing") == []
     store.close()
     SQLiteResultStore(tmp_path / "r.sqlite").close()
+
+
+def test_a_version_3_sqlite_log_gains_the_original_path_and_retention_removes_originals(
+        tmp_path):
+    """A log written before originals were kept (schema version 3): opened, it gets the
+    nullable ``original_path`` column (version 4); a record with a kept original reads it
+    back, and pruning the record returns it so that its original file goes too."""
+    v3 = SCHEMA.replace("    original_path TEXT,\n", "")
+    assert "original_path" not in v3 and "model_name" in v3
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    con.executescript(v3)
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum) VALUES (1000.0, 'old', 2.5, 0.7, 1, 2.0, "
+                "'m', 'c')")
+    con.execute("PRAGMA user_version=3")
+    con.commit()
+    con.close()
+    store = SQLiteResultStore(tmp_path / "r.sqlite")
+    assert store._write.execute("PRAGMA user_version").fetchone()[0] == 4
+    old = store.get(1)
+    assert old.original_path is None
+    files = ImageFiles(tmp_path)
+    paths = files.write("new", 2000.0, {"original": b"\xff\xd8\xff jpeg bytes"}, "JPEG")
+    assert paths["original"].endswith("new_original.jpg")
+    new = Record(time=2000.0, request_id="new", verdict=old.verdict, model_id="m",
+                 model_checksum="c", original_path=paths["original"])
+    store.add([new])
+    assert store.get(new.id).original_path == paths["original"]
+    assert store.get(new.id).as_json()["original_url"] == f"/v1/results/{new.id}/original"
+    removed = store.prune(max_count=0)
+    assert files.delete(removed) == 1 and files.resolve(paths["original"]) is None
+    store.close()
 
 
 def test_a_store_without_labels_says_so():

@@ -75,6 +75,40 @@ def test_retention_removes_records_and_pictures(models, tmp_path, store_factory)
         assert len(list((tmp_path / "results" / "images").rglob("*.*"))) == 6
 
 
+@pytest.mark.parametrize("keep", ["anomalous", "all"])
+def test_originals_kept_as_sent_and_removed_by_retention(models, tmp_path, keep):
+    """``--keep-originals``: the upload itself, byte for byte, with its own format's
+    extension, at ``/v1/results/{id}/original`` (anomalous: only for flagged images); the
+    retention removes it with its record."""
+    from conftest import textured_images
+    from serve_helpers import encode
+
+    jpeg = encode(textured_images(1, seed=61)[0], "JPEG", quality=90)
+    with serving(models["good"], tmp_path, keep_originals=keep, keep_images="none",
+                 thumbnails=False, retention_count=2) as (client, service):
+        good = client.post("/v1/predict", content=jpeg).json()
+        bad = client.post("/v1/predict", content=defect_png(62)).json()
+        assert bad["is_anomalous"] and not good["is_anomalous"]
+        assert client.get(bad["original_url"]).content == defect_png(62)
+        assert client.get(bad["original_url"]).headers["content-type"] == "image/png"
+        rec = client.get(f"/v1/results/{good['id']}").json()
+        if keep == "all":
+            assert client.get(rec["original_url"]).content == jpeg
+            assert client.get(rec["original_url"]).headers["content-type"] == "image/jpeg"
+        else:
+            assert rec["original_url"] is None and "original_url" not in good
+            assert_error(client.get(f"/v1/results/{good['id']}/original"), 404, "not_found")
+        kept = sorted(p.name for p in (tmp_path / "results" / "images").rglob("*.*"))
+        assert kept == sorted([f"{bad['request_id']}_original.png"]
+                              + ([f"{good['request_id']}_original.jpg"] if keep == "all"
+                                 else []))
+        client.post("/v1/predict", content=good_png(63))
+        client.post("/v1/predict", content=good_png(64))
+        client.portal.call(service.prune)  # the two newest stay: the first two originals go
+        left = {p.name for p in (tmp_path / "results" / "images").rglob("*.*")}
+        assert not left & set(kept) and len(left) == (2 if keep == "all" else 0)
+
+
 def test_unknown_results_and_pictures_are_404(api):
     client, _ = api
     assert_error(client.get("/v1/results/999999"), 404, "not_found")
@@ -230,7 +264,7 @@ def test_label_results_over_http(models, tmp_path, store_factory):
         assert listed("label=good") == [ids[1], ids[0]] and listed("label=defect") == []
         csv_text = client.get("/v1/results.csv?label=good").text
         header, *rows = csv_text.strip().splitlines()
-        assert header.endswith(",label,label_note,label_by,label_at_iso,model_name")
+        assert header.endswith(",label,label_note,label_by,label_at_iso,model_name,original_path")
         assert len(rows) == 2
         assert f",good,\"no, fine\",{fingerprint}," in rows[1]
 

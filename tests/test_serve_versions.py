@@ -110,7 +110,8 @@ def test_versions_lists_the_model_files_of_the_folder(shelf, models, tmp_path):
         assert rows["v3.safetensors"]["lineage"] == {
             "updates": 1, "images_added": 8, "labels_used": 2,
             "parent_checksum": content_checksum(shelf / "v1.safetensors"),
-            "last_update": "2026-01-02T03:04:05+00:00", "parent_version": "v1.safetensors"}
+            "last_update": "2026-01-02T03:04:05+00:00", "parent_version": "v1.safetensors",
+            "source": None}
         half = rows["half.safetensors"]
         assert half["checksum"] is None and "incomplete" in half["problem"]
         assert half["serving"] is False
@@ -455,7 +456,12 @@ def test_lineage_is_read_defensively():
     summary = lineage_summary([{"images_added": 5}, "junk", {"images_added": True,
                                "parent_checksum": 7, "labels_used": -1, "time": "t" * 999}])
     assert summary == {"updates": 3, "images_added": 5, "parent_checksum": None,
-                       "labels_used": None, "last_update": "t" * 200}
+                       "labels_used": None, "last_update": "t" * 200, "source": None}
+    src = lineage_summary([{"images_added": 2, "source": {
+        "kind": "results", "store": "/srv/results/results.sqlite", "since": None,
+        "good_results": [3, 4], "defect_results": "junk", "skipped": -2}}])["source"]
+    assert src == {"kind": "results", "store": "/srv/results/results.sqlite", "since": None,
+                   "until": None, "good": 2, "defect": None, "skipped": None}
 
 
 # ---- a real server, killed during promotes --------------------------------------------------

@@ -9,6 +9,12 @@ path; the heatmap and mask in the caller's frame; thread-safe (an ONNX Runtime s
 run from many threads, everything else is read-only). A file is verified before its first image
 (:mod:`anomaly_hooks.runtime.metadata`): the checksum of its content, every metadata entry, and
 the metadata against the graph.
+
+A tiled (high-resolution) export runs as the eager tiled Detector does: each image placed in
+the working frame with its aspect kept (the numpy twin of the framed preprocessing), the graph
+given each image's box in the frame (``boxes``: its padding gets no score) and run on whole
+frames' tiles, at most ``tiling.tile_batch`` tiles (one image at least) per session run; the
+heatmap comes back from the image's own part of the frame.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from anomaly_hooks.errors import ImageReadError, ModelFileError
+from anomaly_hooks.framing import Frame
 from anomaly_hooks.images import decode_reduced, is_one_image
 from anomaly_hooks.modelmeta import about
 from anomaly_hooks.prediction import Prediction
@@ -77,12 +84,17 @@ class OnnxDetector:
         self.method = model.method
         self.threshold_ = model.threshold
         pre = model.preprocess
+        frame = Frame.from_dict(pre["frame"]) if pre.get("frame") is not None else None
         self.preprocessor = NumpyPreprocessor(pre["resize"], pre["crop"], pre["mean"],
-                                              pre["std"], preprocess_method)
+                                              pre["std"], preprocess_method, frame)
+        self.tiling = model.tiling
         self.layers = model.layers
         self.max_pixels = model.max_pixels
         self.batch_size = batch_size
         self.input_name = model.input_name
+        # a tiled model's session runs hold whole frames' tiles: at most tile_batch of them
+        self.per_run = batch_size if self.tiling is None else \
+            max(1, min(batch_size, self.tiling["tile_batch"] // self.tiling["n_tiles"]))
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
@@ -119,29 +131,42 @@ class OnnxDetector:
         return cls(sess, model, batch_size, preprocess_method)
 
     # -- inference ------------------------------------------------------------------------
-    def run(self, batch: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def run(self, batch: np.ndarray, sizes: Optional[Sequence[Tuple[int, int]]] = None
+            ) -> Tuple[np.ndarray, np.ndarray]:
         """Image scores ``[B]`` and heatmaps ``[B, h, w]`` (network frame) of a normalised
-        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images."""
+        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images (a
+        tiled model's: at most its ``tile_batch`` tiles). ``sizes``: each image's own (H, W)
+        (a tiled model scores only its part of the frame; None: every image fills it)."""
+        feed_boxes = None
+        if self.tiling is not None:
+            content = tuple(self.tiling["frame"]["content"])
+            feed_boxes = np.asarray([content] * batch.shape[0] if sizes is None else
+                                    [self.preprocessor.placement(s) for s in sizes],
+                                    dtype=np.int64).reshape(batch.shape[0], 2)
         scores, maps = [], []
-        for lo in range(0, batch.shape[0], self.batch_size):
-            _, heat, score = self.session.run(None, {self.input_name:
-                                                     batch[lo:lo + self.batch_size]})
+        for lo in range(0, batch.shape[0], self.per_run):
+            feed = {self.input_name: batch[lo:lo + self.per_run]}
+            if feed_boxes is not None:
+                feed[self.tiling["boxes_input"]] = feed_boxes[lo:lo + self.per_run]
+            _, heat, score = self.session.run(None, feed)
             scores.append(score)
             maps.append(heat)
         return np.concatenate(scores), np.concatenate(maps)
 
-    def preprocess(self, image: np.ndarray) -> np.ndarray:
+    def preprocess(self, image: np.ndarray, size: Optional[Sequence[int]] = None
+                   ) -> np.ndarray:
         """The network input ``[3, h, w]`` float32 of a decoded canonical image (``[H, W, 3]``
         float32 in [0, 1], e.g. :func:`~anomaly_hooks.images.decode_reduced`'s): the model's
-        resize, crop and normalisation, as :meth:`predict` applies them."""
-        return self.preprocessor(image)
+        resize, crop and normalisation (or working frame), as :meth:`predict` applies them.
+        ``size``: the original (H, W) of a reduced decode."""
+        return self.preprocessor(image, size)
 
     def load_image(self, item: Any) -> Tuple[np.ndarray, Tuple[int, int]]:
         """One image decoded as the eager path does (a huge one at a reduced scale, within the
         model's ``max_pixels``) and preprocessed (:meth:`preprocess`): ``[3, h, w]`` and the
         image's own (H, W). Raises :class:`ImageReadError` for an unreadable image."""
         image, size = decode_reduced(item, self.preprocessor.min_source_size, self.max_pixels)
-        return self.preprocess(image), size
+        return self.preprocess(image, size), size
 
     def prepare(self, items: Sequence[Any]) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
         """Normalised ``[B, 3, h, w]`` and the (H, W) of each image."""
@@ -178,7 +203,7 @@ class OnnxDetector:
         out: List[Prediction] = []
         for lo in range(0, len(items), size):
             batch, sizes = self.prepare(items[lo:lo + size])
-            scores, maps = self.run(batch)
+            scores, maps = self.run(batch, sizes)
             out.extend(self.prediction(float(s), m, sz) for s, m, sz in zip(scores, maps, sizes))
         return out[0] if single else out
 
@@ -187,7 +212,7 @@ class OnnxDetector:
         """Raw image scores ``[N]`` float64 (higher = more anomalous)."""
         _, items = self._items(images)
         size = batch_size or self.batch_size
-        scores = [self.run(self.prepare(items[lo:lo + size])[0])[0]
+        scores = [self.run(*self.prepare(items[lo:lo + size]))[0]
                   for lo in range(0, len(items), size)]
         return np.concatenate(scores).astype(np.float64) if scores else np.empty(0)
 
@@ -208,7 +233,8 @@ class OnnxDetector:
                 except ImageReadError as exc:
                     results[i] = exc
             if good:
-                scores, maps = self.run(np.stack([x for x, _ in loaded]))
+                scores, maps = self.run(np.stack([x for x, _ in loaded]),
+                                        [sz for _, sz in loaded])
                 for i, s, m, (_, sz) in zip(good, scores, maps, loaded):
                     results[i] = self.prediction(float(s), m, sz)
             yield from sorted(results.items())

@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-results", action="store_true", help="keep no results log")
     r.add_argument("--keep-images", choices=KEEP_CHOICES, default=d["keep_images"],
                    help=f"overlay and mask PNGs kept (default {d['keep_images']})")
+    r.add_argument("--keep-originals", choices=KEEP_CHOICES, default=d["keep_originals"],
+                   help="the uploaded images themselves, as sent, kept under --results-dir "
+                   "(what `anomaly-hooks update --from-results` learns from: anomalous keeps "
+                   "the images an operator may label as false alarms; all, every image); "
+                   "removed with their result by the retention (default "
+                   f"{d['keep_originals']})")
     r.add_argument("--no-thumbnails", action="store_true",
                    help="no thumbnail per result (the page's list then shows none)")
     r.add_argument("--overlay-max-side", type=int, default=d["overlay_max_side"],
@@ -142,7 +148,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_connections_per_client=args.max_connections_per_client,
         results_dir=None if args.no_results else args.results_dir,
         results_db=_results_db(args),
-        keep_images=args.keep_images, thumbnails=not args.no_thumbnails,
+        keep_images=args.keep_images, keep_originals=args.keep_originals,
+        thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
         sighup_reload=not args.no_sighup).validate()

@@ -110,6 +110,9 @@ MIGRATIONS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
         "ALTER TABLE results ADD COLUMN IF NOT EXISTS model_name TEXT",
         "CREATE INDEX IF NOT EXISTS results_model ON results (model_name, id)",
     )),
+    (4, "kept original uploads", (
+        "ALTER TABLE results ADD COLUMN IF NOT EXISTS original_path TEXT",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

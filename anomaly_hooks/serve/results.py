@@ -7,7 +7,8 @@
   acknowledged. :class:`~anomaly_hooks.serve.pgstore.PostgresResultStore` (the ``[postgres]``
   extra) keeps it on a PostgreSQL server that several replicas share; another database plugs in
   by implementing the same six methods.
-* :class:`ImageFiles` keeps the overlay / mask / thumbnail PNGs and JPEGs under a folder; the
+* :class:`ImageFiles` keeps the overlay / mask / thumbnail PNGs and JPEGs, and the original
+  uploads (``--keep-originals``: the images a model update learns from), under a folder; the
   records hold their paths relative to it.
 * :class:`Recorder` is the group commit: request handlers hand their record to one writer
   thread, which commits whatever has accumulated in one transaction (one fsync for many records)
@@ -56,6 +57,7 @@ class Record:
     overlay_path: Optional[str] = None
     mask_path: Optional[str] = None
     thumb_path: Optional[str] = None
+    original_path: Optional[str] = None  # the uploaded image's own bytes (--keep-originals)
     latency_ms: Optional[float] = None
     label: Optional[str] = None          # the operator's label: good, defect, or None (none)
     label_note: Optional[str] = None
@@ -89,11 +91,15 @@ class Record:
 # the other fields, then the verdict's: the SQL columns (the table's names, in any order)
 META_COLUMNS = [f.name for f in fields(Record) if f.name not in ("id", "verdict")]
 COLUMNS = META_COLUMNS + VERDICT_FIELDS
-PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg"}
+# kind -> the name of its route (/v1/results/{id}/<name>); the original keeps its upload's
+# format, its file its own extension (ORIGINAL_EXTENSIONS)
+PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg",
+            "original": "original"}
+ORIGINAL_EXTENSIONS = {"PNG": "png", "JPEG": "jpg", "TIFF": "tif", "BMP": "bmp", "WEBP": "webp"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
                "model_checksum", "overlay_path", "mask_path", "latency_ms", "request_id",
-               "label", "label_note", "label_by", "label_at_iso", "model_name"]
+               "label", "label_note", "label_by", "label_at_iso", "model_name", "original_path"]
 LABELS = ("good", "defect")             # what an operator may say of a result
 LABEL_FILTERS = LABELS + ("none",)      # query(label=...): none = not labelled
 NOTE_MAX = 500                          # characters of a label's note
@@ -268,6 +274,7 @@ CREATE TABLE IF NOT EXISTS results (
     overlay_path TEXT,
     mask_path TEXT,
     thumb_path TEXT,
+    original_path TEXT,
     latency_ms REAL,
     label TEXT,
     label_note TEXT,
@@ -279,12 +286,13 @@ CREATE INDEX IF NOT EXISTS results_anomalous ON results (is_anomalous, id);
 CREATE INDEX IF NOT EXISTS results_part ON results (part_id, id);
 """
 # version 2: the operator's label; version 3: the model's name (several models in one
-# service). An older log gets the columns it lacks added when it is opened.
+# service); version 4: the kept original upload. An older log gets the columns it lacks added
+# when it is opened.
 ADDED_COLUMNS = {"label": "TEXT", "label_note": "TEXT", "label_by": "TEXT", "label_at": "REAL",
-                 "model_name": "TEXT"}
+                 "model_name": "TEXT", "original_path": "TEXT"}
 ADDED_INDEXES = ("CREATE INDEX IF NOT EXISTS results_label ON results (label, id)",
                  "CREATE INDEX IF NOT EXISTS results_model ON results (model_name, id)")
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class SQLiteResultStore(ResultStore):
@@ -531,14 +539,17 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
 
 
 class ImageFiles:
-    """Pictures of kept results: ``<root>/images/YYYY-MM-DD/<request id>_<kind>.<ext>``."""
+    """Pictures of kept results: ``<root>/images/YYYY-MM-DD/<request id>_<kind>.<ext>`` (the
+    original upload: ``<request id>_original.<its format's extension>``)."""
 
     def __init__(self, root: os.PathLike | str) -> None:
         self.root = Path(root).resolve()
 
-    def write(self, request_id: str, ts: float, pictures: Dict[str, Optional[bytes]]
-              ) -> Dict[str, Optional[str]]:
-        """Write the given pictures (kind -> bytes or None); return kind -> relative path."""
+    def write(self, request_id: str, ts: float, pictures: Dict[str, Optional[bytes]],
+              original_format: Optional[str] = None) -> Dict[str, Optional[str]]:
+        """Write the given pictures (kind -> bytes or None); return kind -> relative path.
+        ``original_format``: the format of the ``original`` picture (PNG, JPEG, ...: its
+        extension)."""
         day = time.strftime("%Y-%m-%d", time.gmtime(ts))
         folder = self.root / "images" / day
         out: Dict[str, Optional[str]] = {}
@@ -547,7 +558,8 @@ class ImageFiles:
                 out[kind] = None
                 continue
             folder.mkdir(parents=True, exist_ok=True)
-            ext = PICTURES[kind].rsplit(".", 1)[1]
+            ext = (ORIGINAL_EXTENSIONS.get(str(original_format).upper(), "img")
+                   if kind == "original" else PICTURES[kind].rsplit(".", 1)[1])
             path = folder / f"{request_id}_{kind}.{ext}"
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_bytes(data)
@@ -568,7 +580,7 @@ class ImageFiles:
     def delete(self, records: Sequence[Record]) -> int:
         n = 0
         for rec in records:
-            for rel in (rec.overlay_path, rec.mask_path, rec.thumb_path):
+            for rel in (rec.overlay_path, rec.mask_path, rec.thumb_path, rec.original_path):
                 if rel:
                     path = self.resolve(rel)
                     if path is not None:

@@ -127,6 +127,8 @@ class Prediction(Verdict):  # type: ignore[misc,valid-type]
     overlay_url: Optional[str] = Field(None, description="the kept overlay (when kept)")
     mask_url: Optional[str] = Field(None, description="the kept mask (when kept)")
     thumb_url: Optional[str] = Field(None, description="the kept thumbnail (when kept)")
+    original_url: Optional[str] = Field(None, description="the kept original upload (when "
+                                        "kept: --keep-originals)")
 
 
 class BatchPrediction(Prediction):
@@ -178,6 +180,8 @@ class ResultRecord(Verdict):  # type: ignore[misc,valid-type]
     overlay_url: Optional[str]
     mask_url: Optional[str]
     thumb_url: Optional[str]
+    original_url: Optional[str] = Field(None, description="the original upload, as sent (kept "
+                                        "by --keep-originals; null: not kept)")
 
 
 class LabelRequest(BaseModel):
@@ -238,6 +242,21 @@ class PromoteResult(ReloadResult):
 
 
 # ---- versions (--models-dir) ----------------------------------------------------------------
+class LineageSource(BaseModel):
+    """Where an update's images came from (``anomaly-hooks update --from-results``: the
+    results an operator labelled)."""
+
+    kind: Optional[str] = Field(description="results: the labelled results of a results log")
+    store: Optional[str] = Field(description="the results log (a database URL without its "
+                                 "password)")
+    since: Optional[str] = Field(description="the results recorded from this time on")
+    until: Optional[str] = Field(description="... and before this time")
+    good: Optional[int] = Field(description="results labelled good whose images were added")
+    defect: Optional[int] = Field(description="results labelled defect the threshold used")
+    skipped: Optional[int] = Field(description="labelled results left out (original not kept, "
+                                   "or its file gone)")
+
+
 class LineageSummary(BaseModel):
     """What a model file's ``lineage`` records (the updates it went through, written by
     ``anomaly-hooks update``), in short."""
@@ -251,6 +270,8 @@ class LineageSummary(BaseModel):
     last_update: Optional[str] = Field(description="when the last update was made (ISO 8601)")
     parent_version: Optional[str] = Field(
         None, description="the file of the models folder that is the parent, where there is one")
+    source: Optional[LineageSource] = Field(
+        None, description="where the last update's images came from (null: not recorded)")
 
 
 class VersionRef(BaseModel):

@@ -42,6 +42,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 import numpy as np
 
 from anomaly_hooks.errors import AnomalyHooksError, ModelFileError
+from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
 from anomaly_hooks.serve.engine import (
@@ -688,10 +689,13 @@ class Service:
         engine = self.require_engine(slot)
         marks = {"start": t_start, "decode": time.perf_counter()}
         item = await self._prepare(engine, data)
+        # the upload as sent, while the results log may keep it (--keep-originals)
+        original: Optional[bytes] = data if self._keeps_originals() else None
         del data
         marks["decoded"] = time.perf_counter()
         assert slot.batcher is not None
-        score, heat, info = await slot.batcher.submit(item.tensor, engine)
+        score, heat, info = await slot.batcher.submit(item.tensor, engine,
+                                                      (item.height, item.width))
         item.tensor = None
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
@@ -705,7 +709,9 @@ class Service:
                         width=item.width, height=item.height)
         if self.recorder is not None:
             record.latency_ms = round((time.perf_counter() - t_start) * 1000, 3)
-            await self._record(record, self._kept_pictures(outcome, heatmap))
+            kept = self._kept_pictures(outcome, heatmap)
+            kept["original"] = original if self._keep_original(verdict) else None
+            await self._record(record, kept, item.format)
         marks["done"] = time.perf_counter()
         body: Dict[str, Any] = {
             "id": record.id, "request_id": record.request_id, "time": iso_time(record.time),
@@ -738,6 +744,15 @@ class Service:
         """Which pictures the results log keeps (none without a folder for them)."""
         return self.settings.keep_images if self.files is not None else "none"
 
+    def _keeps_originals(self) -> bool:
+        """Whether the results log keeps original uploads (none without a folder for them)."""
+        return self.settings.keep_originals != "none" and self.files is not None
+
+    def _keep_original(self, verdict: Verdict) -> bool:
+        """Whether the original upload of the image judged ``verdict`` is kept."""
+        keep = self.settings.keep_originals if self.files is not None else "none"
+        return keep == "all" or (keep == "anomalous" and bool(verdict.is_anomalous))
+
     async def _finish(self, engine: ModelEngine, score: float, heat: Any, item: PreparedImage,
                       heatmap: str) -> Outcome:
         """Verdict and the pictures the response or the results log needs (decode pool)."""
@@ -762,16 +777,20 @@ class Service:
                 "mask": outcome.mask_png if keep_overlay else None,
                 "thumb": outcome.thumb_jpg}
 
-    async def _record(self, record: Record, pictures: Dict[str, Optional[bytes]]) -> None:
-        """Write the pictures, then commit the record (durable on return; sets its id)."""
+    async def _record(self, record: Record, pictures: Dict[str, Optional[bytes]],
+                      original_format: Optional[str] = None) -> None:
+        """Write the pictures (``original_format``: the format of the ``original`` upload),
+        then commit the record (durable on return; sets its id)."""
         assert self.recorder is not None
         try:
             if self.files is not None and any(pictures.values()):
                 paths = await self.loop.run_in_executor(
-                    self.pool, self.files.write, record.request_id, record.time, pictures)
+                    self.pool, self.files.write, record.request_id, record.time, pictures,
+                    original_format)
                 record.overlay_path = paths.get("overlay")
                 record.mask_path = paths.get("mask")
                 record.thumb_path = paths.get("thumb")
+                record.original_path = paths.get("original")
             # the point of no return: a record handed to the writer will be committed, so the
             # request answers with it, whatever its timeout says meanwhile
             record.id = await until_done(asyncio.wrap_future(self.recorder.submit(record)))

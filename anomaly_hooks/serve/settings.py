@@ -43,6 +43,9 @@ class ServeSettings:
     # in results_dir; kept pictures still go under results_dir (None: no pictures kept)
     results_db: Optional[str] = None
     keep_images: str = "anomalous"         # pictures kept in the results log: none|anomalous|all
+    # the uploaded images themselves, as sent (what `anomaly-hooks update --from-results` learns
+    # from): none|anomalous|all; under results_dir, removed with their result by the retention
+    keep_originals: str = "none"
     thumbnails: bool = True                # a small overlay JPEG per result (the page's list)
     thumb_side: int = 160
     overlay_max_side: int = 1024           # overlays/masks are at most this size (long side)
@@ -86,8 +89,7 @@ class ServeSettings:
         if self.max_queue < self.max_batch:
             raise ConfigError(f"max-queue ({self.max_queue}) must be >= max-batch "
                              f"({self.max_batch})")
-        if self.keep_images not in KEEP_CHOICES:
-            raise ConfigError(f"keep-images must be one of {', '.join(KEEP_CHOICES)}")
+        self._check_keep()
         if self.retention_days is not None and self.retention_days <= 0:
             raise ConfigError("retention-days must be > 0")
         if self.retention_count is not None and self.retention_count < 1:
@@ -102,6 +104,13 @@ class ServeSettings:
 
             check_store_spec(self.results_db)
         return self
+
+    def _check_keep(self) -> None:
+        """ConfigError for a ``keep_images`` / ``keep_originals`` outside KEEP_CHOICES."""
+        for name in ("keep_images", "keep_originals"):
+            if getattr(self, name) not in KEEP_CHOICES:
+                raise ConfigError(f"{name.replace('_', '-')} must be one of "
+                                  f"{', '.join(KEEP_CHOICES)}, not {getattr(self, name)!r}")
 
     @property
     def keeps_results(self) -> bool:

@@ -100,7 +100,7 @@ def _count(value: Any) -> Optional[int]:
 def lineage_summary(lineage: Any) -> Optional[Dict[str, Any]]:
     """A short summary of a model's ``lineage`` (the updates it went through, oldest first:
     ``{parent_checksum, images_added, labels_used, time}`` each): how many, the images they
-    added, and the last one's parent, labels and time. None for a model without one. Read
+    added, and the last one's parent, labels, time and source. None for a model without one. Read
     defensively: entries that are not of that form count, but add nothing."""
     if not isinstance(lineage, list) or not lineage:
         return None
@@ -110,7 +110,26 @@ def lineage_summary(lineage: Any) -> Optional[Dict[str, Any]]:
             "images_added": sum(_count(e.get("images_added")) or 0 for e in entries),
             "parent_checksum": _text(last.get("parent_checksum")),
             "labels_used": _count(last.get("labels_used")),
-            "last_update": _text(last.get("time"))}
+            "last_update": _text(last.get("time")),
+            "source": source_summary(last.get("source"))}
+
+
+def source_summary(source: Any) -> Optional[Dict[str, Any]]:
+    """Where an update's images came from, in short (``source`` of a lineage entry:
+    :func:`~anomaly_hooks.modelmeta.check_lineage_source`): its kind, the results log, the
+    window, how many results labelled good and defect it used and skipped. None without one;
+    read defensively, as the rest of the summary."""
+    if not isinstance(source, dict):
+        return None
+
+    def ids(key: str) -> Optional[int]:
+        value = source.get(key)
+        return len(value) if isinstance(value, list) else None
+
+    return {"kind": _text(source.get("kind")), "store": _text(source.get("store")),
+            "since": _text(source.get("since")), "until": _text(source.get("until")),
+            "good": ids("good_results"), "defect": ids("defect_results"),
+            "skipped": _count(source.get("skipped"))}
 
 
 def read_safetensors_meta(path: str) -> Tuple[Dict[str, Any], Dict[str, Any], int]:

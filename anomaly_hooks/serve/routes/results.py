@@ -84,12 +84,14 @@ async def result(service: ServiceDep, store: StoreDep, record_id: RecordId) -> D
             summary="A stored picture of a result",
             responses={200: {"description": "the picture", "content": {
                 "image/png": {"schema": {"type": "string", "format": "binary"}},
-                "image/jpeg": {"schema": {"type": "string", "format": "binary"}}}},
+                "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                "image/*": {"schema": {"type": "string", "format": "binary"}}}},
                 **_ERRORS})
 async def result_picture(service: ServiceDep, store: StoreDep, record_id: RecordId,
                          picture: Annotated[str, Path(
                              description=", ".join(PICTURES.values()))]) -> FileResponse:
-    """The overlay or mask PNG (kept by ``--keep-images``) or the thumbnail JPEG."""
+    """The overlay or mask PNG (kept by ``--keep-images``), the thumbnail JPEG, or the
+    original upload as sent (kept by ``--keep-originals``; its own format)."""
     kinds = {v: k for k, v in PICTURES.items()}
     if picture not in kinds:
         raise ServeError(404, "not_found", f"no picture {picture!r}: use one of "

@@ -126,6 +126,12 @@ function modelRows(info) {
     if (l.last_update) rows.push(["last update", localTime(l.last_update)]);
     if (l.parent_checksum) rows.push(["parent", short(l.parent_checksum)]);
     if (l.labels_used !== null && l.labels_used !== undefined) rows.push(["labels used", String(l.labels_used)]);
+    const s = l.source;
+    if (s && s.kind === "results") {
+      const since = s.since ? `, since ${localTime(s.since)}` : "";
+      const skipped = s.skipped ? `, ${s.skipped} skipped` : "";
+      rows.push(["learned from", `${s.good ?? 0} result(s) labelled good, ${s.defect ?? 0} defect${since}${skipped}`]);
+    }
   } else {
     rows.push(["lineage", "– (as fitted, no updates)"]);
   }
