@@ -49,6 +49,9 @@ def uninspected_fraction(framing: Framing) -> float:
     return 1.0 - (ch * cw) / float(rh * rw)
 
 
+ASPECTS = ("keep", "stretch")  # a working frame's rule for an image of another aspect
+
+
 @dataclass(frozen=True)
 class Frame:
     """The working frame of a high-resolution (tiled) model: where an image of any size lands
@@ -60,7 +63,10 @@ class Frame:
     ``size`` (h, w) >= ``content`` (``size`` is ``content`` rounded up to the tiles' stride);
     the rest is padding (zeros after normalisation: the mean colour). An image of the aspect
     of ``content`` fills it exactly (a side within one pixel of the box's is snapped to it);
-    any other is letterboxed inside it.
+    any other is letterboxed inside it. With ``aspect="stretch"`` every image fills ``content``
+    whatever its aspect (the default framing's rule, at the working scale): parts of one kind
+    imaged at varying sizes then land on the same positions, which PaDiM's Gaussian per
+    position of the frame needs.
 
     The model scores the ``content`` box; :meth:`placement` is where one image's pixels are,
     and the heatmap's way back (``Preprocessor.to_original``) reads exactly that part.
@@ -69,12 +75,15 @@ class Frame:
     content: Tuple[int, int]
     size: Tuple[int, int]
     crop: Optional[Tuple[float, float]] = None
+    aspect: str = "keep"  # "keep": letterbox an image of another aspect; "stretch": fill
 
     def __post_init__(self) -> None:
         if not (0 < self.content[0] <= self.size[0] and 0 < self.content[1] <= self.size[1]):
             raise ValueError(f"frame content {self.content} must fit in its size {self.size}")
         if self.crop is not None and not all(0.0 < f <= 1.0 for f in self.crop):
             raise ValueError(f"crop fractions {self.crop} must lie in (0, 1]")
+        if self.aspect not in ASPECTS:
+            raise ValueError(f"frame aspect {self.aspect!r} must be one of {ASPECTS}")
 
     def source_box(self, image_size: Tuple[int, int]) -> Tuple[int, int, int, int]:
         """(top, left, height, width) of the inspected part of an image of ``image_size``
@@ -89,9 +98,12 @@ class Frame:
     def placement(self, image_size: Tuple[int, int]) -> Tuple[int, int]:
         """(h, w) network pixels the inspected part of an image of ``image_size`` (H, W) is
         resized to, at the top-left of the frame: the largest aspect-keeping fit in
-        ``content`` (sides within one pixel of the box's snapped to it)."""
+        ``content`` (sides within one pixel of the box's snapped to it); ``content`` itself
+        when the frame stretches."""
         _, _, sh, sw = self.source_box(image_size)
         bh, bw = self.content
+        if self.aspect == "stretch":
+            return bh, bw
         scale = min(bh / sh, bw / sw)
         h = min(bh, max(1, int(round(sh * scale))))
         w = min(bw, max(1, int(round(sw * scale))))
@@ -107,7 +119,8 @@ class Frame:
     def as_dict(self) -> dict:
         """JSON-serialisable description (stored with the model)."""
         return {"content": list(self.content), "size": list(self.size),
-                "crop": list(self.crop) if self.crop is not None else None}
+                "crop": list(self.crop) if self.crop is not None else None,
+                "aspect": self.aspect}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Frame":
@@ -115,4 +128,5 @@ class Frame:
         crop = d.get("crop")
         return cls(tuple(int(v) for v in d["content"]),  # type: ignore[arg-type]
                    tuple(int(v) for v in d["size"]),  # type: ignore[arg-type]
-                   tuple(float(v) for v in crop) if crop is not None else None)  # type: ignore
+                   tuple(float(v) for v in crop) if crop is not None else None,  # type: ignore
+                str(d.get("aspect", "keep")))

@@ -345,8 +345,8 @@ def check_preprocess(data: Any, field: str = "preprocess") -> Dict[str, Any]:
 def check_frame(data: Any, field: str = "preprocess.frame") -> Dict[str, Any]:
     """A tiled model's working frame (``framing.Frame.as_dict``): ``content`` and ``size``
     ``[h, w]`` in ``1..MAX_SIDE`` with the content inside the size; ``crop`` null or two
-    fractions in (0, 1]."""
-    check_keys(data, field, ("content", "size", "crop"), ("content", "size"))
+    fractions in (0, 1]; ``aspect`` ``keep`` (the default) or ``stretch``."""
+    check_keys(data, field, ("content", "size", "crop", "aspect"), ("content", "size"))
     content = size_pair(data["content"], f"{field}.content")
     size = size_pair(data["size"], f"{field}.size")
     if content[0] > size[0] or content[1] > size[1]:
@@ -357,7 +357,10 @@ def check_frame(data: Any, field: str = "preprocess.frame") -> Dict[str, Any]:
             raise refuse(f"{field}.crop", crop, "null or two fractions in (0, 1]")
         crop = [real(v, f"{field}.crop[{i}]", "a fraction in (0, 1]", lambda v: 0 < v <= 1)
                 for i, v in enumerate(crop)]
-    return {"content": list(content), "size": list(size), "crop": crop}
+    aspect = data.get("aspect", "keep")
+    if aspect not in ("keep", "stretch"):
+        raise refuse(f"{field}.aspect", aspect, "keep or stretch")
+    return {"content": list(content), "size": list(size), "crop": crop, "aspect": aspect}
 
 
 def _three(value: Any, field: str, expected: str,

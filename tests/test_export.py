@@ -395,6 +395,21 @@ def test_tiled_export_predicts_as_the_eager_tiled_detector(tiled_export):
                                rtol=backbone_rtol())
 
 
+def test_tiled_export_of_a_stretching_frame_predicts_as_eager(tmp_path):
+    """``tiling.aspect: stretch``: every image fills the frame's box (no letterbox), in the
+    runtime's numpy framing as in eager; the probes of other aspects are where it differs."""
+    from conftest import TILED_SIZE, tiled_cfg
+
+    cfg = tiled_cfg("padim", positions="tile")
+    cfg["tiling"]["aspect"] = "stretch"
+    det = Detector.from_config(cfg).fit(textured_images(8, size=TILED_SIZE), progress=False)
+    path = export_onnx(det, tmp_path / "s.onnx")
+    images = tiled_probes()
+    runtime = OnnxDetector.load(path, batch_size=2)
+    assert runtime.preprocessor.frame.aspect == "stretch"
+    assert_tiled_parity(det.predict(images), runtime.predict(images))
+
+
 def test_tiled_graph_masks_each_images_padding(tiled_export):
     """The graph's ``boxes`` input is each image's part of the frame: the same frame scored
     with a smaller box ignores what lies outside it (its patch scores there are the least

@@ -17,6 +17,7 @@ from anomaly_hooks.config import load_config
 from anomaly_hooks.errors import ConfigError, DataError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.framing import Frame
+from anomaly_hooks.modelmeta import MetadataError, check_frame
 from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.tiling.frame import image_size, median_size, working_frame
 from anomaly_hooks.tiling.grid import TileGrid, axis_plan
@@ -142,6 +143,37 @@ def test_frame_placement_keeps_the_aspect_and_snaps_the_models_own():
         Frame((420, 612), (416, 624))
     with pytest.raises(ValueError, match="crop fractions"):
         Frame((96, 96), (96, 96), (0.0, 1.0))
+
+
+def test_a_stretching_frame_fills_its_box_whatever_the_aspect():
+    frame = Frame((408, 612), (416, 624), aspect="stretch")
+    for size in ((1000, 1500), (500, 1500), (1500, 1000), (89, 400)):
+        assert frame.placement(size) == (408, 612)
+    assert Frame.from_dict(frame.as_dict()) == frame
+    assert Frame.from_dict({"content": [8, 8], "size": [8, 8]}).aspect == "keep"  # older files
+    assert check_frame(frame.as_dict())["aspect"] == "stretch"
+    with pytest.raises(MetadataError, match="aspect"):
+        check_frame({**frame.as_dict(), "aspect": "squash"})
+    with pytest.raises(ValueError, match="aspect"):
+        Frame((8, 8), (8, 8), aspect="squash")
+    with pytest.raises(ConfigError, match=r"tiling\.aspect"):
+        load_config({"tiling": {"enabled": True, "aspect": "squash"}})
+
+
+def test_framed_preprocessing_stretches_an_image_of_another_aspect_to_the_box():
+    from torchvision.transforms import v2
+
+    pre = Preprocessor.framed(Frame((120, 180), (128, 192), aspect="stretch"), (0.5,) * 3,
+                              (0.25,) * 3)
+    image = torch.rand(3, 150, 450, generator=torch.Generator().manual_seed(3))
+    out = pre(image)
+    ref = v2.Normalize(list(pre.mean), list(pre.std))(v2.Resize([120, 180], antialias=True)(image))
+    atol = resample_tolerance((150, 450), 1 / min(pre.std), float(ref.abs().max()))
+    torch.testing.assert_close(out[:, :120, :180], ref, rtol=0, atol=atol)
+    maps = torch.zeros(128, 192)
+    maps[:120, :180] = 1.0  # the box, all of it the image's
+    back = pre.to_original(maps, (150, 450), 0.0)
+    assert tuple(back.shape) == (150, 450) and bool((back == 1.0).all())
 
 
 def test_frame_crop_box_and_uninspected_fraction():

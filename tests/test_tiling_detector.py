@@ -253,6 +253,29 @@ def test_tiled_detector_predicts_on_its_device(device):
     assert masked.shape == (1, 10, 15) and int(inside.sum()) == SIZE[0] * SIZE[1]
 
 
+def test_a_stretching_frame_scores_an_image_of_another_aspect_whole(tmp_path):
+    """``tiling.aspect: stretch``: an image of another aspect fills the frame (no padding to
+    mask), its heatmap comes back in its own frame, and a saved model keeps the rule."""
+    cfg = tiled_cfg("padim", positions="tile")
+    cfg["tiling"]["aspect"] = "stretch"
+    det = Detector.from_config(cfg).fit(textured_images(6, size=SIZE), progress=False)
+    assert det.fit_info_["framing"]["aspect"] == "stretch"
+    wide = textured_images(1, size=(60, 230), seed=7)
+    _, sizes = det.prepare(wide)
+    content = tuple(det.fit_info_["framing"]["content"])
+    assert det.tiling.boxes(sizes, 1) == [content]  # the whole box: nothing masked
+    stain = wide[0].copy()
+    stain[20:40, 100:130] = [250, 40, 30]
+    pred = det.predict(stain)
+    assert pred.heatmap.shape == (60, 230)
+    ys, xs = np.unravel_index(np.argmax(pred.heatmap), pred.heatmap.shape)
+    assert 10 <= ys < 50 and 90 <= xs < 140
+    det.save(tmp_path / "m.safetensors")
+    back = Detector.load(tmp_path / "m.safetensors")
+    assert back.fit_info_["framing"]["aspect"] == "stretch"
+    np.testing.assert_array_equal(back.decision_function([stain]), det.decision_function([stain]))
+
+
 def test_the_letterbox_of_an_image_of_another_aspect_is_not_scored(tiled):
     """An image wider than the training images is placed with bars below it (the padding, the
     mean colour: nothing like a part). Scored as part of the image, the bars alarm on a good

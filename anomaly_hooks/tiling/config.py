@@ -26,6 +26,9 @@ class TilingConfig:
     tile: List[int] = field(default_factory=lambda: [256, 256])  # network pixels (int or [h, w])
     overlap: int = 64  # between neighbouring tiles, network pixels (a multiple of 2 x stride)
     crop: Optional[List[float]] = None  # centre crop: fractions of height and width kept
+    # an image of another aspect than the training images': "keep" (letterboxed in the frame)
+    # or "stretch" (fills it: parts imaged at varying sizes land on the same positions)
+    aspect: str = "keep"
     tile_batch: int = 16  # tiles per backbone forward pass (memory: the guard counts them)
 
 
@@ -64,4 +67,6 @@ def validate(section: Any) -> None:
         check(len(section.crop) == 2 and all(0.0 < f <= 1.0 for f in section.crop),
               "tiling.crop", "null (the whole image) or [height, width] fractions in (0, 1]",
               list(section.crop))
+    check(section.aspect in ("keep", "stretch"), "tiling.aspect", "keep or stretch",
+          section.aspect)
     check(1 <= section.tile_batch <= 4096, "tiling.tile_batch", "1 to 4096", section.tile_batch)

@@ -79,7 +79,7 @@ def working_frame(section: Any, size: Tuple[int, int], stride: int) -> Frame:
     scale = working_scale(section, (ch, cw))
     content = (max(stride, int(round(ch * scale))), max(stride, int(round(cw * scale))))
     frame = tuple(stride * math.ceil(c / stride) for c in content)
-    return Frame(content, frame, crop)  # type: ignore[arg-type]
+    return Frame(content, frame, crop, section.aspect)  # type: ignore[arg-type]
 
 
 def provisional_frame(section: Any, stride: int) -> Frame:
@@ -87,4 +87,4 @@ def provisional_frame(section: Any, stride: int) -> Frame:
     only known from the images too, so this is one tile (what a dry run or an estimate uses)."""
     tile = tuple(stride * math.ceil(int(v) / stride) for v in section.tile)
     crop = tuple(float(f) for f in section.crop) if section.crop is not None else None
-    return Frame(tile, tile, crop)  # type: ignore[arg-type]
+    return Frame(tile, tile, crop, section.aspect)  # type: ignore[arg-type]
