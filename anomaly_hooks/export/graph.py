@@ -4,7 +4,10 @@
 
 * ``patch_scores`` ``[B, h, w]`` (the scorer's patch-score grid),
 * ``heatmap`` ``[B, H, W]`` (bilinear upsampling + Gaussian blur, at the network input size),
-* ``image_score`` ``[B]`` (max of the heatmap, or the scorer's own rule).
+* ``image_score`` ``[B]`` (max of the heatmap, or the scorer's own rule),
+* then, for each layer of ``drift_layers``, its per-image channel means ``[B, C_l]`` (the
+  drift monitor's layer statistic, :func:`anomaly_hooks.monitor.layer_statistics`, on the maps
+  the scorer reads anyway).
 
 The generic parts live here: the backbone cut after the last tapped layer, the embedding
 (a concatenation of resized layer maps) and the heatmap. The method's part comes from the
@@ -23,6 +26,7 @@ from torch import nn
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
 from anomaly_hooks.heatmap import anomaly_maps
+from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
 
 
 class _Stop(Exception):
@@ -150,13 +154,20 @@ class PredictGraph(nn.Module):
     Args:
         detector: a fitted :class:`~anomaly_hooks.detector.Detector` on the CPU.
         stop: cut the backbone by stopping its forward (TorchScript exporter) or not (dynamo).
+        drift_layers: tapped layers whose per-image channel means are extra outputs.
         options: passed to the scorer's ``export_module`` (e.g. PatchCore's ``search``).
     """
 
-    def __init__(self, detector: Any, *, stop: bool = True, **options: Any) -> None:
+    def __init__(self, detector: Any, *, stop: bool = True, drift_layers: Sequence[str] = (),
+                 **options: Any) -> None:
         super().__init__()
         ext = detector.extractor
         self.backbone = TruncatedBackbone(ext.model, ext.layers, ext.order, stop=stop)
+        unknown = sorted(set(drift_layers) - set(ext.layers))
+        if unknown:
+            raise ValueError(f"drift_layers {unknown} are not tapped layers ({ext.layers})")
+        self.drift_layers: List[str] = list(drift_layers)
+        self.drift_index = [list(ext.layers).index(name) for name in drift_layers]
         scorer = detector.scorer_
         self.embed = Embed(scorer.embedder)
         self.scorer = scorer.export_module(**options)
@@ -165,12 +176,22 @@ class PredictGraph(nn.Module):
         self.size: Tuple[int, int] = tuple(detector.preprocessor.input_size)
         _plain_buffers(self)
 
+    @property
+    def output_names(self) -> List[str]:
+        """The graph's outputs in order: :data:`~anomaly_hooks.runtime.metadata.OUTPUTS`,
+        then ``layer_means/<layer>`` of each drift layer."""
+        return [*OUTPUTS, *(layer_means_output(name) for name in self.drift_layers)]
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B, 3, H, W]`` -> ``[B, h, w]`` patch scores, ``[B, H, W]`` heatmap, ``[B]``."""
-        rows = self.embed(self.backbone(x))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``[B, 3, H, W]`` -> ``[B, h, w]`` patch scores, ``[B, H, W]`` heatmap, ``[B]``
+        image scores, then ``[B, C_l]`` channel means of each drift layer."""
+        maps = self.backbone(x)
+        rows = self.embed(maps)
         scores, aux = self.scorer(rows)  # [B, P]
         patch = scores.reshape(x.shape[0], self.grid[0], self.grid[1])
         heat = anomaly_maps(patch, self.size)
         image = self.scorer.image_scores(rows, scores, aux, heat.flatten(1).amax(dim=1))
-        return patch, heat, image
+        # the eager taps' reduction (monitor.stats.layer_statistics): float32 mean over h, w
+        means = tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
+        return (patch, heat, image, *means)

@@ -9,6 +9,21 @@ path; the heatmap and mask in the caller's frame; thread-safe (an ONNX Runtime s
 run from many threads, everything else is read-only). A file is verified before its first image
 (:mod:`anomaly_hooks.runtime.metadata`): the checksum of its content, every metadata entry, and
 the metadata against the graph.
+
+Drift: a file exported from a model with a drift reference carries it (``drift_reference_``)
+and its graph outputs each tapped layer's per-image channel means beside the scores
+(:meth:`OnnxDetector.run` with ``features``), so the numpy drift monitor runs on the edge as on
+the eager path::
+
+    from anomaly_hooks.monitor import DriftMonitor
+    mon = DriftMonitor.from_detector(det)          # det: an OnnxDetector
+    batch, _ = det.prepare(paths)
+    layers = {}                                     # {layer: [B, C]} channel means
+    scores, _ = det.run(batch, features=layers)
+    mon.update({**mon.statistics(None, batch), **layers}, scores)   # input + layers + score
+
+``drift_unavailable`` says why a file cannot (an older export, a model fitted without a
+reference).
 """
 from __future__ import annotations
 
@@ -22,7 +37,13 @@ from anomaly_hooks.errors import ImageReadError, ModelFileError
 from anomaly_hooks.images import decode_reduced, is_one_image
 from anomaly_hooks.modelmeta import about
 from anomaly_hooks.prediction import Prediction
-from anomaly_hooks.runtime.metadata import ExportedModel, check_graph, read_exported
+from anomaly_hooks.runtime.metadata import (
+    OUTPUTS,
+    ExportedModel,
+    check_graph,
+    layer_means_output,
+    read_exported,
+)
 from anomaly_hooks.runtime.onnxfile import unchanged
 from anomaly_hooks.runtime.preprocess import NumpyPreprocessor
 
@@ -83,6 +104,13 @@ class OnnxDetector:
         self.max_pixels = model.max_pixels
         self.batch_size = batch_size
         self.input_name = model.input_name
+        #: the drift reference saved with the source model (None: see ``drift_unavailable``)
+        self.drift_reference_ = model.drift
+        #: the tapped layers whose channel means :meth:`run` can return
+        self.drift_layers = model.drift_layers
+        #: None when this model can feed a drift monitor, else why not
+        self.drift_unavailable = model.drift_unavailable
+        self._means = [layer_means_output(name) for name in model.drift_layers]
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
@@ -119,15 +147,26 @@ class OnnxDetector:
         return cls(sess, model, batch_size, preprocess_method)
 
     # -- inference ------------------------------------------------------------------------
-    def run(self, batch: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def run(self, batch: np.ndarray, features: Optional[Dict[str, np.ndarray]] = None
+            ) -> Tuple[np.ndarray, np.ndarray]:
         """Image scores ``[B]`` and heatmaps ``[B, h, w]`` (network frame) of a normalised
-        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images."""
-        scores, maps = [], []
+        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images.
+
+        Args:
+            features: if given, receives each of :attr:`drift_layers`' per-image channel means
+                ``{layer: [B, C_l]}`` float32 from the same session run (the drift monitor's
+                layer statistics; nothing for a model without them)."""
+        names = list(OUTPUTS[1:]) + (self._means if features is not None else [])
+        scores, maps, means = [], [], []
         for lo in range(0, batch.shape[0], self.batch_size):
-            _, heat, score = self.session.run(None, {self.input_name:
-                                                     batch[lo:lo + self.batch_size]})
+            heat, score, *layer_means = self.session.run(
+                names, {self.input_name: batch[lo:lo + self.batch_size]})
             scores.append(score)
             maps.append(heat)
+            means.append(layer_means)
+        if features is not None and self._means:
+            features.update({name: np.concatenate([m[i] for m in means])
+                             for i, name in enumerate(self.drift_layers)})
         return np.concatenate(scores), np.concatenate(maps)
 
     def preprocess(self, image: np.ndarray) -> np.ndarray:

@@ -10,10 +10,12 @@ It uses the runtime's public steps only: :meth:`~anomaly_hooks.runtime.OnnxDetec
 :meth:`~anomaly_hooks.runtime.OnnxDetector.heatmap`, so that a prediction of the service is the
 runtime's ``predict`` of the same image.
 
-Drift: the exported graph outputs the patch scores, the heatmap and the image score only -- not
-the tapped layers' channel means the drift monitor compares with its reference -- and the
-export holds no drift reference, so this engine feeds no monitor
-(:attr:`OnnxEngine.drift_unavailable` says why; ``/v1/drift`` answers it with a 409).
+Drift: an export of a model with a drift reference carries that reference in its metadata and
+outputs each tapped layer's per-image channel means beside the scores, so :meth:`OnnxEngine.infer`
+hands the service the same ``features`` as the PyTorch engine and the same numpy drift monitor
+(``anomaly_hooks.monitor.service``) runs on them. An older export (format 2) or one of a model
+fitted without a reference feeds no monitor: :attr:`OnnxEngine.drift_unavailable` says why and
+what to do, and ``/v1/drift`` answers it with a 409.
 """
 from __future__ import annotations
 
@@ -65,15 +67,16 @@ def providers_for(device: Optional[str]) -> List[Any]:
 
 
 class OnnxEngine(ModelEngine):
-    """An exported model on ONNX Runtime (``.onnx``); no drift monitor."""
+    """An exported model on ONNX Runtime (``.onnx``), with the drift taps where its file has
+    them."""
 
     kind = "onnx"
-    drift_unavailable = (
-        "this is an exported ONNX model: its graph outputs the image score, the heatmap and "
-        "the patch scores, but not the tapped layers' statistics that the drift monitor "
-        "compares with its reference (nor does the export hold that reference), so this "
-        "service runs without a drift monitor; serve the .safetensors model where drift must "
-        "be watched")
+
+    @property  # type: ignore[override]
+    def drift_unavailable(self) -> Optional[str]:
+        """None when the file feeds a drift monitor, else why not (the runtime's reason)."""
+        reason = self.detector.drift_unavailable
+        return None if reason is None else f"{reason}; this service runs without a drift monitor"
 
     @classmethod
     def check_file(cls, path: Path) -> None:
@@ -137,8 +140,9 @@ class OnnxEngine(ModelEngine):
 
     def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
               ) -> Tuple[np.ndarray, Any]:
-        """As :meth:`ModelEngine.infer`; ``features`` stays empty (:attr:`drift_unavailable`)."""
-        scores, maps = self.detector.run(self.stack(tensors))
+        """As :meth:`ModelEngine.infer`: ``features`` receives the graph's layer-mean outputs
+        (left empty for a file without them, :attr:`drift_unavailable`)."""
+        scores, maps = self.detector.run(self.stack(tensors), features=features)
         return np.asarray(scores).astype(np.float64), maps
 
 
