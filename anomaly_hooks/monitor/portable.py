@@ -26,6 +26,7 @@ from anomaly_hooks.monitor.reference import STATE_PREFIX, DriftReference
 
 PORTABLE_VERSION = 1
 MAX_ARRAY_ELEMENTS = 1 << 28  # one array of the reference (a [d, k] basis at most)
+MAX_WINDOW = 1 << 20  # images in the monitor's window
 
 
 def reference_to_json(reference: DriftReference) -> Dict[str, Any]:
@@ -80,7 +81,24 @@ def reference_from_json(data: Any) -> DriftReference:
                              "arrays")
     tensors = {name: _array(name, entry) for name, entry in arrays.items()}
     try:
-        return DriftReference.from_state(tensors, data["reference"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        reference = DriftReference.from_state(tensors, data["reference"])
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise ModelFileError(f"drift reference: malformed ({type(exc).__name__}: {exc})"
                              ) from None
+    _check_numbers(reference)
+    return reference
+
+
+def _check_numbers(reference: DriftReference) -> None:
+    """The scalars the monitor computes with: a window of 1 to :data:`MAX_WINDOW` images, a
+    false-alarm probability in (0, 1), finite non-negative thresholds, positive spreads."""
+    if not 1 <= reference.window <= MAX_WINDOW:
+        raise ModelFileError(f"drift reference: window {reference.window} is not in "
+                             f"1..{MAX_WINDOW}")
+    if not 0.0 < reference.alpha < 1.0:
+        raise ModelFileError(f"drift reference: alpha {reference.alpha} is not in (0, 1)")
+    bad = sorted(k for k, v in reference.thresholds.items() if not (math.isfinite(v) and v >= 0))
+    if bad:
+        raise ModelFileError(f"drift reference: thresholds of {bad} are not finite and >= 0")
+    if any((b.scale <= 0).any() or (b.eigvals <= 0).any() for b in reference.blocks.values()):
+        raise ModelFileError("drift reference: a block has a spread or variance <= 0")
