@@ -183,6 +183,11 @@ def test_int8_is_checked_and_refused_beyond_the_tolerance(model, tmp_path):
     assert report["accepted"] and report["nodes_quantized"] > 10
     q = OnnxDetector.load(tmp_path / "q.onnx")
     assert json.loads(q.meta["int8"])["max_drift"] == report["max_drift"]
+    # no drift monitor on int8 (its layer means are not the reference's float32 ones)
+    assert OnnxDetector.load(path).drift_layers and q.drift_layers == ()
+    assert [o.name for o in q.session.get_outputs()] == ["patch_scores", "heatmap",
+                                                         "image_score"]
+    assert q.drift_reference_ is None and "int8 model" in q.drift_unavailable
     # the int8 copy carries the checksum of its own bytes, and a damaged copy is refused
     assert q.model.checksum != read_exported(path).checksum
     raw = bytearray((tmp_path / "q.onnx").read_bytes())

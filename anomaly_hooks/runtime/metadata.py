@@ -72,6 +72,11 @@ NO_DRIFT_REFERENCE = ("this model was exported from a model file without a drift
                       "refit it with monitor.enabled=true (the default) and export it again to "
                       "monitor drift on the edge")
 
+#: why an int8 file feeds no drift monitor
+NO_DRIFT_INT8 = ("this is an int8 model: its quantised backbone's layer statistics differ from "
+                 "the float32 ones its drift reference was fitted on, so the quantisation "
+                 "dropped them; serve the float32 export where drift must be watched")
+
 
 def layer_means_output(layer: str) -> str:
     """The name of the graph output holding ``layer``'s per-image channel means."""
@@ -114,7 +119,9 @@ class ExportedModel:
         """None when the file can feed a drift monitor, else why not."""
         if self.format_version < 3:
             return NO_LAYER_MEANS
-        return NO_DRIFT_REFERENCE if self.drift is None else None
+        if self.drift is None:
+            return NO_DRIFT_INT8 if self.int8 else NO_DRIFT_REFERENCE
+        return None
 
 
 def check_format(meta: Mapping[str, str], path: Path) -> int:
