@@ -16,7 +16,11 @@ and its graph outputs each tapped layer's per-image channel means beside the sco
 the eager path::
 
     from anomaly_hooks.monitor import DriftMonitor
-    mon = DriftMonitor.from_detector(det)          # det: an OnnxDetector
+    mon = det.drift_monitor()     # attached: every predict / run from now on feeds it
+    det.predict(paths)
+    mon.status()["alarm"]
+
+    mon = DriftMonitor.from_detector(det)          # not attached: feed it yourself
     batch, _ = det.prepare(paths)
     layers = {}                                     # {layer: [B, C]} channel means
     scores, _ = det.run(batch, features=layers)
@@ -33,9 +37,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from anomaly_hooks.errors import ImageReadError, ModelFileError
+from anomaly_hooks.errors import ImageReadError, ModelFileError, NotFittedError
 from anomaly_hooks.images import decode_reduced, is_one_image
 from anomaly_hooks.modelmeta import about
+from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.runtime.metadata import (
     OUTPUTS,
@@ -111,6 +116,8 @@ class OnnxDetector:
         #: None when this model can feed a drift monitor, else why not
         self.drift_unavailable = model.drift_unavailable
         self._means = [layer_means_output(name) for name in model.drift_layers]
+        #: the attached drift monitor (:meth:`drift_monitor`), None until one is
+        self.monitor: Optional[DriftMonitor] = None
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
@@ -146,16 +153,32 @@ class OnnxDetector:
                                  "again once it is complete")
         return cls(sess, model, batch_size, preprocess_method)
 
+    def drift_monitor(self) -> DriftMonitor:
+        """Attach a new drift monitor to this detector and return it: a sliding window over
+        every image scored from now on (:meth:`run`, hence :meth:`predict`,
+        :meth:`iter_predict`, :meth:`decision_function`), as ``Detector.drift_monitor``.
+
+        Raises:
+            NotFittedError: the file cannot feed one (:attr:`drift_unavailable` says why)."""
+        if self.drift_reference_ is None:
+            raise NotFittedError(self.drift_unavailable or "no drift reference")
+        self.monitor = DriftMonitor.from_detector(self)
+        return self.monitor
+
     # -- inference ------------------------------------------------------------------------
     def run(self, batch: np.ndarray, features: Optional[Dict[str, np.ndarray]] = None
             ) -> Tuple[np.ndarray, np.ndarray]:
         """Image scores ``[B]`` and heatmaps ``[B, h, w]`` (network frame) of a normalised
-        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images.
+        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images
+        (an attached :meth:`drift_monitor` sees the batch).
 
         Args:
             features: if given, receives each of :attr:`drift_layers`' per-image channel means
                 ``{layer: [B, C_l]}`` float32 from the same session run (the drift monitor's
                 layer statistics; nothing for a model without them)."""
+        monitor = self.monitor
+        if features is None and monitor is not None:
+            features = {}
         names = list(OUTPUTS[1:]) + (self._means if features is not None else [])
         scores, maps, means = [], [], []
         for lo in range(0, batch.shape[0], self.batch_size):
@@ -167,7 +190,10 @@ class OnnxDetector:
         if features is not None and self._means:
             features.update({name: np.concatenate([m[i] for m in means])
                              for i, name in enumerate(self.drift_layers)})
-        return np.concatenate(scores), np.concatenate(maps)
+        scores_all = np.concatenate(scores)
+        if monitor is not None:
+            monitor.update({**monitor.statistics(None, batch), **(features or {})}, scores_all)
+        return scores_all, np.concatenate(maps)
 
     def preprocess(self, image: np.ndarray) -> np.ndarray:
         """The network input ``[3, h, w]`` float32 of a decoded canonical image (``[H, W, 3]``
