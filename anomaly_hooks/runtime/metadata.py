@@ -65,7 +65,7 @@ KEYS = KEYS_V2 + (DRIFT_KEY,)
 NO_LAYER_MEANS = ("this model was exported by an earlier version of anomaly_hooks (exported-model "
                   "format 2), whose graph does not output the tapped layers' statistics and "
                   "whose file holds no drift reference: export it again (anomaly-hooks export "
-                  "MODEL.safetensors m.onnx) to monitor drift on the edge")
+                  "--model MODEL.safetensors --out m.onnx) to monitor drift on the edge")
 #: why a file exported from a model without a drift reference feeds no drift monitor
 NO_DRIFT_REFERENCE = ("this model was exported from a model file without a drift reference "
                       "(fitted with monitor.enabled=false, or with fewer than 4 good images): "
