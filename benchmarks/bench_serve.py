@@ -242,8 +242,9 @@ model, batch = sys.argv[1], int(sys.argv[2])
 paths = sys.argv[3:]
 if model.endswith(".onnx"):   # the runtime (no torch), as the ONNX engine runs it
     from anomaly_hooks.runtime import OnnxDetector
+    from anomaly_hooks.serve.engine_onnx import PREPROCESS
     def load():
-        return OnnxDetector.load(model, batch_size=batch)
+        return OnnxDetector.load(model, batch_size=batch, preprocess_method=PREPROCESS)
 else:
     from anomaly_hooks import Detector
     import torch
@@ -370,9 +371,9 @@ def batch_stats(url: str) -> Tuple[float, float, float]:
     keys = ("anomaly_hooks_batch_size_sum", "anomaly_hooks_batch_size_count",
             "anomaly_hooks_batch_duration_seconds_sum")
     for line in text.splitlines():
-        for key in keys:
-            if line.startswith(key + " "):
-                vals[key] = float(line.split()[1])
+        for key in keys:  # unlabelled, or labelled by model (summed over the models)
+            if line.startswith(key + " ") or line.startswith(key + "{"):
+                vals[key] = vals.get(key, 0.0) + float(line.rsplit(None, 1)[1])
     return tuple(vals.get(k, 0.0) for k in keys)  # type: ignore[return-value]
 
 

@@ -6,13 +6,13 @@ served without a drift monitor and says to export it again.
 Scores are compared with :class:`~anomaly_hooks.runtime.OnnxDetector`'s on the same image files.
 The tolerance is the float32 rounding of the graph, derived as follows: the service and the
 runtime run the same float32 graph on bit-identical inputs (the same decoder and the same
-numpy preprocessing, :meth:`OnnxDetector.preprocess`), and the JSON answer carries the float32
-score exactly (its float64 ``repr``). With one image per session run on both sides nothing
-differs, so the scores are equal to the last bit. With several images in one run, the batch
-size changes the order in which ONNX Runtime's convolution and matrix kernels add each
-output's float32 terms; a reordered float32 sum moves by a few units in the last place (ulp)
-of its terms, and the image score (the heatmap's maximum, not a sum) inherits that: measured
-2 ulp of the score on this model; :data:`BATCH_ULPS` allows 16.
+preprocessing, :meth:`OnnxDetector.preprocess` with the engine's method), and the JSON answer
+carries the float32 score exactly (its float64 ``repr``). With one image per session run on both
+sides nothing differs, so the scores are equal to the last bit. With several images in one run,
+the batch size changes the order in which ONNX Runtime's convolution and matrix kernels add each
+output's float32 terms; a reordered float32 sum moves by a few units in the last place (ulp) of
+its terms, and the image score (the heatmap's maximum, not a sum) inherits that: measured 2 ulp
+of the score on this model; :data:`BATCH_ULPS` allows 16.
 """
 from __future__ import annotations
 
@@ -86,9 +86,16 @@ def edge(fitted, tmp_path_factory):
     return path, files
 
 
+def runtime(path: Path, **kw) -> OnnxDetector:
+    """The runtime as the service's engine loads it (its preprocessing method)."""
+    from anomaly_hooks.serve.engine_onnx import PREPROCESS
+
+    return OnnxDetector.load(path, preprocess_method=PREPROCESS, **kw)
+
+
 def one_by_one(path: Path, files) -> list:
     """OnnxDetector's predictions of each file in a run of its own."""
-    det = OnnxDetector.load(path)
+    det = runtime(path)
     return [det.predict(str(f)) for f in files]
 
 
@@ -365,7 +372,7 @@ def test_onnx_batch_request_matches_the_runtime_batch(edge, tmp_path):
     """A batch request scores its images together: within :data:`BATCH_ULPS` of the
     runtime's batch prediction (module docstring)."""
     path, files = edge
-    expected = OnnxDetector.load(path).predict([str(f) for f in files])
+    expected = runtime(path).predict([str(f) for f in files])
     with serving(path, tmp_path) as (client, _):
         r = client.post("/v1/predict/batch", files=[("files", (f.name, f.read_bytes(),
                                                               "image/png")) for f in files])
