@@ -277,7 +277,7 @@ def test_serve_bench_compares_engines_and_measures_rss_per_model(tmp_path, capsy
     assert ratios[0] == 1.0 and ratios[1] > 0
     assert "per server CPU-second" in capsys.readouterr().out
     out = tmp_path / "rss.json"
-    bench_serve.main(["--rss", "--model", f"a={onnx}", "--model", f"b={st}", "--images",
+    bench_serve.main(["--rss", "--model", f"a={onnx}", "--model", f"b={onnx}", "--images",
                       str(images), "--rss-requests", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [len(r["models"]) for r in rows] == [1, 2]
