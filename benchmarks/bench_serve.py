@@ -242,9 +242,10 @@ model, batch = sys.argv[1], int(sys.argv[2])
 paths = sys.argv[3:]
 if model.endswith(".onnx"):   # the runtime (no torch), as the ONNX engine runs it
     from anomaly_hooks.runtime import OnnxDetector
-    from anomaly_hooks.serve.engine_onnx import PREPROCESS
+    from anomaly_hooks.serve.engine_onnx import PREPROCESS, SPIN
     def load():
-        return OnnxDetector.load(model, batch_size=batch, preprocess_method=PREPROCESS)
+        return OnnxDetector.load(model, batch_size=batch, preprocess_method=PREPROCESS,
+                                 spin=SPIN)
 else:
     from anomaly_hooks import Detector
     import torch

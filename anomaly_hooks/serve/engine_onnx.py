@@ -35,6 +35,9 @@ SESSION_BATCH = 1 << 16
 # the runtime's Pillow resize: ~10x less CPU than the numpy one on a 900 x 900 upload (12 against
 # 116 ms, docs/benchmarks.md), equal to the torch Preprocessor within float32 rounding as well
 PREPROCESS = "pillow"
+# ONNX Runtime's threads wait without spinning: the decode pool needs those CPU cycles on a
+# small box (1.2x images per CPU-second for the service, docs/benchmarks.md)
+SPIN = False
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -97,7 +100,8 @@ class OnnxEngine(ModelEngine):
         from anomaly_hooks.runtime import OnnxDetector
 
         return OnnxDetector.load(path, providers=providers_for(device),
-                                 batch_size=SESSION_BATCH, preprocess_method=PREPROCESS)
+                                 batch_size=SESSION_BATCH, preprocess_method=PREPROCESS,
+                                 spin=SPIN)
 
     @property
     def method(self) -> str:
