@@ -38,7 +38,7 @@ from anomaly_hooks.preprocess import Preprocessor
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.threshold import Threshold
 from anomaly_hooks.tiling import detector as tiled
-from anomaly_hooks.tiling.pipeline import Tiling, probe_size
+from anomaly_hooks.tiling.pipeline import Tiling, outside_to, probe_size
 from anomaly_hooks.timing import Stopwatch
 
 log = logging.getLogger(__name__)
@@ -253,11 +253,14 @@ class Detector:
         with torch.inference_mode():
             for lo in range(0, patch.shape[0], step):
                 part = patch[lo:lo + step]
+                inside = None
                 if self.tiling is not None:  # per tile window -> per image; content only
                     part = self.tiling.frame_scores(part)
+                    boxes = self.tiling.boxes(None, part.shape[0])
+                    part, inside = self.tiling.mask_padding(part, boxes)
                 maps = anomaly_maps(part, self.preprocessor.input_size)
-                if self.tiling is not None:
-                    maps = self.tiling.content_maps(maps)
+                if inside is not None:
+                    maps = outside_to(maps, inside, float("-inf"))
                 out.extend(maps.flatten(1).amax(dim=1).float().cpu().tolist())
         return out
 
@@ -316,14 +319,19 @@ class Detector:
                 timings.lap("embedding")
             return emb
 
-    def infer(self, images: torch.Tensor, *, scorer: Optional[Scorer] = None,
-              observe: Optional[Observer] = None, taps: Optional[Dict[str, np.ndarray]] = None,
+    def infer(self, images: torch.Tensor, *, sizes: Optional[Sequence[tuple[int, int]]] = None,
+              scorer: Optional[Scorer] = None, observe: Optional[Observer] = None,
+              taps: Optional[Dict[str, np.ndarray]] = None,
               timings: Optional[Stopwatch] = None) -> Inference:
         """Network inputs ``[B, 3, h, w]`` (on :attr:`device`) -> :class:`Inference`: image
         scores ``[B]`` (float32, on the CPU) and heatmaps ``[B, h, w]`` at the network input
         size (on the device).
 
         Args:
+            sizes: each image's own (H, W) (what :meth:`prepare` gives). A tiled model places
+                an image of another aspect than its frame's with padding around it: the padding
+                gets the image's least patch score and no part of its image score. Without
+                sizes every image is taken to fill the frame's content box.
             scorer: the scorer to use (default: the fitted ``scorer_``).
             observe: sees the layer outputs (see :meth:`embed`); without it an attached
                 :attr:`monitor` gets the batch's drift statistics and scores.
@@ -340,13 +348,15 @@ class Detector:
         with torch.inference_mode(), ieee_float32():
             emb = self.embed(images, scorer=scorer, observe=observe, timings=timings)
             patch = scorer.score(emb)
-            if self.tiling is not None:
+            inside = None
+            if self.tiling is not None:  # the padding around each image is no part
                 patch = self.tiling.frame_scores(patch)
+                boxes = self.tiling.boxes(sizes, images.shape[0])
+                patch, inside = self.tiling.mask_padding(patch, boxes)
             if timings is not None:
                 timings.lap("scorer")
             maps = anomaly_maps(patch, self.preprocessor.input_size)
-            # a tiled frame's rounding-up padding is no image: not part of the image score
-            scored = maps if self.tiling is None else self.tiling.content_maps(maps)
+            scored = maps if inside is None else outside_to(maps, inside, float("-inf"))
             scores = scorer.image_scores(emb, patch, scored).float().cpu()
             if timings is not None:
                 timings.lap("heatmap")
@@ -402,7 +412,7 @@ class Detector:
         out: List[Prediction] = []
         for start in range(0, len(items), size):
             images, sizes = self.prepare(items[start:start + size])
-            scores, maps = self.infer(images)
+            scores, maps = self.infer(images, sizes=sizes)
             out.extend(self.predictions(scores, maps, sizes))
         return out[0] if single else out
 
@@ -415,8 +425,8 @@ class Detector:
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
         for start in range(0, len(items), size):
-            images, _ = self.prepare(items[start:start + size])
-            scores.extend(self.infer(images).scores.tolist())
+            images, sizes = self.prepare(items[start:start + size])
+            scores.extend(self.infer(images, sizes=sizes).scores.tolist())
         return np.asarray(scores, dtype=np.float64)
 
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
@@ -432,7 +442,7 @@ class Detector:
             errors = {i: ImageReadError(msg) for i, msg in batch.errors}
             preds: Iterator[Prediction] = iter(())
             if batch.indices:
-                scores, maps = self.infer(batch.images)
+                scores, maps = self.infer(batch.images, sizes=batch.sizes)
                 # lazy: each full-size heatmap is made as it is yielded, one at a time in memory
                 preds = self.predictions(scores, maps, batch.sizes)
             good = iter(batch.indices)  # ascending, as are the predictions

@@ -170,7 +170,8 @@ def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
     [n_used, F] or None}``, plain data for Ray. ``on_batch(b)`` is called after batch ``b``'s
     work (the fault-injection hook)."""
     scorer = det.new_scorer()
-    scorer.begin_shard(n_total, len(items))
+    per = tiled.units_per_image(det)  # a tiled scorer's samples: each image's tile windows
+    scorer.begin_shard(n_total * per, len(items) * per)
     collector = new_collector(det)
     errors: List[str] = []
     used: List[int] = []
@@ -517,7 +518,8 @@ def score_images(det: "Detector", items: Sequence[Any], scorer: Scorer,
     for batch in det.batches(items):
         errors.extend(msg for _, msg in batch.errors)
         if batch.indices:
-            scores.extend(det.infer(batch.images, scorer=scorer, observe=lambda *a: None)
+            scores.extend(det.infer(batch.images, sizes=batch.sizes, scorer=scorer,
+                                    observe=lambda *a: None)
                           .scores.tolist())
             names.extend(_name(items[i]) for i in batch.indices)
     return scores, names

@@ -3,14 +3,9 @@ a throw-away PostgreSQL server and the results stores."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -149,6 +144,24 @@ def with_defect(img: np.ndarray) -> np.ndarray:
     return bad
 
 
+TILED_SIZE = (96, 144)  # the small tiled models' training images: 2 x 4 tiles of 64 px
+
+
+def tiled_cfg(method: str = "patchcore", **section) -> dict:
+    """A small tiled (high-resolution) config: random-init ResNet18, the working frame at the
+    images' own size (scale 1), tiles of 64 px overlapping by 32; ``section``: the method's
+    keys."""
+    cfg = {"method": method, "seed": 0, "device": "cpu",
+           "backbone": {"name": "resnet18", "weights": None},
+           "tiling": {"enabled": True, "scale": 1.0, "tile": 64, "overlap": 32,
+                      "tile_batch": 8},
+           "threshold": {"mode": "all-images"},
+           "data": {"batch_size": 4, "num_workers": 0},
+           "patchcore": {"coreset_ratio": 0.1, "prereduce": 4}, "padim": {"n_features": 40}}
+    cfg[method] = {**cfg[method], **section}
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def small_cfg() -> dict:
     """A fast PaDiM config: random-init ResNet18, small input."""
@@ -209,129 +222,34 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-# ---- a throw-away PostgreSQL server (the PostgreSQL results-store tests) ---------------------
-PG_TOOLS = ("initdb", "pg_ctl")
-
-
-def _pg_tool(name: str) -> Optional[str]:
-    """The PostgreSQL program ``name`` on the PATH or in Debian's /usr/lib/postgresql/*/bin."""
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
-    return str(candidates[-1]) if candidates else None
-
-
-def _unprivileged_user() -> Tuple[int, int]:
-    """(uid, gid) of a user initdb accepts when the tests run as root (initdb refuses root):
-    ``nobody``, else a ``pgtest`` system user created for it; skip where there is neither."""
-    import pwd
-
-    for name in ("nobody", "pgtest"):
-        try:
-            entry = pwd.getpwnam(name)
-            return entry.pw_uid, entry.pw_gid
-        except KeyError:
-            continue
-    made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                           "/usr/sbin/nologin", "pgtest"], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip("running as root and no unprivileged user for PostgreSQL (initdb refuses "
-                    f"root; useradd pgtest failed: {made.stderr.strip()})")
-    entry = pwd.getpwnam("pgtest")
-    return entry.pw_uid, entry.pw_gid
-
-
-class PostgresServer:
-    """``initdb`` + ``pg_ctl start`` in a temporary folder: TCP on 127.0.0.1 on a free port,
-    its unix socket in the folder, trust authentication for the ``postgres`` user."""
-
-    def __init__(self) -> None:
-        self.initdb, self.pg_ctl = (_pg_tool(t) for t in PG_TOOLS)
-        # /tmp itself, not pytest's tmp_path: its 0700 parents would keep another user out
-        self.root = Path(tempfile.mkdtemp(prefix="anomaly-hooks-pg-"))
-        self.data = self.root / "data"
-        self.port = _free_port()
-        self.user: Optional[Tuple[int, int]] = _unprivileged_user() if os.geteuid() == 0 else None
-        if self.user is not None:
-            os.chown(self.root, *self.user)
-        self._admin: Any = None
-        self._databases = 0
-
-    def _run(self, *args: str) -> None:
-        kw: Dict[str, Any] = {}
-        if self.user is not None:
-            kw = {"user": self.user[0], "group": self.user[1], "extra_groups": []}
-        env = {**os.environ, "HOME": str(self.root), "LC_ALL": "C"}
-        done = subprocess.run(list(args), capture_output=True, text=True, cwd=self.root,
-                              env=env, timeout=120, **kw)
-        if done.returncode != 0:
-            log = self.root / "server.log"
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise RuntimeError(f"{' '.join(args[:2])} failed ({done.returncode}):\n"
-                               f"{done.stdout}\n{done.stderr}\n{tail}")
-
-    def start(self) -> "PostgresServer":
-        # --no-sync: initdb's own files only; the server runs with fsync on, as in production
-        self._run(self.initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                  "-E", "UTF8", "--no-locale", "--no-sync")
-        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} "
-                   "-c max_connections=200")
-        self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "server.log"),
-                  "-w", "-t", "60", "-o", options, "start")
-        return self
-
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
-
-    def admin(self) -> Any:
-        import psycopg
-
-        if self._admin is None or self._admin.closed:
-            self._admin = psycopg.connect(self.url(), autocommit=True)
-        return self._admin
-
-    def new_database(self) -> str:
-        """A fresh, empty database; its URL."""
-        self._databases += 1
-        name = f"test_{self._databases}"
-        self.admin().execute(f"CREATE DATABASE {name}")
-        return name
-
-    def drop_database(self, name: str) -> None:
-        """Drop it, closing what is still connected (a store a test did not close)."""
-        self.admin().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-    def stop(self) -> None:
-        if self._admin is not None:
-            self._admin.close()
-        try:
-            if (self.data / "postmaster.pid").exists():
-                self._run(self.pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "stop")
-        finally:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    """One PostgreSQL server for the session (stopped and removed at its end); skips where
+# ---- a throw-away PostgreSQL server (anomaly_hooks.serve.pgtesting) ----------------------
+def _postgres() -> Iterator[Any]:
+    """A started ``pgtesting.PostgresServer``, stopped and removed afterwards; skips where
     psycopg or the PostgreSQL programs are absent."""
     pytest.importorskip("psycopg", reason="psycopg (the [postgres] extra) is not installed")
-    missing = [t for t in PG_TOOLS if _pg_tool(t) is None]
-    if missing:
-        pytest.skip(f"PostgreSQL programs not found ({', '.join(missing)}): install PostgreSQL "
-                    "(its server package) to run the PostgreSQL results-store tests")
-    server = PostgresServer()
+    from anomaly_hooks.serve.pgtesting import PostgresServer, PostgresUnavailableError
+
+    try:
+        server = PostgresServer()
+    except PostgresUnavailableError as exc:
+        pytest.skip(f"{exc} to run the PostgreSQL results-store tests")
     try:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """One PostgreSQL server for the session (see :func:`_postgres`)."""
+    yield from _postgres()
+
+
+@pytest.fixture
+def own_postgres_server() -> Iterator[Any]:
+    """A PostgreSQL server of the test's own, which it may kill -9 and restart (the session's
+    server stays up for the others)."""
+    yield from _postgres()
 
 
 @pytest.fixture

@@ -205,13 +205,6 @@ def test_cli_without_ray_says_which_extra(monkeypatch, capsys, tmp_path):
     assert "anomaly_hooks[ray]" in capsys.readouterr().err
 
 
-def test_a_tiled_config_is_refused_before_any_worker_starts(tmp_path):
-    """The working frame is decided from all the training images: not on shards."""
-    cfg = load_config(small_cfg(tmp_path), tiling={"enabled": True, "tile": 96, "overlap": 32})
-    with pytest.raises(ConfigError, match="tiled .* without --ray"):
-        distributed.fit(cfg, address="local:1", num_workers=1)
-
-
 # -- local Ray ------------------------------------------------------------------------------
 @needs_ray
 def test_unreachable_address_fails_fast():
@@ -315,6 +308,58 @@ def test_ray_patchcore_fit_scores_every_image_out_of_sample(local_ray, tmp_path)
     assert np.all(np.abs(np.asarray(dist.threshold_.scores) - scores) <= atol)
     assert dist.threshold_.provenance == here.threshold_.provenance
     assert dist.threshold_.provenance["good"]["out_of_sample"]["scheme"].startswith("5 blocked")
+
+
+TILING = {"enabled": True, "scale": 0.5, "tile": 64, "overlap": 32, "tile_batch": 9}
+
+
+@pytest.mark.slow
+def test_ray_fit_and_score_of_a_tiled_model(local_ray, tmp_path):
+    """The driver decides the working frame from the training images and the actors embed at
+    it: PaDiM (low-rank: the same samples in the same order) equals the single-process tiled
+    fit exactly, frame and threshold included; the sharded score of the tiled model equals the
+    plain score, heatmaps at each image's size."""
+    cfg = load_config(small_cfg(tmp_path, n_features=40, covariance="lowrank"), tiling=TILING)
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    dist = distributed.fit(cfg, num_workers=2)
+    assert dist.fit_info_["shards"] == 2
+    assert dist.preprocessor == single.preprocessor and dist.preprocessor.frame is not None
+    assert dist.fit_info_["framing"] == single.fit_info_["framing"]
+    assert dist.fit_info_["framing"]["tiles"]["tiles"] == [3, 3]  # 128 px frame, 64 px tiles
+    g1, g2 = single.scorer_.gaussians, dist.scorer_.gaussians
+    assert torch.equal(g1.mean, g2.mean) and torch.equal(g1.y, g2.y)
+    assert single.threshold_ == dist.threshold_
+    model = str(dist.save(tmp_path / "tiled.safetensors"))
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for p in sorted((SAMPLE / "test").rglob("*.png"))[:6]:
+        shutil.copy(p, inputs / f"{p.parent.name}_{p.name}")
+    from PIL import Image
+
+    Image.open(next(inputs.iterdir())).crop((0, 0, 256, 128)).save(inputs / "zz_wide.png")
+    from anomaly_hooks.cli import main
+
+    assert main(["score", "--model", model, str(inputs), "--out", str(tmp_path / "plain")]) == 0
+    summary = distributed.score(model, [str(inputs)], str(tmp_path / "ray"), num_workers=2)
+    assert summary["failed"] == 0 and summary["missing"] == []
+    assert csv_rows(tmp_path / "ray") == csv_rows(tmp_path / "plain")
+    wide = Image.open(tmp_path / "ray" / "heatmaps" / "zz_wide.png")
+    assert wide.size == (256, 128)
+
+
+@pytest.mark.slow
+def test_ray_patchcore_fit_of_a_tiled_model(local_ray, tmp_path):
+    """PatchCore tiled on Ray: one bank over every tile of every image, the single-process
+    fit's size, from both shards' images; the frame the driver decided."""
+    cfg = load_config(small_cfg(tmp_path, "patchcore", coreset_ratio=0.1), tiling=TILING)
+    dist = distributed.fit(cfg, num_workers=2)
+    single = Detector(cfg).fit(cfg.data.train, progress=False)
+    assert dist.preprocessor == single.preprocessor
+    assert dist.scorer_.bank.shape == single.scorer_.bank.shape
+    assert len(set(dist.scorer_.bank_image.tolist())) > N_TRAIN // 2
+    test = sorted((SAMPLE / "test").rglob("*.png"))[::4]
+    assert [p.is_anomalous for p in single.predict(test)] == \
+        [p.is_anomalous for p in dist.predict(test)]
 
 
 @pytest.fixture(scope="module")

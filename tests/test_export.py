@@ -375,3 +375,132 @@ def test_parity_on_real_data(dataset, method, tmp_path):
     test = [s.path for s in data.test][::max(1, len(data.test) // 12)]
     odet = OnnxDetector.load(export_onnx(det, tmp_path / "m.onnx", verify=test[:2]))
     assert_parity(det.predict(test), odet.predict(test, batch_size=3))
+
+
+# -- a tiled (high-resolution) model ------------------------------------------------------------
+TILED = {"patchcore": ("patchcore", {}), "padim-tile": ("padim", {"positions": "tile"}),
+         "padim-frame": ("padim", {})}
+
+
+@pytest.fixture(scope="module", params=["patchcore", "padim-tile",
+                                        pytest.param("padim-frame", marks=pytest.mark.slow)])
+def tiled_export(request, tmp_path_factory):
+    """(name, a fitted tiled detector, its ONNX export)."""
+    from conftest import TILED_SIZE, tiled_cfg
+
+    method, section = TILED[request.param]
+    det = Detector.from_config(tiled_cfg(method, **section))
+    det.fit(textured_images(8, size=TILED_SIZE), progress=False)
+    return request.param, det, export_onnx(det, tmp_path_factory.mktemp("tiled") / "t.onnx")
+
+
+def tiled_probes() -> list:
+    """The training images' aspect (one with a defect), a wide and a tall image (letterboxed:
+    bars below / to the right), and a large one (a reduced decode)."""
+    from conftest import TILED_SIZE
+
+    same = textured_images(2, size=TILED_SIZE, seed=21)
+    return [same[0], with_defect(same[1]), textured_images(1, size=(60, 200), seed=22)[0],
+            with_defect(textured_images(1, size=(150, 90), seed=23)[0]),
+            textured_images(1, size=(480, 720), seed=24)[0]]
+
+
+def assert_tiled_parity(ref: list, got: list) -> None:
+    """Predictions of the tiled graph against eager, within float32 tolerances derived from
+    the computation: the cutting and stitching are copies (exact), so the scores differ by the
+    backbone's float32 summation order (``backbone_rtol``: ONNX Runtime's kernels against
+    torch's), which the scorer and the heatmap's convex combinations (upsampling, blur, the
+    way back) carry to the maps, relative to their largest value, plus those steps' own
+    roundings (two 33-tap blur passes and two bilinear resizes: 80 roundings)."""
+    from conftest import backbone_rtol, f32_tol
+
+    rtol = backbone_rtol()
+    for r, g in zip(ref, got, strict=True):
+        assert abs(g.score - r.score) <= rtol * abs(r.score), (g.score, r.score)
+        assert g.heatmap.shape == r.heatmap.shape
+        top = float(np.abs(r.heatmap).max())
+        assert float(np.abs(g.heatmap - r.heatmap).max()) <= rtol * top + f32_tol(80, top)
+        assert g.is_anomalous == r.is_anomalous
+        assert np.array_equal(g.mask, r.mask) or np.mean(g.mask != r.mask) < 1e-3
+
+
+def test_tiled_export_predicts_as_the_eager_tiled_detector(tiled_export):
+    """The runtime frames the images (aspect kept, letterboxed), runs the tiled graph on whole
+    frames' tiles and maps the heatmaps back: the eager tiled Detector's predictions at any
+    images per run (:func:`assert_tiled_parity`); the frame, tiles and box input are in the
+    metadata."""
+    from anomaly_hooks.export.onnx import tiling_entry
+
+    _, det, path = tiled_export
+    images = tiled_probes()
+    ref = det.predict(images)
+    assert ref[1].score > ref[0].score  # the defect is what the score sees
+    for batch in (1, 3):
+        runtime = OnnxDetector.load(path, batch_size=batch)
+        assert_tiled_parity(ref, runtime.predict(images))
+    assert json.loads(runtime.meta["tiling"]) == tiling_entry(det)
+    assert runtime.preprocessor.input_size == det.preprocessor.input_size == (96, 144)
+    assert runtime.per_run == 1  # 8 tiles a frame, tile_batch 8: one frame per session run
+    from conftest import backbone_rtol
+
+    np.testing.assert_allclose(runtime.decision_function(images), [r.score for r in ref],
+                               rtol=backbone_rtol())
+
+
+def test_tiled_graph_masks_each_images_padding(tiled_export):
+    """The graph's ``boxes`` input is each image's part of the frame: the same frame scored
+    with a smaller box ignores what lies outside it (its patch scores there are the least
+    inside), as the eager infer with that image's size does."""
+    import onnxruntime as ort
+
+    from anomaly_hooks.runtime.metadata import BOXES
+
+    _, det, path = tiled_export
+    x = torch.stack([det.preprocessor(torch.from_numpy(i).permute(2, 0, 1).float() / 255)
+                     for i in textured_images(2, size=(96, 144), seed=3)])
+    x[1, :, 40:60, 100:120] = 6.0  # an alarming blotch, right of a portrait image's box
+    sizes = [(96, 144), (150, 100)]  # placed at (96, 144) and (96, 64)
+    sess = ort.InferenceSession(str(path))
+    patch, heat, image, *_ = sess.run(None, {INPUT: x.numpy(),
+                                             BOXES: np.array([[96, 144], [96, 64]], np.int64)})
+    scores, maps = det.infer(x, sizes=sizes)
+    from conftest import backbone_rtol
+
+    np.testing.assert_allclose(image, scores.numpy(), rtol=backbone_rtol())
+    cut = 64 // det.tiling.grid_stride  # the columns right of the box: the least inside it
+    assert np.all(patch[1, :, cut:] == patch[1, :, :cut].min())
+    full, _ = det.infer(x)  # without sizes the blotch is part of the image
+    assert float(full[1]) > float(scores[1])
+
+
+def test_tiled_layer_means_equal_the_eager_tiled_drift_taps(tiled_export):
+    """A tiled graph's ``layer_means/<layer>`` are the channel means of the stitched frame
+    maps, padding included: what the eager tiled path's taps (and its drift monitor) measure,
+    within the bound of :func:`test_layer_means_equal_the_eager_drift_taps` (the stitching is
+    copies); the boxes change the scores, not the layer means."""
+    import onnxruntime as ort
+
+    from anomaly_hooks.runtime.metadata import BOXES, layer_means_output
+
+    _, det, path = tiled_export
+    assert det.drift_reference_ is not None
+    x = torch.stack([det.preprocessor(torch.from_numpy(i).permute(2, 0, 1).float() / 255)
+                     for i in textured_images(3, size=(96, 144), seed=5)])
+    sizes = [(96, 144), (150, 100), (60, 200)]  # whole frame, right and lower padding
+    taps, fmaps = {}, {}
+    det.infer(x, sizes=sizes, taps=taps, observe=lambda feats, _images: fmaps.update(
+        {k: v.float().numpy().copy() for k, v in feats.items()}))
+    sess = ort.InferenceSession(str(path))
+    names = [o.name for o in sess.get_outputs()]
+    assert names == [*OUTPUTS, *(layer_means_output(n) for n in det.layers)]
+    box = np.array([det.preprocessor.frame.placement(s) for s in sizes], np.int64)
+    outs = dict(zip(names, sess.run(None, {INPUT: x.numpy(), BOXES: box})))
+    for layer in det.layers:
+        got, want, fmap = outs[layer_means_output(layer)], taps[layer], fmaps[layer]
+        assert fmap.shape[2:] == tuple(v // det.tiling.layer_strides[layer]
+                                       for v in det.tiling.grid.frame)  # stitched
+        assert got.shape == want.shape == fmap.shape[:2]
+        hw = fmap.shape[2] * fmap.shape[3]
+        tol = (backbone_rtol() * float(np.abs(fmap).max())
+               + f32_tol(hw, float(np.abs(fmap).mean(axis=(2, 3)).max())))
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=layer)

@@ -701,3 +701,26 @@ def test_alignment_reads_known_camera_shifts(tmp_path):
     # halfway between 5.1 and 10.2 (7.62): an interpolation of two such estimates
     assert got["q75"] == pytest.approx(7.6, abs=0.2)
     assert got["known_5pct_shift"] == pytest.approx(5.08, abs=0.1)
+
+
+def test_a_tiled_model_is_monitored_as_it_predicts(tmp_path):
+    """A tiled (high-resolution) model: its reference from the fit's stitched layer maps, saved
+    and loaded with it; good images of its aspect fill the window without an alarm, darkened
+    ones raise it."""
+    from conftest import TILED_SIZE, textured_images, tiled_cfg, with_defect
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**tiled_cfg("padim"), "monitor": MONITOR_CFG})
+    images = textured_images(32, size=TILED_SIZE)  # 24 to fit, 8 unseen of the same stream
+    det.fit(images[:24], progress=False)
+    back = Detector.load(det.save(tmp_path / "tiled.safetensors"))
+    assert back.tiling is not None
+    assert back.drift_reference_.thresholds == det.drift_reference_.thresholds
+    mon = back.drift_monitor()
+    good = images[24:]
+    back.predict(good)
+    st = mon.status()
+    assert st["images_seen"] == 8 and st["window_filled"] == 4 and not st["alarm_episodes"]
+    back.predict([with_defect((g * 0.5).astype(np.uint8)) for g in good])
+    assert mon.status()["alarm"]

@@ -321,3 +321,96 @@ def test_cli_scores_an_onnx_model_where_torch_cannot_be_imported(model, tmp_path
         "error: export needs PyTorch and onnx (import of torch halted; None in sys.modules): "
         "run it where the model was fitted, with pip install 'anomaly_hooks[export]'")
     assert len(list((tmp_path / "r" / "heatmaps").iterdir())) == len(list(folder.iterdir()))
+
+
+# -- a tiled (high-resolution) model ------------------------------------------------------------
+@pytest.mark.parametrize("method", ["numpy", "pillow"])
+def test_framed_preprocessing_equals_the_torch_preprocessor(method):
+    """A tiled model's working frame in numpy: the crop, the aspect-keeping resize to the
+    image's placement, the zeros padding, a reduced decode placed by its original size, and
+    the heatmap's way back from the image's own part of the frame."""
+    from anomaly_hooks.framing import Frame
+    from anomaly_hooks.images import decode, read_image
+
+    rng = np.random.default_rng(0)
+    for frame in (Frame((96, 144), (96, 144)), Frame((90, 140), (96, 144), crop=(0.9, 0.8))):
+        pre = Preprocessor.framed(frame, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+        twin = NumpyPreprocessor.from_dict(pre.as_dict(), method)
+        assert twin.input_size == pre.input_size and twin.min_source_size == pre.min_source_size
+        for shape in ((96, 144, 3), (300, 451, 3), (60, 200, 3), (150, 90, 3)):
+            arr = (rng.random(shape) * 255).astype(np.uint8)
+            ref = pre(read_image(arr)).numpy()
+            tol = resample_tolerance(shape[:2], 1.0 / min(pre.std), float(np.abs(ref).max()))
+            assert np.abs(twin(decode(arr)) - ref).max() <= tol
+            half = decode(arr)[::2, ::2]  # a reduced decode of the same image
+            ref_half = pre(read_image((half * 255).round().astype(np.uint8)), shape[:2])
+            got_half = twin(half, shape[:2])
+            assert got_half.shape == ref.shape and np.abs(got_half - ref_half.numpy()).max() \
+                <= resample_tolerance(half.shape[:2], 1.0 / min(pre.std), float(np.abs(ref).max()))
+            assert twin.placement(shape[:2]) == frame.placement(shape[:2])
+            heat = torch.rand(*pre.input_size, generator=torch.Generator().manual_seed(1))
+            want = pre.to_original(heat, shape[:2], float(heat.min())).numpy()
+            got = twin.to_original(heat.numpy(), shape[:2], float(heat.min()))
+            tol = resample_tolerance(frame.content, float(heat.max() - heat.min()),
+                                     float(heat.abs().max()))
+            np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def tiled_model(tmp_path_factory):
+    """(a fitted tiled PatchCore detector, its .safetensors file, its ONNX export, a folder of
+    images of several sizes and aspects, one with a defect)."""
+    from conftest import TILED_SIZE, tiled_cfg
+
+    root = tmp_path_factory.mktemp("tiled_runtime")
+    det = Detector.from_config(tiled_cfg()).fit(textured_images(8, size=TILED_SIZE),
+                                                progress=False)
+    folder = root / "images"
+    folder.mkdir()
+    images = [*textured_images(2, size=TILED_SIZE, seed=9),
+              with_defect(textured_images(1, size=TILED_SIZE, seed=10)[0]),
+              textured_images(1, size=(60, 200), seed=11)[0],
+              textured_images(1, size=(300, 450), seed=12)[0]]
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(folder / f"{i:02d}.png")
+    return det, det.save(root / "t.safetensors"), export_onnx(det, root / "t.onnx"), folder
+
+
+def test_cli_exports_and_scores_a_tiled_model_where_torch_cannot_be_imported(tiled_model,
+                                                                             tmp_path):
+    """``anomaly-hooks export`` of a tiled model, then ``anomaly-hooks score`` of the .onnx in
+    a process where ``import torch`` fails: the eager tiled Detector's scores, heatmaps at
+    each image's own size."""
+    from anomaly_hooks.cli import main
+
+    det, saved, _, folder = tiled_model
+    out = tmp_path / "cli.onnx"
+    assert main(["export", "--model", str(saved), "--out", str(out)]) == 0
+    assert read_exported(out).tiling is not None
+    code = ("import sys\n"
+            "sys.modules['torch'] = None\n"
+            "from anomaly_hooks.cli import main\n"
+            f"sys.exit(main(['score', '--model', {str(out)!r}, {str(folder)!r}, '--out', "
+            f"{str(tmp_path / 'r')!r}]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
+    files = sorted(folder.iterdir())
+    ref = dict(zip([f.name for f in files], det.decision_function(files)))
+    assert len(rows) == len(files)
+    for row in rows:
+        assert abs(row["score"] - ref[Path(row["path"]).name]) <= SCORE_RTOL * row["score"]
+    for f in files:
+        heat = Image.open(tmp_path / "r" / "heatmaps" / f"{f.stem}.png")
+        assert heat.size == Image.open(f).size
+
+
+def test_a_tiled_export_is_not_quantised(tiled_model, tmp_path):
+    from anomaly_hooks.errors import ExportError
+    from anomaly_hooks.export.quantize import quantize_backbone
+
+    _, _, path, folder = tiled_model
+    with pytest.raises(ExportError, match="tiled .* int8 quantisation is not available"):
+        quantize_backbone(path, tmp_path / "q.onnx", sorted(folder.iterdir())[:2])

@@ -7,12 +7,20 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.prediction import Verdict
-from anomaly_hooks.serve.results import MAX_ID, Record, SQLiteResultStore, csv_lines
+from anomaly_hooks.serve.results import (
+    MAX_ID,
+    Record,
+    Recorder,
+    SQLiteResultStore,
+    StoreUnavailableError,
+    csv_lines,
+)
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (the [postgres] extra) is not installed")
 from anomaly_hooks.serve.pgstore import (  # noqa: E402
@@ -271,6 +279,61 @@ def test_connections_dropped_by_the_server_are_replaced(postgres_url, postgres_s
         work()
     assert store.count() == 2
     store.close()
+
+
+@pytest.mark.slow
+def test_a_killed_and_restarted_server_is_unavailable_then_serves_again(own_postgres_server):
+    """kill -9 of the whole server: every call fails at once (no hang) with
+    StoreUnavailableError saying so, the Recorder fails a group together; once the server is
+    started again on the same data, the same store (and Recorder) serve again, with every
+    committed record there once."""
+    server = own_postgres_server
+    url = server.url(server.new_database())
+    store = PostgresResultStore(url, pool_size=3)
+    recorder = Recorder(store)
+    committed = [recorder.submit(_record(i)).result(30) for i in range(5)]
+    store.query(limit=2)  # an idle pooled connection or two, that the crash leaves dead
+    server.kill9()
+    for call in (lambda: store.add([_record(10)]), store.count, lambda: store.query(limit=5),
+                 lambda: store.set_label(1, "good")):
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as info:
+            call()
+        assert time.monotonic() - start < 5  # a refused connection does not wait
+        assert f"results database {url}" in str(info.value)  # which one, and why
+        assert "refused" in str(info.value) or "lost" in str(info.value)
+    futures = [recorder.submit(_record(20 + i)) for i in range(4)]
+    for fut in futures:
+        with pytest.raises(StoreUnavailableError):
+            fut.result(30)
+    assert recorder.down_since is not None
+    server.restart()
+    committed += [recorder.submit(_record(30 + i)).result(30) for i in range(3)]
+    assert recorder.down_since is None
+    assert store.count() == 8 and len(set(committed)) == 8
+    rows = [r.request_id for r in store.query(limit=-1)]
+    assert sorted(rows) == sorted({f"r{i}" for i in [*range(5), 30, 31, 32]})
+    recorder.close()
+    store.close()
+
+
+def test_the_throwaway_server_says_what_is_missing(monkeypatch):
+    """pgtesting: without the programs, PostgresUnavailableError naming them (the fixtures
+    skip with it); a server not started cannot be killed."""
+    from anomaly_hooks.serve import pgtesting
+
+    monkeypatch.setattr(pgtesting, "find_program", lambda name: None)
+    assert pgtesting.missing_programs() == ["initdb", "pg_ctl"]
+    with pytest.raises(pgtesting.PostgresUnavailableError, match="initdb, pg_ctl"):
+        pgtesting.PostgresServer()
+    monkeypatch.undo()
+    server = pgtesting.PostgresServer()
+    try:
+        assert server.postmaster_pid() is None
+        with pytest.raises(RuntimeError, match="not running"):
+            server.kill9()
+    finally:
+        server.stop()
 
 
 def test_commits_wait_for_the_wal_flush_whatever_the_server_default(postgres_url):

@@ -184,6 +184,48 @@ def test_kill9_with_postgres_loses_no_acknowledged_result(model_files, tmp_path,
         assert new["id"] > max(a["id"] for a in acked)
 
 
+def test_a_killed_database_server_answers_503_then_serves_again(model_files, tmp_path,
+                                                              own_postgres_server):
+    """kill -9 of the PostgreSQL server under a running service: predictions and reads of the
+    log answer 503 ``results_unavailable`` at once (a clear body, no traceback, no hang);
+    once the server is started again on its data, the same service process serves again,
+    and every acknowledged result is in the log once."""
+    pg = own_postgres_server
+    url = pg.url(pg.new_database())
+    results = tmp_path / "results"
+    with ServerProcess(model_files["good"], tmp_path, "--results-db", url, "--results-dir",
+                       str(results), "--max-wait-ms", "5", "--keep-images", "all") as server:
+        def predict(i: int) -> httpx.Response:
+            return httpx.post(server.url + f"/v1/predict?part_id=p{i}", content=good_png(i),
+                              timeout=60)
+
+        acked = [predict(i) for i in range(4)]
+        assert [r.status_code for r in acked] == [200] * 4
+        pg.kill9()
+        for answer in (predict(10), httpx.get(server.url + "/v1/results", timeout=60)):
+            assert answer.status_code == 503, answer.text
+            body = answer.json()
+            assert body["code"] == "results_unavailable" and body["status"] == 503
+            assert "results log is unavailable" in body["message"], body
+            assert str(pg.port) in body["message"] and "Traceback" not in body["message"]
+            assert int(answer.headers["Retry-After"]) >= 1
+            assert answer.elapsed.total_seconds() < 10  # refused at once, no hang
+        assert httpx.get(server.url + "/healthz").status_code == 200
+        pg.restart()
+        again = [predict(20 + i) for i in range(3)]
+        assert [r.status_code for r in again] == [200] * 3, [r.text for r in again]
+        acked = [r.json() for r in acked + again]
+        assert {a["id"] for a in acked} <= _listed_ids(server.url)
+        rows = _db_rows(url)
+        _each_once(acked, rows)
+        log = server.log()
+    # the pictures of the refused predictions went with them: each kept file has its row
+    kept = {p.name.split("_", 1)[0] for p in (results / "images").rglob("*.*")}
+    assert kept == set(rows), kept ^ set(rows)
+    assert "results log is unavailable" in log and "reachable again" in log
+    assert "Traceback" not in log, log[-3000:]
+
+
 def _alternating(urls: list, stop: threading.Event, out: list, errors: list, seed: int
                  ) -> None:
     """One client sending its predictions to each server in turn until ``stop``."""

@@ -341,6 +341,71 @@ def test_a_promoted_file_that_broke_leaves_model_option_serving(shelf, tmp_path)
         assert client.get("/v1/model").json()["version"]["rollbacks"] == 0
 
 
+def test_each_named_model_has_its_own_versions(shelf, tmp_path):
+    """--model NAME=PATH: a promote or rollback of one model leaves the other serving as it
+    was; each has its own serving version and rollback stack, in the record too, and both
+    outlive a restart; the unnamed routes are the default model's."""
+    paths = {"line-a": str(shelf / "v1.safetensors"), "line-b": str(shelf / "v2.safetensors")}
+
+    def version(client, name):
+        return client.get(f"/v1/models/{name}").json()["version"]
+
+    def scored_by(client, name):
+        return client.post(f"/v1/models/{name}/predict", content=defect_png()).json()[
+            "model"]["sha256"]
+
+    with admin_server(shelf, tmp_path, models=paths) as (client, _):
+        r = client.post("/v1/admin/models/line-b/promote", json={"version": "v3.safetensors"})
+        assert r.status_code == 200, r.text
+        assert (r.json()["model"], r.json()["version"], r.json()["rollbacks"]) == (
+            "line-b", "v3.safetensors", 1)
+        assert scored_by(client, "line-b") == sha(shelf / "v3.safetensors")
+        assert scored_by(client, "line-a") == sha(shelf / "v1.safetensors")
+        assert version(client, "line-a")["name"] == "v1.safetensors"
+        assert version(client, "line-a")["rollbacks"] == 0
+        assert version(client, "line-b")["previous"]["name"] == "v2.safetensors"
+        listing = client.get("/v1/models/line-b/versions").json()
+        assert listing["model"] == "line-b" and listing["serving"]["name"] == "v3.safetensors"
+        assert [v["name"] for v in listing["versions"] if v["serving"]] == ["v3.safetensors"]
+        assert [h["name"] for h in listing["history"]] == ["v2.safetensors"]
+        default = client.get("/v1/models/versions").json()
+        assert (default["model"], default["serving"]["name"], default["history"]) == (
+            "line-a", "v1.safetensors", [])
+        # the unnamed routes: the default model's stack only
+        assert promote(client, "v2.safetensors").json()["model"] == "line-a"
+        r = client.post("/v1/admin/models/line-b/rollback")
+        assert (r.json()["model"], r.json()["version"]) == ("line-b", "v2.safetensors"), r.text
+        assert_error(client.post("/v1/admin/models/line-b/rollback"), 409, "no_previous_version")
+        assert scored_by(client, "line-b") == sha(shelf / "v2.safetensors")
+        assert version(client, "line-a")["previous"]["name"] == "v1.safetensors"
+        assert client.post("/v1/admin/models/line-b/promote",
+                           json={"version": sha(shelf / "v3.safetensors")[:10]}
+                           ).json()["version"] == "v3.safetensors"
+        assert_error(client.post("/v1/admin/models/nope/promote",
+                                 json={"version": "v3.safetensors"}), 404, "not_found")
+        assert_error(client.post("/v1/admin/models/nope/rollback"), 404, "not_found")
+        assert_error(client.get("/v1/models/nope/versions"), 404, "not_found")
+        assert_error(client.post("/v1/admin/models/line-b/promote", json={"version": "x.onnx"}),
+                     404, "not_found")
+        assert version(client, "line-b")["name"] == "v3.safetensors"
+        unauthorised = client.post("/v1/admin/models/line-b/rollback",
+                                   headers={"Authorization": "Bearer wrong"})
+        assert unauthorised.status_code == 401
+    saved = record(shelf)
+    assert saved["serving"]["name"] == "v2.safetensors"  # the default model's, at the top
+    assert saved["models"]["line-b"]["serving"]["name"] == "v3.safetensors"
+    assert saved["models"]["line-b"]["model_option"] == os.path.realpath(paths["line-b"])
+    assert [h["name"] for h in saved["models"]["line-b"]["history"]] == ["v2.safetensors"]
+    with admin_server(shelf, tmp_path, models=paths) as (client, _):
+        assert scored_by(client, "line-a") == sha(shelf / "v2.safetensors")
+        assert scored_by(client, "line-b") == sha(shelf / "v3.safetensors")
+        assert client.post("/v1/admin/models/line-b/rollback").json()["version"] == (
+            "v2.safetensors")
+        assert client.post("/v1/admin/rollback").json()["version"] == "v1.safetensors"
+        assert version(client, "line-a")["rollbacks"] == version(client, "line-b")[
+            "rollbacks"] == 0
+
+
 # ---- the pieces -----------------------------------------------------------------------------
 def test_the_record_is_written_atomically(tmp_path, monkeypatch):
     shelf = VersionShelf(str(tmp_path))
@@ -359,6 +424,29 @@ def test_the_record_is_written_atomically(tmp_path, monkeypatch):
         shelf.save({**shelf.snapshot(), "history": []})
     assert (tmp_path / STATE_FILE).read_bytes() == before  # the old record, whole
     assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temporary file left
+
+
+def test_the_record_keeps_one_track_per_model(tmp_path):
+    """The default model's track at the top level (a record of one model reads as before),
+    the others' under ``models``; a damaged track discards the record, whole."""
+    shelf = VersionShelf(str(tmp_path))
+    a, b = ({"name": f"{n}.safetensors", "checksum": n * 64} for n in "ab")
+    shelf.switched(a, b)
+    shelf.track("line-b").switched(b, a)
+    shelf.track("line-b").model_option = "/m/b.safetensors"
+    shelf.save(shelf.snapshot())
+    saved = json.loads((tmp_path / STATE_FILE).read_text())
+    assert saved["serving"]["name"] == "b.safetensors" and set(saved["models"]) == {"line-b"}
+    again = VersionShelf(str(tmp_path)).load()
+    assert [h["name"] for h in again.history] == ["a.safetensors"]
+    assert again.track("line-b").serving["name"] == "a.safetensors"
+    assert again.track("line-b").model_option == "/m/b.safetensors"
+    assert [h["name"] for h in again.track("line-b").history] == ["b.safetensors"]
+    assert again.track("line-c").serving is None and again.track("line-c").history == []
+    (tmp_path / STATE_FILE).write_text(json.dumps({**saved, "models": {"line-b": {
+        "serving": {"name": "x", "checksum": "not hex"}}}}))
+    broken = VersionShelf(str(tmp_path)).load()
+    assert not broken.recorded and broken.history == []
 
 
 def test_lineage_is_read_defensively():

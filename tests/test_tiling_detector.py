@@ -79,21 +79,6 @@ def test_tiled_model_saves_and_loads_the_same_predictions(tiled, tmp_path):
     np.testing.assert_array_equal(a.heatmap, b.heatmap)
 
 
-def test_a_tiled_model_is_refused_by_the_export_from_python_and_the_cli(tiled, tmp_path,
-                                                                         capsys):
-    """The ONNX graph has no tiling: both ways into the export refuse before tracing."""
-    pytest.importorskip("onnx", reason="the [export] extra is not installed")
-    from anomaly_hooks.cli import main
-    from anomaly_hooks.errors import ExportError
-
-    with pytest.raises(ExportError, match="tiled"):
-        tiled.export_onnx(tmp_path / "m.onnx")
-    path = tiled.save(tmp_path / "tiled.safetensors")
-    assert main(["export", "--model", str(path), "--out", str(tmp_path / "m.onnx")]) == 2
-    assert "tiled (high-resolution) model is not available" in capsys.readouterr().err
-    assert not (tmp_path / "m.onnx").exists()
-
-
 def test_a_failed_fit_keeps_the_previous_frame(tiled):
     before = (tiled.preprocessor, tiled.tiling.frame, tiled.threshold_)
     with pytest.raises(FitError):
@@ -248,4 +233,27 @@ def test_tiled_detector_predicts_on_its_device(device):
     det.fit(textured_images(4, size=SIZE), progress=False)
     pred = det.predict(with_defect(textured_images(1, size=SIZE, seed=2)[0]))
     assert pred.heatmap.shape == SIZE and np.isfinite(pred.score)
-    assert det.tiling.content_maps(torch.zeros(1, 160, 240)).shape == (1, *SIZE)
+    masked, inside = det.tiling.mask_padding(torch.zeros(1, 10, 15), [SIZE])
+    assert masked.shape == (1, 10, 15) and int(inside.sum()) == SIZE[0] * SIZE[1]
+
+
+def test_the_letterbox_of_an_image_of_another_aspect_is_not_scored(tiled):
+    """An image wider than the training images is placed with bars below it (the padding, the
+    mean colour: nothing like a part). Scored as part of the image, the bars alarm on a good
+    image; they get the image's least patch score and no part of its image score instead:
+    the good image passes, a stain on it is still found where it is."""
+    wide = textured_images(2, size=(60, 230), seed=7)
+    images, sizes = tiled.prepare(wide)
+    assert tiled.tiling.boxes(sizes, 2) == [(60, 230)] * 2  # 90 rows of bars below
+    scored = tiled.infer(images, sizes=sizes).scores
+    with_bars = tiled.infer(images).scores  # the content box: the bars scored as the part
+    good = tiled.decision_function(textured_images(4, size=SIZE, seed=5))
+    assert float(with_bars.min()) > 2 * float(scored.max())  # the bars would dominate
+    assert float(scored.max()) <= 1.5 * max(good)  # a good image scores as the good ones
+    np.testing.assert_array_equal(tiled.decision_function(wide), scored.numpy())
+    stain = wide[0].copy()
+    stain[20:40, 100:130] = [250, 40, 30]
+    pred = tiled.predict(stain)
+    assert pred.heatmap.shape == (60, 230) and pred.score > 1.5 * max(good)
+    ys, xs = np.unravel_index(np.argmax(pred.heatmap), pred.heatmap.shape)
+    assert 10 <= ys < 50 and 90 <= xs < 140

@@ -4,9 +4,12 @@ accumulate step (and the second pass of out-of-sample scores) on actors.
     det = fit(cfg, "data/sample", num_workers=2)     # a fitted Detector, as Detector.fit gives
 
 * The driver makes the run's plan (the same items, threshold split and image-count rule as
-  ``Detector.fit``). The training list is cut into contiguous shards whose boundaries are
-  multiples of ``data.batch_size``: every shard's batches are the single-process fit's batches
-  (same embeddings), and shards in order are the training list in order.
+  ``Detector.fit``); for a tiled (high-resolution) model that includes the working frame,
+  decided from the training images' size as ``Detector.fit`` decides it, and every actor
+  embeds at that frame (:func:`anomaly_hooks.tiling.detector.attach`). The training list is
+  cut into contiguous shards whose boundaries are multiples of ``data.batch_size``: every
+  shard's batches are the single-process fit's batches (same embeddings), and shards in order
+  are the training list in order.
 * ``num_workers`` actors (:class:`FitWorker`) each build the backbone once; shard ``i`` goes to
   actor ``i % num_workers`` and runs :func:`anomaly_hooks.fitting.fit_shard` from a fresh
   scorer: its partial state (numpy arrays, ``Scorer.partial_state``) and its drift statistics.
@@ -39,7 +42,9 @@ from anomaly_hooks.devices import ieee_float32
 from anomaly_hooks.distributed.cluster import connect, maybe_die, require_ray
 from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.fitting import FitRun, fit_shard, out_of_sample_scores
+from anomaly_hooks.framing import Frame
 from anomaly_hooks.scorers import Scorer, get_scorer
+from anomaly_hooks.tiling import detector as tiled
 
 MAX_TASK_RETRIES = 3
 log = logging.getLogger("anomaly_hooks")
@@ -76,11 +81,15 @@ def scorer_from_payload(det: Detector, payload: Payload) -> Scorer:
 
 
 class FitWorker:
-    """Ray actor: builds the detector (backbone, hooks) once and runs shards on request."""
+    """Ray actor: builds the detector (backbone, hooks) once and runs shards on request.
+    ``frame``: a tiled model's working frame (``Frame.as_dict``), the driver's decision."""
 
-    def __init__(self, cfg: Dict[str, Any], device: str, threads: int) -> None:
+    def __init__(self, cfg: Dict[str, Any], device: str, threads: int,
+                 frame: Optional[Dict[str, Any]] = None) -> None:
         torch.set_num_threads(max(1, threads))
         self.det = Detector(load_config(cfg), device=device)
+        if frame is not None:
+            tiled.attach(self.det, Frame.from_dict(frame))
 
     def pid(self) -> int:
         return os.getpid()
@@ -117,20 +126,28 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     if num_workers < 1 or shards_per_worker < 1:
         raise ConfigError("num_workers and shards_per_worker must be >= 1")
     cfg = load_config(cfg)
-    if cfg.tiling.enabled:  # the workers would embed at a frame the driver has not decided
-        raise ConfigError("a tiled (high-resolution) model is fitted on one machine: run "
-                          "fit without --ray (its working frame is decided from all the "
-                          "training images before any patch is embedded)")
     require_ray()
     ray = connect(address)
     det = Detector(cfg)
     run = FitRun(det, source if source is not None else cfg.data.train, progress=progress)
+    with tiled.frame_for_fit(det, run.frame):  # a tiled model's frame, decided here
+        _fit_on_actors(ray, det, run, num_workers=num_workers, gpus_per_worker=gpus_per_worker,
+                       cpus_per_worker=cpus_per_worker, shards_per_worker=shards_per_worker)
+    return det
+
+
+def _fit_on_actors(ray: Any, det: Detector, run: FitRun, *, num_workers: int,
+                   gpus_per_worker: float, cpus_per_worker: float,
+                   shards_per_worker: int) -> None:
+    """The run's accumulate (and second pass) on actors, the rest on the driver."""
+    cfg = det.cfg
     train = [str(p) for p in run.plan.train]
     bounds = shard_bounds(len(train), num_workers * shards_per_worker, cfg.data.batch_size)
     actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=-1,
                        max_task_retries=MAX_TASK_RETRIES)(FitWorker)
     device = "cuda" if gpus_per_worker else "cpu"
-    workers = [actor.remote(to_container(cfg), device, max(1, int(cpus_per_worker)))
+    frame = run.frame.as_dict() if run.frame is not None else None
+    workers = [actor.remote(to_container(cfg), device, max(1, int(cpus_per_worker)), frame)
                for _ in range(min(num_workers, len(bounds)))]
     describe = bool(run.plan.out_of_sample and cfg.threshold.near_duplicates)
     try:
@@ -157,7 +174,6 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     run.info.update(shards=len(bounds), workers=len(workers),
                     worker_pids=sorted({r["pid"] for r in results}))
     run.complete(good)
-    return det
 
 
 def _on_actors(ray: Any, refs: Sequence[Any]) -> List[Any]:

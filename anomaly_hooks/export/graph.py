@@ -9,6 +9,15 @@
   drift monitor's layer statistic, :func:`anomaly_hooks.monitor.layer_statistics`, on the maps
   the scorer reads anyway).
 
+A tiled (high-resolution) model's graph, :class:`TiledPredictGraph`, takes the working frames
+``[B, 3, H, W]`` and each image's box ``[B, 2]`` (its own part of the frame) and runs the eager
+tiled path (:mod:`anomaly_hooks.tiling.pipeline`) inside the graph: the tiles cut from the
+frames by fixed slices, the backbone on all of them in one batch, each layer's kept cells
+stitched back into one map per frame, then the embedding, the scorer (on tile windows for
+statistics per tile position), the padding masked and the heatmap, as untiled. The stitching
+comes before the embedding (its local pooling and PaDiM's per-position Gaussians read the
+stitched grid), so the scorer cannot run per tile: the whole tiled path is one graph.
+
 The generic parts live here: the backbone cut after the last tapped layer, the embedding
 (a concatenation of resized layer maps) and the heatmap. The method's part comes from the
 scorer (``Scorer.export_module``, in the method's wing): nothing here knows which method it
@@ -27,6 +36,7 @@ from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
+from anomaly_hooks.tiling.pipeline import padding_masks
 
 
 class _Stop(Exception):
@@ -182,7 +192,6 @@ class PredictGraph(nn.Module):
         then ``layer_means/<layer>`` of each drift layer."""
         return [*OUTPUTS, *(layer_means_output(name) for name in self.drift_layers)]
 
-
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``[B, 3, H, W]`` -> ``[B, h, w]`` patch scores, ``[B, H, W]`` heatmap, ``[B]``
         image scores, then ``[B, C_l]`` channel means of each drift layer."""
@@ -192,6 +201,90 @@ class PredictGraph(nn.Module):
         patch = scores.reshape(x.shape[0], self.grid[0], self.grid[1])
         heat = anomaly_maps(patch, self.size)
         image = self.scorer.image_scores(rows, scores, aux, heat.flatten(1).amax(dim=1))
-        # the eager taps' reduction (monitor.stats.layer_statistics): float32 mean over h, w
-        means = tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
-        return (patch, heat, image, *means)
+        return (patch, heat, image, *self.layer_means(maps))
+
+    def layer_means(self, maps: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        """Each drift layer's per-image channel means ``[B, C_l]`` of the layer maps
+        ``[B, C_l, h_l, w_l]``: the eager taps' reduction (monitor.stats.layer_statistics),
+        a float32 mean over h, w."""
+        return tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
+
+
+def stitch_tiles(tiles: torch.Tensor, grid: Any, stride: int) -> torch.Tensor:
+    """Traceable :meth:`TileGrid.stitch`: every frame's tile maps ``[B * T, C, th/s, tw/s]``
+    (or ``[B * T, th/s, tw/s]``) -> ``[B, C, H/s, W/s]``, each tile's kept cells by fixed
+    slices and concatenations (no in-place writes)."""
+    places = list(grid.tiles())
+    per = tiles.reshape(-1, grid.n_tiles, *tiles.shape[1:])  # [B, T, ...]
+    rows = []
+    for i in range(len(grid.origins_y)):
+        parts = []
+        for j in range(len(grid.origins_x)):
+            t = i * len(grid.origins_x) + j
+            y, x, y0, y1, x0, x1 = places[t][:6]
+            parts.append(per[:, t, ..., (y0 - y) // stride:(y1 - y) // stride,
+                             (x0 - x) // stride:(x1 - x) // stride])
+        rows.append(torch.cat(parts, dim=-1))
+    return torch.cat(rows, dim=-2)
+
+
+class TiledPredictGraph(PredictGraph):
+    """A fitted tiled Detector's predict path: ``(frames [B, 3, H, W], boxes [B, 2] int64)``
+    -> (patch scores ``[B, gh, gw]``, heatmap ``[B, H, W]``, image score ``[B]``, the drift
+    layers' channel means), the eager :meth:`~anomaly_hooks.detector.Detector.infer` with
+    ``sizes`` (see the module docstring).
+    ``boxes``: each image's own part of the frame, (h, w) network pixels at its top-left
+    (``Frame.placement`` of its size); the rest is padding, masked as eager masks it."""
+
+    def __init__(self, detector: Any, *, stop: bool = True, **options: Any) -> None:
+        super().__init__(detector, stop=stop, **options)
+        tiling = detector.tiling
+        self.tile_grid = tiling.grid
+        self.strides = [tiling.layer_strides[name] for name in detector.extractor.layers]
+        self.grid_stride = int(tiling.grid_stride)
+        self.tile_units = bool(tiling.tile_units)
+        self.frame_grid = (self.size[0] // self.grid_stride, self.size[1] // self.grid_stride)
+
+    def cut(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, H, W]`` -> every frame's tiles ``[B * T, 3, th, tw]``, image-major."""
+        th, tw = self.tile_grid.tile
+        tiles = [frames[:, :, y:y + th, x:x + tw] for y, x, *_ in self.tile_grid.tiles()]
+        return torch.stack(tiles, dim=1).reshape(-1, frames.shape[1], th, tw)
+
+    def windows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Frame rows ``[B, gh * gw, D]`` -> every tile window's rows ``[B * T, th * tw, D]``
+        (:meth:`TileGrid.recut` of the embedding grid)."""
+        gh, gw = self.frame_grid
+        grid = rows.reshape(-1, gh, gw, rows.shape[-1])
+        s = self.grid_stride
+        th, tw = self.tile_grid.tile[0] // s, self.tile_grid.tile[1] // s
+        parts = [grid[:, y // s:y // s + th, x // s:x // s + tw]
+                 for y, x, *_ in self.tile_grid.tiles()]
+        return torch.stack(parts, dim=1).reshape(-1, th * tw, rows.shape[-1])
+
+    def forward(self, x: torch.Tensor, boxes: torch.Tensor  # type: ignore[override]
+                ) -> Tuple[torch.Tensor, ...]:
+        """Frames ``[B, 3, H, W]`` and boxes ``[B, 2]`` -> ``[B, gh, gw]`` patch scores,
+        ``[B, H, W]`` heatmap, ``[B]`` image scores, then ``[B, C_l]`` channel means of each
+        drift layer over its stitched frame map (the whole frame, padding included: what the
+        eager tiled path's taps and drift monitor see)."""
+        maps = [stitch_tiles(f, self.tile_grid, s)
+                for f, s in zip(self.backbone(self.cut(x)), self.strides)]
+        rows = self.embed(maps)
+        gh, gw = self.frame_grid
+        if self.tile_units:  # statistics per tile position: windows scored, then stitched
+            units = self.windows(rows)
+            scores, aux = self.scorer(units)
+            patch = stitch_tiles(scores.reshape(-1, *self.grid), self.tile_grid,
+                                 self.grid_stride)
+            rows, flat = units, scores
+        else:
+            scores, aux = self.scorer(rows)
+            patch = scores.reshape(-1, gh, gw)
+        patch, inside = padding_masks(patch, boxes, self.size)
+        if not self.tile_units:
+            flat = patch.flatten(1)
+        heat = anomaly_maps(patch, self.size)
+        peak = torch.where(inside, heat, torch.full_like(heat, float("-inf")))
+        image = self.scorer.image_scores(rows, flat, aux, peak.flatten(1).amax(dim=1))
+        return (patch, heat, image, *self.layer_means(maps))

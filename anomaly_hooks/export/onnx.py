@@ -4,12 +4,15 @@
 ``images [B, 3, H, W]`` (dynamic B) to ``patch_scores [B, h, w]``, ``heatmap [B, H, W]`` (at the
 network input size), ``image_score [B]`` and, for a model with a drift reference, one
 ``layer_means/<layer> [B, C]`` per layer of the reference (the statistics the drift monitor
-compares), with everything the torch-free runtime (:mod:`anomaly_hooks.runtime`) needs to
-predict and to monitor drift in the ONNX metadata (``metadata_props``): threshold,
-preprocessing, layer description, method and the scorer's form, the source model file's
-checksum, the backbone fingerprint, the drift reference (``drift``: empty for a model fitted
-without one -- such an export predicts, and its service says why it has no drift monitor),
-and last the checksum of the file's own content
+compares; a tiled model's graph takes each image's box in its frame too, ``boxes [B, 2]``, and
+its layer means are over the stitched frame maps:
+:class:`~anomaly_hooks.export.graph.TiledPredictGraph`), with everything the torch-free runtime
+(:mod:`anomaly_hooks.runtime`) needs to predict and to monitor drift in the ONNX metadata
+(``metadata_props``): threshold, preprocessing, layer description, method and the scorer's
+form, the source model file's checksum, the backbone fingerprint, a tiled model's frame and
+tiles (``tiling``), the drift reference (``drift``: empty for a model fitted without one --
+such an export predicts, and its service says why it has no drift monitor), and last the
+checksum of the file's own content
 (graph, weights, metadata; :mod:`anomaly_hooks.runtime.onnxfile`), which the runtime verifies
 before it runs anything. The export is verified before it is published:
 ONNX Runtime's outputs on probe images, one at a time and batched, must match the eager ones
@@ -31,7 +34,7 @@ import re
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -39,9 +42,10 @@ from torch import nn
 
 from anomaly_hooks import __version__
 from anomaly_hooks.errors import ExportError, NotFittedError
-from anomaly_hooks.export.graph import PredictGraph
+from anomaly_hooks.export.graph import PredictGraph, TiledPredictGraph
 from anomaly_hooks.monitor.portable import reference_to_json
 from anomaly_hooks.runtime.metadata import (  # the torch-free reader's constants
+    BOXES,
     DRIFT_KEY,
     FORMAT,
     FORMAT_VERSION,
@@ -83,11 +87,23 @@ def drift_entry(detector: Any, layers: Sequence[str]) -> str:
     return json.dumps({"layers": list(layers), "reference": reference_to_json(reference)})
 
 
+def tiling_entry(detector: Any) -> Dict[str, Any]:
+    """A tiled model's ``tiling`` entry: the working frame, the tile plan (as the model info
+    gives it), whether the scorer's statistics are per tile position, the graph's box input
+    and the tiles a session run should hold (``tile_batch``, the runtime's images per run)."""
+    tiling = detector.tiling
+    return {"frame": tiling.frame.as_dict(), "tiles": tiling.grid.as_dict(),
+            "tile_units": bool(tiling.tile_units), "tile_batch": int(tiling.tile_batch),
+            "boxes_input": BOXES}
+
+
 def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dict[str, str]:
     """The string key/value pairs stored in the ONNX file (all the runtime needs; the
     ``external_data`` entry is set when the file is written, the checksum appended last)."""
     cfg = detector.cfg
-    return {
+    extra = ({"tiling": json.dumps(tiling_entry(detector))}
+             if getattr(detector, "tiling", None) is not None else {})
+    return {**extra,
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "anomaly_hooks_version": __version__,
@@ -110,23 +126,26 @@ def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dic
     }
 
 
-def _export_graph(graph: PredictGraph, probe: torch.Tensor, path: Path, exporter: str,
-                  opset: int) -> None:
+def _export_graph(graph: PredictGraph, probe: Sequence[torch.Tensor], path: Path,
+                  exporter: str, opset: int) -> None:
+    inputs = [INPUT, BOXES][:len(probe)]
     names = graph.output_names
-    axes = {INPUT: {0: "batch"}, **{name: {0: "batch"} for name in names}}
+    axes = {name: {0: "batch"} for name in [*inputs, *names]}
     chatter = io.StringIO()  # the exporters print graph dumps and progress lines
     with warnings.catch_warnings(), contextlib.redirect_stdout(chatter), \
             contextlib.redirect_stderr(chatter):
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
-            torch.onnx.export(graph, (probe,), str(path), dynamo=False, opset_version=opset,
-                              input_names=[INPUT], output_names=names, dynamic_axes=axes,
+            torch.onnx.export(graph, tuple(probe), str(path), dynamo=False, opset_version=opset,
+                              input_names=inputs, output_names=names, dynamic_axes=axes,
                               do_constant_folding=True)
         else:
             batch = torch.export.Dim("batch", min=1, max=4096)
-            torch.onnx.export(graph, (probe,), str(path), dynamo=True, opset_version=opset,
-                              input_names=[INPUT], output_names=names,
-                              dynamic_shapes={"x": {0: batch}}, external_data=True,
+            shapes = {"x": {0: batch}, "boxes": {0: batch}}
+            torch.onnx.export(graph, tuple(probe), str(path), dynamo=True, opset_version=opset,
+                              input_names=inputs, output_names=names,
+                              dynamic_shapes={k: shapes[k] for k in list(shapes)[:len(probe)]},
+                              external_data=True,
                               optimize=True, verbose=False)
 
 
@@ -341,33 +360,33 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
 
     Raises:
         NotFittedError: the detector is not fitted.
-        ExportError: a tiled model (not exportable), a layer cannot be exported (the message
+        ExportError: a layer cannot be exported (the message
             names the operator and layer), or the exported graph does not reproduce the eager
             outputs.
     """
     if not detector.is_fitted:
         raise NotFittedError("nothing to export: this Detector is not fitted; call fit() "
                              "first, or Detector.load() a saved model")
-    if getattr(detector, "tiling", None) is not None:
-        raise ExportError("the ONNX export of a tiled (high-resolution) model is not "
-                          "available: predict with the PyTorch Detector (anomaly-hooks score)")
     if detector.device.type != "cpu":
         raise ExportError("export from a CPU detector: Detector.load(path, device='cpu')")
     if exporter not in EXPORTERS:
         raise ExportError(f"exporter={exporter!r}: one of {', '.join(EXPORTERS)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    graph = PredictGraph(detector, stop=exporter == "torchscript",
-                         drift_layers=drift_layers(detector), **options).eval()
+    kind = TiledPredictGraph if getattr(detector, "tiling", None) is not None else PredictGraph
+    graph = kind(detector, stop=exporter == "torchscript", drift_layers=drift_layers(detector),
+                 **options).eval()
     h, w = detector.preprocessor.input_size
-    probe = torch.randn(2, 3, h, w, generator=torch.Generator().manual_seed(0))
+    probe = [torch.randn(2, 3, h, w, generator=torch.Generator().manual_seed(0))]
+    if kind is TiledPredictGraph:  # a letterboxed image beside one that fills the frame
+        probe.append(torch.tensor(boxes(detector, probe_sizes(detector)), dtype=torch.int64))
     what = f"cannot export the {type(detector.extractor.model).__name__} backbone to ONNX"
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmpdir:
         raw = Path(tmpdir) / "graph.onnx"
         try:
             _export_graph(graph, probe, raw, exporter, opset)
         except Exception as exc:  # noqa: BLE001 (the exporters raise many types)
-            raise explain(exc, graph, probe, opset, what) from None
+            raise explain(exc, graph, probe[0], opset, what) from None
         final = Path(tmpdir) / path.name
         side = _finish(raw, final, metadata(detector, graph, checksum), external_data)
         if verify is not False:
@@ -375,18 +394,43 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
         return publish(final, side, path)
 
 
-def probe_batch(detector: Any, images: Optional[Sequence[Any]] = None) -> torch.Tensor:
-    """Normalised ``[B, 3, H, W]``: the given images preprocessed, else two noise images."""
+def probe_sizes(detector: Any) -> List[Tuple[int, int]]:
+    """The two noise probes' image sizes: the frame's own aspect (a tiled model's content
+    box), and for a tiled model one of half its width (letterboxed: its padding masked)."""
+    frame = detector.preprocessor.frame
+    if frame is None:
+        return [tuple(detector.preprocessor.input_size)] * 2  # type: ignore[list-item]
+    h, w = frame.content
+    return [(h, w), (h, max(1, w // 2))]
+
+
+def boxes(detector: Any, sizes: Sequence[Tuple[int, int]]) -> List[List[int]]:
+    """A tiled model's graph input ``boxes``: each image's part of the frame (h, w)."""
+    return [list(detector.preprocessor.frame.placement(tuple(s))) for s in sizes]
+
+
+def probe_batch(detector: Any, images: Optional[Sequence[Any]] = None
+                ) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
+    """Normalised ``[B, 3, H, W]`` and each image's (H, W): the given images preprocessed,
+    else two noise images (of :func:`probe_sizes`; a letterboxed one's padding is zeros)."""
     if images:
         from anomaly_hooks.data import load_preprocessed
 
-        return torch.stack([load_preprocessed(i, detector.preprocessor,
-                                              detector.cfg.data.max_pixels)[0] for i in images])
+        loaded = [load_preprocessed(i, detector.preprocessor, detector.cfg.data.max_pixels)
+                  for i in images]
+        return torch.stack([x for x, _ in loaded]), [tuple(s) for _, s in loaded]
     h, w = detector.preprocessor.input_size
     noise = torch.rand(2, 3, h, w, generator=torch.Generator().manual_seed(1))
     mean = torch.tensor(detector.preprocessor.mean).view(1, 3, 1, 1)
     std = torch.tensor(detector.preprocessor.std).view(1, 3, 1, 1)
-    return (noise - mean) / std
+    x = (noise - mean) / std
+    sizes = probe_sizes(detector)
+    if detector.preprocessor.frame is not None:
+        for i, (bh, bw) in enumerate(boxes(detector, sizes)):
+            keep = torch.zeros(h, w, dtype=torch.bool)
+            keep[:bh, :bw] = True
+            x[i] = torch.where(keep, x[i], torch.zeros_like(x[i]))
+    return x, sizes
 
 
 def compare(eager_scores: np.ndarray, eager_maps: np.ndarray, scores: np.ndarray,
@@ -405,16 +449,22 @@ def verify_export(detector: Any, onnx_path: Union[str, os.PathLike],
     against eager; raise :class:`ExportError` beyond the tolerances. Returns the differences."""
     import onnxruntime as ort
 
-    x = probe_batch(detector, images)
+    x, sizes = probe_batch(detector, images)
     taps: Dict[str, np.ndarray] = {}
-    scores, maps = detector.infer(x, taps=taps)
+    scores, maps = detector.infer(x, sizes=sizes, taps=taps)
     scores, maps = scores.numpy(), maps.float().cpu().numpy()
+    feeds = [{INPUT: x[i:i + 1].numpy()} for i in range(x.shape[0])]
+    full = {INPUT: x.numpy()}
+    if getattr(detector, "tiling", None) is not None:
+        box = np.asarray(boxes(detector, sizes), dtype=np.int64)
+        feeds = [{**f, BOXES: box[i:i + 1]} for i, f in enumerate(feeds)]
+        full[BOXES] = box
     try:
         sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 (ONNX Runtime raises its own types)
         raise ExportError(f"ONNX Runtime cannot load the exported graph: {exc}") from None
-    single = [sess.run(None, {INPUT: x[i:i + 1].numpy()}) for i in range(x.shape[0])]
-    full = sess.run(None, {INPUT: x.numpy()})
+    single = [sess.run(None, feed) for feed in feeds]
+    full = sess.run(None, full)
     diffs = {}
     for tag, (m, s) in {"batch1": (np.concatenate([o[1] for o in single]),
                                    np.concatenate([o[2] for o in single])),

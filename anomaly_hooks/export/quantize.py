@@ -98,6 +98,9 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
     ref = OnnxDetector.load(fp32_path)
     if ref.meta.get("int8"):
         raise ExportError(f"{fp32_path} is already quantised")
+    if ref.tiling is not None:
+        raise ExportError(f"{fp32_path} is a tiled (high-resolution) model: its int8 "
+                          "quantisation is not available; use the float32 export")
     arrays = ref.prepare(list(calib_images))[0]
     calib = [arrays[i:i + batch] for i in range(0, len(arrays), batch)]
     checks = list(check_images) if check_images is not None else list(calib_images)

@@ -10,8 +10,15 @@ run from many threads, everything else is read-only). A file is verified before 
 (:mod:`anomaly_hooks.runtime.metadata`): the checksum of its content, every metadata entry, and
 the metadata against the graph.
 
+A tiled (high-resolution) export runs as the eager tiled Detector does: each image placed in
+the working frame with its aspect kept (the numpy twin of the framed preprocessing), the graph
+given each image's box in the frame (``boxes``: its padding gets no score) and run on whole
+frames' tiles, at most ``tiling.tile_batch`` tiles (one image at least) per session run; the
+heatmap comes back from the image's own part of the frame.
+
 Drift: a file exported from a model with a drift reference carries it (``drift_reference_``)
-and its graph outputs each tapped layer's per-image channel means beside the scores
+and its graph outputs each tapped layer's per-image channel means (a tiled model's: over the
+stitched frame maps, as the eager tiled path's taps) beside the scores
 (:meth:`OnnxDetector.run` with ``features``), so the numpy drift monitor runs on the edge as on
 the eager path::
 
@@ -38,6 +45,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from anomaly_hooks.errors import ImageReadError, ModelFileError, NotFittedError
+from anomaly_hooks.framing import Frame
 from anomaly_hooks.images import decode_reduced, is_one_image
 from anomaly_hooks.modelmeta import about
 from anomaly_hooks.monitor.monitor import DriftMonitor
@@ -106,8 +114,10 @@ class OnnxDetector:
         self.method = model.method
         self.threshold_ = model.threshold
         pre = model.preprocess
+        frame = Frame.from_dict(pre["frame"]) if pre.get("frame") is not None else None
         self.preprocessor = NumpyPreprocessor(pre["resize"], pre["crop"], pre["mean"],
-                                              pre["std"], preprocess_method)
+                                              pre["std"], preprocess_method, frame)
+        self.tiling = model.tiling
         self.layers = model.layers
         self.max_pixels = model.max_pixels
         self.batch_size = batch_size
@@ -121,6 +131,9 @@ class OnnxDetector:
         self._means = [layer_means_output(name) for name in model.drift_layers]
         #: the attached drift monitor (:meth:`drift_monitor`), None until one is
         self.monitor: Optional[DriftMonitor] = None
+        # a tiled model's session runs hold whole frames' tiles: at most tile_batch of them
+        self.per_run = batch_size if self.tiling is None else \
+            max(1, min(batch_size, self.tiling["tile_batch"] // self.tiling["n_tiles"]))
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
@@ -174,13 +187,16 @@ class OnnxDetector:
         return self.monitor
 
     # -- inference ------------------------------------------------------------------------
-    def run(self, batch: np.ndarray, features: Optional[Dict[str, np.ndarray]] = None
-            ) -> Tuple[np.ndarray, np.ndarray]:
+    def run(self, batch: np.ndarray, sizes: Optional[Sequence[Tuple[int, int]]] = None,
+            features: Optional[Dict[str, np.ndarray]] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Image scores ``[B]`` and heatmaps ``[B, h, w]`` (network frame) of a normalised
-        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images
-        (an attached :meth:`drift_monitor` sees the batch).
+        float32 batch ``[B, 3, h, w]``, in session runs of at most ``batch_size`` images (a
+        tiled model's: at most its ``tile_batch`` tiles; an attached :meth:`drift_monitor`
+        sees the batch).
 
         Args:
+            sizes: each image's own (H, W) (a tiled model scores only its part of the frame;
+                None: every image fills it).
             features: if given, receives each of :attr:`drift_layers`' per-image channel means
                 ``{layer: [B, C_l]}`` float32 from the same session run (the drift monitor's
                 layer statistics; nothing for a model without them)."""
@@ -188,10 +204,18 @@ class OnnxDetector:
         if features is None and monitor is not None:
             features = {}
         names = list(OUTPUTS[1:]) + (self._means if features is not None else [])
+        feed_boxes = None
+        if self.tiling is not None:
+            content = tuple(self.tiling["frame"]["content"])
+            feed_boxes = np.asarray([content] * batch.shape[0] if sizes is None else
+                                    [self.preprocessor.placement(s) for s in sizes],
+                                    dtype=np.int64).reshape(batch.shape[0], 2)
         scores, maps, means = [], [], []
-        for lo in range(0, batch.shape[0], self.batch_size):
-            heat, score, *layer_means = self.session.run(
-                names, {self.input_name: batch[lo:lo + self.batch_size]})
+        for lo in range(0, batch.shape[0], self.per_run):
+            feed = {self.input_name: batch[lo:lo + self.per_run]}
+            if feed_boxes is not None:
+                feed[self.tiling["boxes_input"]] = feed_boxes[lo:lo + self.per_run]
+            heat, score, *layer_means = self.session.run(names, feed)
             scores.append(score)
             maps.append(heat)
             means.append(layer_means)
@@ -203,18 +227,20 @@ class OnnxDetector:
             monitor.update({**monitor.statistics(None, batch), **(features or {})}, scores_all)
         return scores_all, np.concatenate(maps)
 
-    def preprocess(self, image: np.ndarray) -> np.ndarray:
+    def preprocess(self, image: np.ndarray, size: Optional[Sequence[int]] = None
+                   ) -> np.ndarray:
         """The network input ``[3, h, w]`` float32 of a decoded canonical image (``[H, W, 3]``
         float32 in [0, 1], e.g. :func:`~anomaly_hooks.images.decode_reduced`'s): the model's
-        resize, crop and normalisation, as :meth:`predict` applies them."""
-        return self.preprocessor(image)
+        resize, crop and normalisation (or working frame), as :meth:`predict` applies them.
+        ``size``: the original (H, W) of a reduced decode."""
+        return self.preprocessor(image, size)
 
     def load_image(self, item: Any) -> Tuple[np.ndarray, Tuple[int, int]]:
         """One image decoded as the eager path does (a huge one at a reduced scale, within the
         model's ``max_pixels``) and preprocessed (:meth:`preprocess`): ``[3, h, w]`` and the
         image's own (H, W). Raises :class:`ImageReadError` for an unreadable image."""
         image, size = decode_reduced(item, self.preprocessor.min_source_size, self.max_pixels)
-        return self.preprocess(image), size
+        return self.preprocess(image, size), size
 
     def prepare(self, items: Sequence[Any]) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
         """Normalised ``[B, 3, h, w]`` and the (H, W) of each image."""
@@ -251,7 +277,7 @@ class OnnxDetector:
         out: List[Prediction] = []
         for lo in range(0, len(items), size):
             batch, sizes = self.prepare(items[lo:lo + size])
-            scores, maps = self.run(batch)
+            scores, maps = self.run(batch, sizes)
             out.extend(self.prediction(float(s), m, sz) for s, m, sz in zip(scores, maps, sizes))
         return out[0] if single else out
 
@@ -260,7 +286,7 @@ class OnnxDetector:
         """Raw image scores ``[N]`` float64 (higher = more anomalous)."""
         _, items = self._items(images)
         size = batch_size or self.batch_size
-        scores = [self.run(self.prepare(items[lo:lo + size])[0])[0]
+        scores = [self.run(*self.prepare(items[lo:lo + size]))[0]
                   for lo in range(0, len(items), size)]
         return np.concatenate(scores).astype(np.float64) if scores else np.empty(0)
 
@@ -281,7 +307,8 @@ class OnnxDetector:
                 except ImageReadError as exc:
                     results[i] = exc
             if good:
-                scores, maps = self.run(np.stack([x for x, _ in loaded]))
+                scores, maps = self.run(np.stack([x for x, _ in loaded]),
+                                        [sz for _, sz in loaded])
                 for i, s, m, (_, sz) in zip(good, scores, maps, loaded):
                     results[i] = self.prediction(float(s), m, sz)
             yield from sorted(results.items())

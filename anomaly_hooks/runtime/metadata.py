@@ -25,6 +25,7 @@ from anomaly_hooks.modelmeta import (
     MAX_PIXELS,
     MetadataError,
     about,
+    check_frame,
     check_keys,
     check_layers,
     check_preprocess,
@@ -53,6 +54,7 @@ FORMAT_VERSION = 3  # the exported-model format this version writes
 # drift entry and the layer-mean outputs
 READ_VERSIONS = (2, 3)
 INPUT = "images"
+BOXES = "boxes"  # a tiled model's second input: each image's part of the frame [B, 2] (h, w)
 OUTPUTS = ("patch_scores", "heatmap", "image_score")
 #: the graph's output of a tapped layer's per-image channel means ``[B, C]`` (format 3)
 LAYER_MEANS_PREFIX = "layer_means/"
@@ -61,6 +63,7 @@ KEYS_V2 = ("format", "format_version", "anomaly_hooks_version", "method", "score
            "threshold", "preprocess", "layers", "backbone", "grid", "input", "outputs",
            "max_pixels", "source_checksum", "int8", EXTERNAL_KEY, CHECKSUM_KEY)
 KEYS = KEYS_V2 + (DRIFT_KEY,)
+OPTIONAL_KEYS = ("tiling",)  # a tiled (high-resolution) model's: the frame and its tiles
 #: why a format-2 file feeds no drift monitor
 NO_LAYER_MEANS = ("this model was exported by an earlier version of anomaly_hooks (exported-model "
                   "format 2), whose graph does not output the tapped layers' statistics and "
@@ -98,11 +101,13 @@ class ExportedModel:
     backbone: Dict[str, str]
     grid: Tuple[int, int]
     input_name: str
-    input_size: Tuple[int, int]  # the network input (H, W): the crop, else the resize
+    input_size: Tuple[int, int]  # the network input (H, W): the crop, else the resize, or
+    # a tiled model's frame
     max_pixels: int
     int8: Optional[Dict[str, Any]]
     checksum: str
     content: OnnxContent = field(repr=False, compare=False)
+    tiling: Optional[Dict[str, Any]] = None  # a tiled model's frame and tiles (_tiling)
     format_version: int = FORMAT_VERSION
     #: the drift reference saved with the source model (None: none, or a format-2 file)
     drift: Optional[DriftReference] = field(default=None, repr=False, compare=False)
@@ -194,7 +199,12 @@ def parse_metadata(meta: Mapping[str, str], version: int = FORMAT_VERSION) -> Di
     layers = check_layers(parse_json(meta["layers"], "layers"))
     drift, drift_layers = (_drift(meta[DRIFT_KEY], layers) if version >= 3 and meta[DRIFT_KEY]
                            else (None, ()))
+    tiling = None
+    if "tiling" in meta:
+        tiling = _tiling(parse_json(meta["tiling"], "tiling"), preprocess)
+        size = tiling["frame"]["size"]
     return {
+        "tiling": tiling,
         "format_version": version,
         "drift": drift,
         "drift_layers": drift_layers,
@@ -217,7 +227,7 @@ def parse_metadata(meta: Mapping[str, str], version: int = FORMAT_VERSION) -> Di
 def _check_entries(meta: Mapping[str, str], keys: Sequence[str]) -> None:
     """Exactly the entries an export of its format writes, and the output list the runtime
     relies on."""
-    extra = sorted(set(meta) - set(keys))
+    extra = sorted(set(meta) - set(keys) - set(OPTIONAL_KEYS))
     if extra:
         raise MetadataError("metadata", f"unexpected metadata entries {extra}: the file was "
                             "modified after export, or was not written by anomaly_hooks")
@@ -268,6 +278,36 @@ def _input(data: Any, size: Tuple[int, int]) -> str:
     return text(data["name"], "input.name", r"\S{1,256}", "a tensor name")
 
 
+def _tiling(data: Any, preprocess: Mapping[str, Any]) -> Dict[str, Any]:
+    """A tiled model's ``tiling`` entry: its frame must be the preprocessing's; the tile plan
+    is kept as written (the graph holds it); ``tile_batch`` is what the runtime runs at once."""
+    keys = ("frame", "tiles", "tile_units", "tile_batch", "boxes_input")
+    check_keys(data, "tiling", keys, keys)
+    frame = check_frame(data["frame"], "tiling.frame")
+    if preprocess.get("frame") != frame:
+        raise MetadataError("tiling.frame", f"tiling.frame = {data['frame']}: disagrees with "
+                            "preprocess.frame")
+    if not isinstance(data["tile_units"], bool):
+        raise refuse("tiling.tile_units", data["tile_units"], "true or false")
+    tiles = dict(check_keys(data["tiles"], "tiling.tiles"))
+    count = tiles.get("tiles")
+    if not isinstance(count, list) or len(count) != 2:
+        raise refuse("tiling.tiles.tiles", count, "[rows, columns] of tiles")
+    count = [_count(v, "tiling.tiles.tiles", 65_536) for v in count]
+    return {"frame": frame, "tiles": tiles, "tile_units": data["tile_units"],
+            "n_tiles": count[0] * count[1],
+            "tile_batch": _count(data["tile_batch"], "tiling.tile_batch", 4096),
+            "boxes_input": text(data["boxes_input"], "tiling.boxes_input", r"\S{1,256}",
+                                "a tensor name")}
+
+
+def _count(value: Any, field: str, high: int) -> int:
+    """A JSON integer in ``1..high`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise refuse(field, value, f"an integer in 1..{high}")
+    return value
+
+
 def _int8(raw: str) -> Optional[Dict[str, Any]]:
     """The int8 report (empty for a float32 model)."""
     if not raw:
@@ -288,9 +328,12 @@ def check_graph(model: ExportedModel, inputs: Sequence[Any], outputs: Sequence[A
     names = [o.name for o in outputs]
     if names != model.outputs:
         raise refuse("outputs", model.outputs, f"the graph's outputs, which are {names}")
-    if len(inputs) != 1 or inputs[0].name != model.input_name:
-        raise refuse("input.name", model.input_name,
-                     f"the graph's input, which is {[i.name for i in inputs]}")
+    want = [model.input_name] + ([model.tiling["boxes_input"]] if model.tiling else [])
+    if [i.name for i in inputs] != want:
+        raise refuse("input.name" if model.tiling is None else "tiling.boxes_input", want,
+                     f"the graph's inputs, which are {[i.name for i in inputs]}")
+    if model.tiling is not None:
+        _shape(("tiling", "tiling.boxes_input: [batch, 2]"), inputs[1], [None, 2])
     h, w = model.input_size
     network = ("preprocess", f"preprocess: its output (crop, else resize) {[h, w]}")
     _shape(network, inputs[0], [None, 3, h, w])
@@ -316,6 +359,6 @@ def _shape(entry: Tuple[str, str], arg: Any, want: List[Optional[int]]) -> None:
                             f"of shape {list(shape)}")
 
 
-__all__ = ["DRIFT_KEY", "ExportedModel", "FORMAT", "FORMAT_VERSION", "INPUT", "KEYS",
-           "LAYER_MEANS_PREFIX", "OUTPUTS", "READ_VERSIONS", "check_format", "check_graph",
-           "layer_means_output", "parse_metadata", "read_exported"]
+__all__ = ["BOXES", "DRIFT_KEY", "ExportedModel", "FORMAT", "FORMAT_VERSION", "INPUT", "KEYS",
+           "LAYER_MEANS_PREFIX", "OPTIONAL_KEYS", "OUTPUTS", "READ_VERSIONS", "check_format",
+           "check_graph", "layer_means_output", "parse_metadata", "read_exported"]

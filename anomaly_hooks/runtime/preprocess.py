@@ -9,16 +9,19 @@
 * Centre crop (torchvision's rounding), normalisation.
 * :meth:`NumpyPreprocessor.to_original`: the heatmap back into the caller's frame (bilinear,
   ``align_corners=False``, no antialias, exactly torch's index and weight arithmetic in float32).
+* A tiled model's working :class:`~anomaly_hooks.framing.Frame`: the crop, the aspect-keeping
+  resize to the image's placement, zeros padding to the frame; the heatmap's way back reads the
+  image's own part of the frame only (the eager ``Preprocessor``'s framed path, step for step).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from anomaly_hooks.framing import Framing
+from anomaly_hooks.framing import Frame, Framing
 from anomaly_hooks.modelmeta import check_preprocess
 
 F32 = np.float32
@@ -57,9 +60,12 @@ def resize_aa(image: np.ndarray, size: Tuple[int, int], method: str = "numpy") -
     if method != "numpy":
         raise ValueError(f"method={method!r}: numpy or pillow")
     ih, iw, c = image.shape
-    out = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=F32)  # [C, H, W]
-    if iw != w:  # horizontal first (torch's order): [C * H, W] @ [W, w]
-        out = (out.reshape(c * ih, iw) @ aa_weights(iw, w).T).reshape(c, ih, w)
+    if iw != w:  # horizontal first (torch's order): [w, W] @ [H, W, C] -> [H, w, C], read in
+        # place (no transposed copy of a large image), then [C, H, w]
+        out = np.matmul(aa_weights(iw, w), image.astype(F32, copy=False)).transpose(2, 0, 1)
+    else:
+        out = image.transpose(2, 0, 1)
+    out = np.ascontiguousarray(out, dtype=F32)  # [C, H, w]
     if ih != h:  # vertical: [h, H] @ [C, H, w]
         out = np.matmul(aa_weights(ih, h), out)
     return np.ascontiguousarray(out, dtype=F32)
@@ -92,31 +98,90 @@ def resize_bilinear(maps: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class NumpyPreprocessor(Framing):
-    """Resize (antialiased bilinear), centre crop, normalise; and the heatmap's way back."""
+    """Resize (antialiased bilinear), centre crop, normalise; and the heatmap's way back. With
+    ``frame`` (a tiled model's): its crop, aspect-keeping resize and padding instead."""
 
     method: str = "numpy"
+    frame: Optional[Frame] = None
 
     @classmethod
     def from_dict(cls, d: dict, method: str = "numpy") -> "NumpyPreprocessor":
         """From ``Preprocessor.as_dict()`` (what the model metadata holds), checked by
         :func:`anomaly_hooks.modelmeta.check_preprocess` (sizes, finite mean, std > 0)."""
         pre = check_preprocess(d)
-        return cls(pre["resize"], pre["crop"], pre["mean"], pre["std"], method)
+        frame = Frame.from_dict(pre["frame"]) if pre.get("frame") is not None else None
+        return cls(pre["resize"], pre["crop"], pre["mean"], pre["std"], method, frame)
 
-    def __call__(self, image: np.ndarray) -> np.ndarray:
-        """``[H, W, 3]`` float32 in [0, 1] -> normalised ``[3, h, w]`` float32."""
-        out = resize_aa(image, self.resize, self.method)
-        top, left, ch, cw = self.crop_box()
-        out = out[:, top:top + ch, left:left + cw]
+    @property
+    def input_size(self) -> Tuple[int, int]:
+        """(H, W) of the network input (a tiled model's: its frame)."""
+        if self.frame is not None:
+            return tuple(self.frame.size)  # type: ignore[return-value]
+        return super().input_size
+
+    @property
+    def min_source_size(self) -> Tuple[int, int]:
+        """(H, W) a huge image may be reduced to before preprocessing (as the eager one)."""
+        if self.frame is not None:
+            return 2 * self.frame.content[0], 2 * self.frame.content[1]
+        return super().min_source_size
+
+    def _normalise(self, out: np.ndarray) -> np.ndarray:
         mean = np.asarray(self.mean, dtype=F32).reshape(3, 1, 1)
         std = np.asarray(self.std, dtype=F32).reshape(3, 1, 1)
         return np.ascontiguousarray((out - mean) / std, dtype=F32)
 
+    def __call__(self, image: np.ndarray, size: Optional[Sequence[int]] = None) -> np.ndarray:
+        """``[H, W, 3]`` float32 in [0, 1] -> normalised ``[3, h, w]`` float32. ``size``: the
+        image's original (H, W) when ``image`` is a reduced decode of it (a working frame
+        places an image by its original size, as the eager preprocessing does)."""
+        if self.frame is not None:
+            return self._framed(image, tuple(image.shape[:2]) if size is None else tuple(size))
+        out = resize_aa(image, self.resize, self.method)
+        top, left, ch, cw = self.crop_box()
+        return self._normalise(out[:, top:top + ch, left:left + cw])
+
+    def _framed(self, image: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+        """The working frame: crop, aspect-keeping resize, normalise, pad (zeros)."""
+        frame = self.frame
+        top, left, bh, bw = frame.source_box(size)
+        ih, iw = image.shape[:2]
+        if (ih, iw) != tuple(size):  # a reduced decode: the same box in its pixels
+            fy, fx = ih / size[0], iw / size[1]
+            top, left = int(round(top * fy)), int(round(left * fx))
+            bh, bw = max(1, int(round(bh * fy))), max(1, int(round(bw * fx)))
+        h, w = frame.placement(size)
+        part = resize_aa(image[top:top + bh, left:left + bw], (h, w), self.method)
+        out = np.zeros((3, *frame.size), dtype=F32)
+        out[:, :h, :w] = self._normalise(part)
+        return out
+
+    def placement(self, size: Sequence[int]) -> Tuple[int, int]:
+        """A tiled model's box of an image of ``size`` (H, W) in its frame (its own part,
+        at the top-left); the whole network input for an untiled one."""
+        if self.frame is None:
+            return self.input_size
+        return self.frame.placement((int(size[0]), int(size[1])))
+
     def to_original(self, heat: np.ndarray, size: Sequence[int], fill: float) -> np.ndarray:
         """``[h, w]`` heatmap in the network frame -> ``[H, W]`` in the original frame; parts
-        the crop cut off get ``fill``."""
+        the crop cut off get ``fill`` (a working frame: only the image's own part is read)."""
+        if self.frame is not None:
+            return self._framed_back(heat, (int(size[0]), int(size[1])), fill)
         rh, rw = self.resize
         top, left, ch, cw = self.crop_box()
         canvas = np.full((rh, rw), fill, dtype=F32)
         canvas[top:top + ch, left:left + cw] = heat
         return resize_bilinear(canvas, (int(size[0]), int(size[1])))
+
+    def _framed_back(self, heat: np.ndarray, size: Tuple[int, int], fill: float) -> np.ndarray:
+        """The working frame's inverse: the image's part of the frame resized to the
+        inspected box; the crop's cut-off gets ``fill``."""
+        h, w = self.frame.placement(size)
+        top, left, bh, bw = self.frame.source_box(size)
+        back = resize_bilinear(heat[:h, :w], (bh, bw))
+        if (bh, bw) == tuple(size):
+            return back
+        canvas = np.full(size, fill, dtype=F32)
+        canvas[top:top + bh, left:left + bw] = back
+        return canvas

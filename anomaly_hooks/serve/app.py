@@ -18,7 +18,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from anomaly_hooks import __version__
-from anomaly_hooks.serve.errors import ServeError, code_for_status
+from anomaly_hooks.serve.errors import ServeError, code_for_status, results_unavailable
 from anomaly_hooks.serve.middleware import (
     DOCS_ASSETS,
     AuthMiddleware,
@@ -26,7 +26,7 @@ from anomaly_hooks.serve.middleware import (
     HeadLimitMiddleware,
     RequestMetricsMiddleware,
 )
-from anomaly_hooks.serve.results import ResultStore
+from anomaly_hooks.serve.results import ResultStore, StoreUnavailableError
 from anomaly_hooks.serve.routes import ROUTERS
 from anomaly_hooks.serve.routes.page import STATIC
 from anomaly_hooks.serve.service import Service, error_text
@@ -63,6 +63,7 @@ def create_app(settings: ServeSettings, *, monitor: Any = None,
     app.add_middleware(HeadLimitMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics_getter=lambda: service.metrics)
     app.add_exception_handler(ServeError, _serve_error)
+    app.add_exception_handler(StoreUnavailableError, _store_unavailable)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -87,6 +88,12 @@ def body_limits(settings: ServeSettings) -> Callable[[str], int]:
 async def _serve_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServeError)
     return JSONResponse(exc.as_dict(), status_code=exc.status, headers=exc.headers)
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 ``results_unavailable`` for a read of the results log while it cannot be reached."""
+    error = results_unavailable(exc)
+    return JSONResponse(error.as_dict(), status_code=error.status, headers=error.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

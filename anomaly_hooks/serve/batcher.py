@@ -30,7 +30,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from anomaly_hooks.serve.errors import ServeError, overloaded
 
@@ -51,6 +51,7 @@ class Job:
     tensor: Any
     engine: Any
     future: "asyncio.Future[Any]"
+    size: Optional[Tuple[int, int]] = None  # the image's own (H, W): where its padding is
 
 
 class Admission:
@@ -140,15 +141,17 @@ class Batcher:
         per_image = self.seconds_per_image or 1.0
         return int(min(60, max(1, math.ceil(waiting * per_image))))
 
-    def submit(self, tensor: Any, engine: Any) -> "asyncio.Future[Any]":
-        """Queue one prepared image; the future gets ``(score, heatmap, BatchInfo)``."""
+    def submit(self, tensor: Any, engine: Any, size: Optional[Tuple[int, int]] = None
+               ) -> "asyncio.Future[Any]":
+        """Queue one prepared image (``size``: its own (H, W)); the future gets ``(score,
+        heatmap, BatchInfo)``."""
         if self._task is None or self._task.done():
             raise ServeError(503, "shutting_down", "the batcher is not running")
         if len(self._items) >= self.max_queue:
             raise overloaded(f"the inference queue is full ({self.max_queue} images)",
                              self.retry_after())
         fut = asyncio.get_running_loop().create_future()
-        self._items.append(Job(tensor, engine, fut))
+        self._items.append(Job(tensor, engine, fut, size))
         assert self._wakeup is not None
         self._wakeup.set()
         return fut
@@ -205,8 +208,10 @@ class Batcher:
             started = time.perf_counter()
             # the layers' channel means only when someone (a drift monitor) reads them
             features: Optional[Dict[str, Any]] = {} if self.collect_features else None
-            infer = engine.infer if features is None else functools.partial(
-                engine.infer, features=features)
+            extra: Dict[str, Any] = {} if features is None else {"features": features}
+            if all(j.size is not None for j in batch):  # where each image's padding is
+                extra["sizes"] = [j.size for j in batch]
+            infer = functools.partial(engine.infer, **extra)
             try:
                 scores, maps = await loop.run_in_executor(
                     self.executor, infer, [j.tensor for j in batch])

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -151,7 +151,7 @@ class ModelEngine:
         pixels = np.full((h, w, 3), 128, np.uint8)
         pixels[: h // 2] = 200
         item = self.prepare(pictures.png_bytes(pixels), h * w, max(h, w))
-        scores, maps = self.infer([item.tensor])
+        scores, maps = self.infer([item.tensor], sizes=[(item.height, item.width)])
         self.finish(float(scores[0]), maps[0], item, overlay=True, keep_anomalous=False,
                     thumb_side=32)
 
@@ -189,8 +189,10 @@ class ModelEngine:
                 "drift_unavailable": self.drift_unavailable, "lineage": self.lineage}
 
     # -- the model-specific parts of the three steps ---------------------------------------
-    def network_input(self, canonical: np.ndarray) -> Any:
-        """``[H, W, 3]`` float32 canonical image -> the network input ``[3, h, w]``."""
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> Any:
+        """``[H, W, 3]`` float32 canonical image -> the network input ``[3, h, w]``; ``size``:
+        the original (H, W) of a reduced decode (a working frame places an image by it)."""
         raise NotImplementedError
 
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
@@ -212,17 +214,19 @@ class ModelEngine:
         preprocess them (runs in the decode pool)."""
         pre = self.detector.preprocessor
         canonical, (height, width), fmt = decode_upload(data, pre.min_source_size, max_pixels)
-        tensor = self.network_input(canonical)
+        tensor = self.network_input(canonical, (height, width))
         prev = self.preview(canonical, overlay_max_side)
         del canonical
         return PreparedImage(tensor, width, height, fmt, prev)
 
-    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
-              ) -> Tuple[np.ndarray, Any]:
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
+              sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
         """Image scores ``[B]`` float64 and heatmaps ``[B, h, w]`` of network inputs (the
         model thread).
 
         Args:
+            sizes: each image's own (H, W): a tiled model gives the padding around an image
+                of another aspect no score (None: every image fills the frame).
             features: if given, receives each tapped layer's per-image channel means
                 ``[B, C_l]`` float32, read in the scoring pass (for a drift monitor; no second
                 forward pass). An engine that cannot (:attr:`drift_unavailable`) leaves it

@@ -136,8 +136,9 @@ class OnnxEngine(ModelEngine):
                        "max_pixels": model.max_pixels},
         }
 
-    def network_input(self, canonical: np.ndarray) -> np.ndarray:
-        return self.detector.preprocess(canonical)
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> np.ndarray:
+        return self.detector.preprocess(canonical, size)
 
     def stack(self, tensors: List[Any]) -> np.ndarray:
         return np.stack(list(tensors))
@@ -146,11 +147,11 @@ class OnnxEngine(ModelEngine):
         # the runtime's own way back (its fill is the map's minimum, as the service's)
         return self.detector.heatmap(np.asarray(heat), size)
 
-    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
-              ) -> Tuple[np.ndarray, Any]:
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
+              sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
         """As :meth:`ModelEngine.infer`: ``features`` receives the graph's layer-mean outputs
         (left empty for a file without them, :attr:`drift_unavailable`)."""
-        scores, maps = self.detector.run(self.stack(tensors), features=features)
+        scores, maps = self.detector.run(self.stack(tensors), sizes=sizes, features=features)
         return np.asarray(scores).astype(np.float64), maps
 
 

@@ -8,7 +8,7 @@ the library changes, only this file needs to follow.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -97,8 +97,9 @@ class TorchEngine(ModelEngine):
             "config": cfg,
         }
 
-    def network_input(self, canonical: np.ndarray) -> torch.Tensor:
-        return self.detector.preprocessor(canonical_tensor(canonical))
+    def network_input(self, canonical: np.ndarray, size: Optional[Tuple[int, int]] = None
+                      ) -> torch.Tensor:
+        return self.detector.preprocessor(canonical_tensor(canonical), size)
 
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
         return preview(canonical_tensor(canonical), max_side)
@@ -109,8 +110,9 @@ class TorchEngine(ModelEngine):
     def heat_to_frame(self, heat: Any, size: Tuple[int, int], fill: float) -> np.ndarray:
         return self.detector.preprocessor.to_original(heat, size, fill=fill).numpy()
 
-    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None
-              ) -> Tuple[np.ndarray, Any]:
+    def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
+              sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
         batch = self.stack(tensors)
-        scores, maps = self.detector.infer(batch.to(self.detector.device), taps=features)
+        scores, maps = self.detector.infer(batch.to(self.detector.device), sizes=sizes,
+                                           taps=features)
         return scores.numpy().astype(np.float64), maps.float().cpu()

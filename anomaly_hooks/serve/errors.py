@@ -38,6 +38,8 @@ CODES = (
     (503, "overloaded", "the bounded queue is full; Retry-After"),
     (503, "timeout", "the request took longer than the request timeout; Retry-After"),
     (503, "shutting_down", "the server is stopping"),
+    (503, "results_unavailable", "the results log (its database server) cannot be reached: "
+     "the prediction was not acknowledged; Retry-After (the service reconnects by itself)"),
     (503, "too_many_connections", "this client (or the server) holds as many connections as "
      "it may, all busy; Retry-After"),
 )
@@ -76,6 +78,19 @@ def client_gone() -> ServeError:
 
 def not_ready(message: str, retry_after: int = 5) -> ServeError:
     return ServeError(503, "not_ready", message, {"Retry-After": str(max(1, int(retry_after)))})
+
+
+# seconds a client is told to wait while the results log is unavailable (a restarting
+# PostgreSQL server takes a few seconds of crash recovery)
+RESULTS_RETRY_AFTER_S = 2
+
+
+def results_unavailable(exc: Exception) -> ServeError:
+    """503 ``results_unavailable``: the results log cannot be reached (``exc`` says why), so
+    nothing is acknowledged."""
+    return ServeError(503, "results_unavailable",
+                      f"the results log is unavailable, the request was not recorded: {exc}; "
+                      "retry later", {"Retry-After": str(RESULTS_RETRY_AFTER_S)})
 
 
 STATUS_CODES = {400: "malformed_request", 401: "unauthorized", 403: "forbidden",

@@ -11,7 +11,12 @@ non-finite numbers stored as NULL), on a database that several service replicas 
   starting together apply each one once;
 * connections come from a small pool (:class:`ConnectionPool`); a connection the server dropped
   is replaced, and a read or a transaction that had not reached its ``COMMIT`` is retried once
-  on a fresh connection (nothing was committed then); a ``COMMIT`` is never retried.
+  on a fresh connection (nothing was committed then); a ``COMMIT`` is never retried;
+* a server that is down, restarting (crash recovery) or unreachable, or a connection lost
+  during a ``COMMIT``, is a :class:`~anomaly_hooks.serve.results.StoreUnavailableError` (the
+  service answers 503 ``results_unavailable``), raised at once (a refused connection does not
+  wait); each call tries a new connection, so the store serves again by itself once the server
+  accepts connections (no restart of the service).
 
 PostgreSQL ``text`` cannot hold a NUL character: this store keeps U+FFFD in its place (as the
 CSV export shows a NUL), in records, labels and filters alike, so a text with a NUL is stored and
@@ -35,6 +40,7 @@ from anomaly_hooks.serve.results import (
     MAX_ID,
     Record,
     ResultStore,
+    StoreUnavailableError,
     check_label,
     query_filters,
     record_from_row,
@@ -219,6 +225,11 @@ class PostgresResultStore(ResultStore):
         except psycopg.Error as exc:
             self._pool.close()
             raise ConfigError(f"results database {self.display_url}: {_reason(exc)}") from None
+        except StoreUnavailableError as exc:  # at start: a setting to check, not a passing state
+            self._pool.close()
+            raise ConfigError(f"{exc}; check that PostgreSQL runs there and accepts this user "
+                              "(host, port, user, password, database name, pg_hba.conf), or "
+                              "give another --results-db") from None
         except BaseException:
             self._pool.close()
             raise
@@ -234,7 +245,8 @@ class PostgresResultStore(ResultStore):
         try:
             con = psycopg.connect(**params, autocommit=True)
         except psycopg.OperationalError as exc:
-            raise ConfigError(self._unreachable(exc)) from None
+            raise StoreUnavailableError(f"cannot connect to the results database "
+                                        f"{self.display_url}: {_reason(exc)}") from None
         try:
             con.execute("SELECT set_config('synchronous_commit', %s, false), "
                         "set_config('statement_timeout', %s, false)",
@@ -243,12 +255,6 @@ class PostgresResultStore(ResultStore):
             con.close()
             raise
         return con
-
-    def _unreachable(self, exc: Exception) -> str:
-        return (f"cannot connect to the results database {self.display_url}: "
-                f"{_reason(exc)}; check that PostgreSQL runs there and accepts this user "
-                "(host, port, user, password, database name, pg_hba.conf), or give another "
-                "--results-db")
 
     def _migrate(self, con: Any) -> None:
         """Apply the pending :data:`MIGRATIONS` in one transaction under the advisory lock."""
@@ -279,21 +285,25 @@ class PostgresResultStore(ResultStore):
 
     def _read(self, work: Callable[[Any], T]) -> T:
         """``work(connection)`` outside a transaction; once more on a fresh connection when
-        the pooled one turns out dead."""
+        the pooled one turns out dead (:class:`StoreUnavailableError` when that one dies
+        too)."""
         for attempt in (0, 1):
             with self._pool.connection(fresh=attempt > 0) as con:
                 try:
                     return work(con)
-                except psycopg.OperationalError:
-                    if attempt == 0 and con.broken:
+                except psycopg.OperationalError as exc:
+                    if not con.broken:  # the server answered (a statement timeout)
+                        raise
+                    if attempt == 0:
                         continue
-                    raise
+                    raise self._lost(exc, "a read") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _write(self, work: Callable[[Any], T]) -> T:
         """``work(connection)`` in one transaction. When the connection dies before the
         ``COMMIT`` is sent (nothing is committed then), once more on a fresh connection; a
-        failed ``COMMIT`` is raised (the outcome is unknown: never done twice)."""
+        connection lost during the ``COMMIT`` is a :class:`StoreUnavailableError` saying the
+        outcome is unknown (never done twice)."""
         for attempt in (0, 1):
             with self._pool.connection(fresh=attempt > 0) as con:
                 committing = False
@@ -302,11 +312,22 @@ class PostgresResultStore(ResultStore):
                         result = work(con)
                         committing = True
                     return result
-                except psycopg.OperationalError:
-                    if attempt == 0 and con.broken and not committing:
+                except psycopg.OperationalError as exc:
+                    if not con.broken:  # the server answered (a statement timeout)
+                        raise
+                    if committing:
+                        raise self._lost(exc, "the commit (whether it was recorded is "
+                                              "unknown)", outcome_unknown=True) from None
+                    if attempt == 0:
                         continue
-                    raise
+                    raise self._lost(exc, "a write (nothing was recorded)") from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _lost(self, exc: Exception, during: str, outcome_unknown: bool = False
+              ) -> StoreUnavailableError:
+        return StoreUnavailableError(f"the connection to the results database "
+                                     f"{self.display_url} was lost during {during}: "
+                                     f"{_reason(exc)}", outcome_unknown=outcome_unknown)
 
     # -- the store -------------------------------------------------------------------------
     def add(self, records: Sequence[Record]) -> List[int]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from anomaly_hooks.errors import ConfigError
+from anomaly_hooks.errors import AnomalyHooksError, ConfigError
 from anomaly_hooks.outputs import csv_cell
 from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
 
@@ -121,9 +121,24 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
+class StoreUnavailableError(AnomalyHooksError):
+    """The results log cannot be reached now (its database server is down, restarting or
+    unreachable, or the connection was lost during a write): a passing state, not a fault of
+    the request. Nothing was recorded, or (a connection lost during the ``COMMIT``) whether it
+    was is unknown (:attr:`outcome_unknown`); either way the write is not acknowledged. The
+    service answers it with 503 ``results_unavailable`` and a Retry-After."""
+
+    def __init__(self, message: str, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        # True: the connection was lost during the COMMIT, the records may be stored
+        self.outcome_unknown = outcome_unknown
+
+
 class ResultStore(abc.ABC):
     """Where predictions are recorded. Implementations must be safe to call from several
-    threads; :meth:`add` returns only once the records are durable."""
+    threads; :meth:`add` returns only once the records are durable. A store whose backend
+    cannot be reached raises :class:`StoreUnavailableError` (and serves again by itself once
+    the backend is back)."""
 
     @abc.abstractmethod
     def add(self, records: Sequence[Record]) -> List[int]:
@@ -576,8 +591,10 @@ class Recorder:
         self.max_group = max_group
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="results-writer", daemon=True)
-        self._thread.start()
         self.commits = 0
+        # monotonic time of the first failure of an ongoing outage of the store (None: none)
+        self.down_since: Optional[float] = None
+        self._thread.start()
 
     def submit(self, record: Record) -> "Future[int]":
         fut: "Future[int]" = Future()
@@ -619,9 +636,15 @@ class Recorder:
 
     def _commit(self, records: List[Any]) -> None:
         """Commit ``(record, future)`` pairs in one transaction. When it fails, each record is
-        tried alone: one record the store refuses fails its own request only."""
+        tried alone: one record the store refuses fails its own request only. An unreachable
+        store fails them all at once (trying each alone would only wait on it again)."""
         try:
             ids = self.store.add([r for r, _ in records])
+        except StoreUnavailableError as exc:
+            self._unavailable(exc)
+            for _, fut in records:
+                _resolve(fut, error=exc)
+            return
         # broad: disk full, locked, a store plug-in's own error: each waiter learns it
         except BaseException as exc:  # noqa: BLE001
             if len(records) > 1:  # the transaction was rolled back: nothing is committed
@@ -631,9 +654,21 @@ class Recorder:
             log.exception("results log write failed")
             _resolve(records[0][1], error=exc)
             return
+        if self.down_since is not None:
+            log.warning("the results log is reachable again (it was not for %.1f s)",
+                        time.monotonic() - self.down_since)
+            self.down_since = None
         self.commits += 1
         for (_, fut), rid in zip(records, ids):
             _resolve(fut, rid)
+
+    def _unavailable(self, exc: StoreUnavailableError) -> None:
+        """Log the first failure of an outage (one line, no traceback: the requests answer
+        503 meanwhile); the first commit after it logs the recovery."""
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.error("the results log is unavailable, predictions are refused (503) until it "
+                      "is back: %s", exc)
 
     def close(self, timeout: float = 30.0) -> None:
         self._queue.put(self._STOP)

@@ -299,6 +299,8 @@ class VersionList(BaseModel):
     """The model files of the models folder (``--models-dir``), newest first."""
 
     folder: str
+    model: str = Field("default", description="the served model the serving version, the "
+                       "serving flags and the rollback stack are of")
     serving: Optional[ServingVersion]
     count: int
     versions: List[ModelVersion]

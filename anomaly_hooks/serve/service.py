@@ -50,7 +50,7 @@ from anomaly_hooks.serve.engine import (
     PreparedImage,
 )
 from anomaly_hooks.serve.engines import engine_class, load_engine
-from anomaly_hooks.serve.errors import ServeError, not_ready
+from anomaly_hooks.serve.errors import ServeError, not_ready, results_unavailable
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder, load_cancelled
 from anomaly_hooks.serve.monitoring import (
@@ -65,12 +65,13 @@ from anomaly_hooks.serve.results import (
     Recorder,
     ResultStore,
     SQLiteResultStore,
+    StoreUnavailableError,
     iso_time,
 )
 from anomaly_hooks.serve.settings import RESULTS_FILE, ServeSettings
 from anomaly_hooks.serve.slots import ModelSlot
 from anomaly_hooks.serve.stores import open_store
-from anomaly_hooks.serve.versions import Version, VersionShelf
+from anomaly_hooks.serve.versions import Version, VersionShelf, VersionTrack
 
 log = logging.getLogger("anomaly_hooks.serve")
 
@@ -99,7 +100,8 @@ class Service:
         # (None without --models-dir)
         self.versions: Optional[VersionShelf] = (
             VersionShelf(self.models_dir).load() if settings.models_dir else None)
-        self.model_option = os.path.realpath(settings.model)  # --model, as started
+        # each model's --model path as started (the versions record's track follows it)
+        self.model_options = {name: os.path.realpath(sl.path) for name, sl in self.slots.items()}
         self._store_given = store
         self.store: Optional[ResultStore] = None
         self.files: Optional[ImageFiles] = None
@@ -239,7 +241,7 @@ class Service:
             pool.shutdown(wait=False, cancel_futures=True)
 
     async def _initial_load(self, slot: ModelSlot) -> None:
-        engine = await self._load_promoted() if slot.default else None
+        engine = await self._load_promoted(slot)
         # broad catches: whatever stops the model (or its monitor) from loading must reach
         # /readyz and on_fatal; a narrower catch would leave the server "loading" for ever
         try:
@@ -258,8 +260,7 @@ class Service:
             self._swap(slot, engine, monitor)
             log.info("serving %s%s (%s, loaded and warm in %.1f s)", engine.model_id,
                      self._as(slot), engine.path, engine.load_seconds)
-            if slot.default:
-                await self._record_start(engine)
+            await self._record_start(engine, slot)
         elif monitor is not None and monitor is not slot.monitor:
             monitor.close()
 
@@ -267,50 +268,57 @@ class Service:
         """`` as NAME`` in a log line, on a server of several models."""
         return f" as {slot.name}" if len(self.slots) > 1 else ""
 
-    async def _load_promoted(self) -> Optional[ModelEngine]:
-        """The version promoted last, loaded, when the versions record names one for this
-        ``--model`` (a promote outlives a restart; a new ``--model`` on the command line wins);
-        None to load ``--model`` (also when the promoted file cannot be served any more: said
-        in the log)."""
+    async def _load_promoted(self, slot: ModelSlot) -> Optional[ModelEngine]:
+        """The version of ``slot``'s model promoted last, loaded, when the versions record
+        names one for its ``--model`` path (a promote outlives a restart; a new ``--model`` on
+        the command line wins); None to load that path (also when the promoted file cannot be
+        served any more: said in the log)."""
         shelf = self.versions
-        entry = shelf.serving if shelf is not None else None
-        if (shelf is None or entry is None or shelf.model_option != self.model_option
+        track = self._track(slot) if shelf is not None else None
+        entry = track.serving if track is not None else None
+        option = self.model_options[slot.name]
+        if (shelf is None or track is None or entry is None or track.model_option != option
                 or "/" in entry["name"]):
             return None
         path = os.path.join(shelf.folder, entry["name"])
-        if os.path.realpath(path) == self.model_option:
+        if os.path.realpath(path) == option:
             return None
         try:
             engine = await self._load(path)
         # broad: whatever refuses the promoted file, --model is served instead
         except Exception as exc:  # noqa: BLE001
             if not self._stopping.is_set():
-                log.warning("the promoted version %s cannot be served (%s): serving --model %s",
-                            entry["name"], error_text(exc), self.settings.model)
+                log.warning("the promoted version %s%s cannot be served (%s): serving --model "
+                            "%s", entry["name"], self._as(slot), error_text(exc), slot.path)
             return None
         if engine.sha256 != entry["checksum"]:
-            log.warning("the promoted version %s has changed since it was promoted (checksum "
-                        "%s, not %s): serving --model %s", entry["name"], engine.sha256[:12],
-                        entry["checksum"][:12], self.settings.model)
+            log.warning("the promoted version %s%s has changed since it was promoted (checksum "
+                        "%s, not %s): serving --model %s", entry["name"], self._as(slot),
+                        engine.sha256[:12], entry["checksum"][:12], slot.path)
             return None
-        log.info("serving the promoted version %s (the versions record %s) rather than "
-                 "--model %s", entry["name"], shelf.state_path, self.settings.model)
-        self.settings.model = self.default.path = engine.path
+        log.info("serving the promoted version %s%s (the versions record %s) rather than "
+                 "--model %s", entry["name"], self._as(slot), shelf.state_path, slot.path)
+        slot.path = engine.path
+        if slot.default:
+            self.settings.model = engine.path
         return engine
 
-    async def _record_start(self, engine: ModelEngine) -> None:
-        """The versions record names the model served at start (written only where a record
-        exists already: a server that never switched models leaves the folder as it is)."""
+    async def _record_start(self, engine: ModelEngine, slot: ModelSlot) -> None:
+        """The versions record names the model ``slot`` serves at start (written only where a
+        record exists already: a server that never switched models leaves the folder as it
+        is)."""
         shelf = self.versions
         if shelf is None:
             return
+        track = self._track(slot)
         entry = self._version_entry(engine)
-        serving = shelf.serving or {}
-        if (serving.get("name"), serving.get("checksum"), shelf.model_option) == (
-                entry["name"], entry["checksum"], self.model_option):
+        option = self.model_options[slot.name]
+        serving = track.serving or {}
+        if (serving.get("name"), serving.get("checksum"), track.model_option) == (
+                entry["name"], entry["checksum"], option):
             return
-        shelf.serving = {**entry, "since": iso_time(time.time())}
-        shelf.model_option = self.model_option
+        track.serving = {**entry, "since": iso_time(time.time())}
+        track.model_option = option
         if shelf.recorded:
             await self._save_versions()
 
@@ -327,6 +335,8 @@ class Service:
         while True:
             try:
                 await self.prune()
+            except StoreUnavailableError as exc:  # a passing state: tried again next time
+                log.warning("results-log retention skipped: %s", exc)
             # broad: retention keeps running whatever one pass met (a locked database, a
             # full disk, a store plug-in's own error); each failure is logged
             except Exception:
@@ -374,8 +384,8 @@ class Service:
         With ``--models-dir``, the switch is recorded (:attr:`versions`): the model before goes
         on the rollback stack, or ``rollback_of`` (the stack's top) comes off it.
         ``expect_sha256``: refuse a file whose checksum is another (it changed since it was
-        listed). ``slot``: the model to reload (default: the default model); the versions
-        record follows the default model only."""
+        listed). ``slot``: the model to reload (default: the default model); each model has
+        its own serving version and rollback stack in the record."""
         slot = slot or self.default
         if self._stopping.is_set():
             raise load_cancelled()
@@ -399,8 +409,7 @@ class Service:
             slot.last_reload = {"ok": True, "at": iso_time(time.time()), **result}
             log.info("reloaded%s: now serving %s (was %s)", self._as(slot), new.model_id,
                      result["previous_model_id"])
-            if slot.default:
-                await self._record_switch(old, new, rollback_of)
+            await self._record_switch(old, new, rollback_of, slot)
             return result
         finally:
             slot.reloading = False
@@ -459,25 +468,30 @@ class Service:
                              "roll back versions")
         return self.versions
 
+    def _track(self, slot: ModelSlot) -> VersionTrack:
+        """The versions record's track of ``slot``'s model (the default model's at the top)."""
+        assert self.versions is not None
+        return self.versions.track(None if slot.default else slot.name)
+
     def _version_entry(self, engine: ModelEngine) -> Dict[str, Any]:
         assert self.versions is not None
         return {"name": self.versions.name_of(engine.path), "checksum": engine.sha256}
 
     async def _record_switch(self, old: Optional[ModelEngine], new: ModelEngine,
-                             rollback_of: Optional[Dict[str, Any]]) -> None:
-        """Record a reload in the versions record (see :meth:`reload`)."""
-        shelf = self.versions
-        if shelf is None:
+                             rollback_of: Optional[Dict[str, Any]], slot: ModelSlot) -> None:
+        """Record a reload of ``slot``'s model in the versions record (see :meth:`reload`)."""
+        if self.versions is None:
             return
+        track = self._track(slot)
         entry = self._version_entry(new)
-        serving = shelf.serving or {}
+        serving = track.serving or {}
         if (rollback_of is None and old is not None and old.sha256 == new.sha256
                 and (serving.get("name"), serving.get("checksum")) == (entry["name"],
                                                                         entry["checksum"])):
             return  # the same file again: nothing to record
-        shelf.switched(self._version_entry(old) if old is not None else None, entry,
+        track.switched(self._version_entry(old) if old is not None else None, entry,
                        rollback_of=rollback_of)
-        shelf.model_option = self.model_option
+        track.model_option = self.model_options[slot.name]
         await self._save_versions()
 
     async def _save_versions(self) -> None:
@@ -490,27 +504,31 @@ class Service:
             log.error("the versions record %s could not be written (%s): the rollback stack "
                       "will not outlive a restart", shelf.state_path, exc)
 
-    def serving_version(self) -> Optional[Dict[str, Any]]:
-        """The serving version for ``GET /v1/model``: its name and checksum, since when, and
-        what a rollback returns to (None without ``--models-dir`` or a model)."""
-        shelf, engine = self.versions, self.engine
-        if shelf is None or engine is None:
+    def serving_version(self, slot: Optional[ModelSlot] = None) -> Optional[Dict[str, Any]]:
+        """The serving version of ``slot``'s model (default: the default model) for
+        ``GET /v1/model``: its name and checksum, since when, and what a rollback returns to
+        (None without ``--models-dir`` or a model)."""
+        slot = slot or self.default
+        engine = slot.engine
+        if self.versions is None or engine is None:
             return None
+        track = self._track(slot)
         entry = self._version_entry(engine)
-        serving = shelf.serving or {}
+        serving = track.serving or {}
         same = (serving.get("name"), serving.get("checksum")) == (entry["name"],
                                                                    entry["checksum"])
         return {**entry, "since": serving.get("since") if same else None,
-                "previous": dict(shelf.history[-1]) if shelf.history else None,
-                "rollbacks": len(shelf.history)}
+                "previous": dict(track.history[-1]) if track.history else None,
+                "rollbacks": len(track.history)}
 
-    async def list_versions(self) -> Dict[str, Any]:
+    async def list_versions(self, slot: Optional[ModelSlot] = None) -> Dict[str, Any]:
         """``GET /v1/models/versions``: the folder's versions, newest first, which one
-        serves, and the rollback stack (newest first: ``history[0]`` is what a rollback
-        returns to)."""
+        serves ``slot``'s model (default: the default model), and its rollback stack (newest
+        first: ``history[0]`` is what a rollback returns to)."""
+        slot = slot or self.default
         shelf = self.require_versions()
         found = await self.loop.run_in_executor(self.aux, shelf.scan, self._stopping)
-        engine = self.engine
+        engine = slot.engine
         by_content = {}
         for v in found:
             for key in (v.content_checksum, v.checksum):
@@ -525,33 +543,41 @@ class Service:
                 row["lineage"] = {**row["lineage"], "parent_version": by_content.get(
                     row["lineage"]["parent_checksum"])}
             rows.append(row)
-        return {"folder": shelf.folder, "serving": self.serving_version(), "count": len(rows),
-                "versions": rows, "history": [dict(e) for e in reversed(shelf.history)]}
+        history = self._track(slot).history
+        return {"folder": shelf.folder, "model": slot.name,
+                "serving": self.serving_version(slot), "count": len(rows), "versions": rows,
+                "history": [dict(e) for e in reversed(history)]}
 
-    async def promote(self, ref: str) -> Dict[str, Any]:
-        """Serve the version ``ref`` (a file name of the folder or a checksum prefix): a
-        :meth:`reload` of its file, recorded (the serving one goes on the rollback stack)."""
+    async def promote(self, ref: str, slot: Optional[ModelSlot] = None) -> Dict[str, Any]:
+        """Serve the version ``ref`` (a file name of the folder or a checksum prefix) as
+        ``slot``'s model (default: the default model): a :meth:`reload` of its file, recorded
+        (the serving one goes on that model's rollback stack)."""
+        slot = slot or self.default
         shelf = self.require_versions()
-        if self.default.reloading:
+        if slot.reloading:
             raise ServeError(409, "reload_in_progress", "a model reload is already running")
         version: Version = await self.loop.run_in_executor(self.aux, shelf.resolve, ref,
                                                            self._stopping)
         # by checksum: exactly that content, or nothing
         expect = version.checksum if ref != version.name else None
-        result = await self.reload(version.path, expect_sha256=expect)
-        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
+        result = await self.reload(version.path, expect_sha256=expect, slot=slot)
+        return {**result, "version": version.name,
+                "rollbacks": len(self._track(slot).history)}
 
-    async def rollback(self) -> Dict[str, Any]:
-        """Serve the version before the serving one again (the rollback stack's top): 409
-        ``no_previous_version`` when there is none, or when its file is no longer there."""
+    async def rollback(self, slot: Optional[ModelSlot] = None) -> Dict[str, Any]:
+        """Serve the version before the serving one of ``slot``'s model (default: the default
+        model) again (its rollback stack's top): 409 ``no_previous_version`` when there is
+        none, or when its file is no longer there."""
+        slot = slot or self.default
         shelf = self.require_versions()
-        if self.default.reloading:
+        if slot.reloading:
             raise ServeError(409, "reload_in_progress", "a model reload is already running")
-        if not shelf.history:
-            raise ServeError(409, "no_previous_version", "there is no earlier version to roll "
-                             "back to: nothing was promoted before the serving version (the "
-                             "rollback stack is empty)")
-        top = shelf.history[-1]
+        track = self._track(slot)
+        if not track.history:
+            raise ServeError(409, "no_previous_version", f"there is no earlier version to roll "
+                             f"back to{self._as(slot)}: nothing was promoted before the serving "
+                             "version (the rollback stack is empty)")
+        top = track.history[-1]
         version = await self.loop.run_in_executor(
             self.aux, functools.partial(shelf.by_checksum, top["checksum"], top["name"],
                                         self._stopping))
@@ -559,8 +585,9 @@ class Service:
             raise ServeError(409, "no_previous_version", f"the previous version {top['name']} "
                              f"(checksum {top['checksum'][:12]}…) is no longer in the models "
                              "folder: restore its file, or promote another version")
-        result = await self.reload(version.path, expect_sha256=top["checksum"], rollback_of=top)
-        return {**result, "version": version.name, "rollbacks": len(shelf.history)}
+        result = await self.reload(version.path, expect_sha256=top["checksum"], rollback_of=top,
+                                   slot=slot)
+        return {**result, "version": version.name, "rollbacks": len(track.history)}
 
     @property
     def monitor(self) -> Optional[MonitorRunner]:
@@ -664,7 +691,8 @@ class Service:
         del data
         marks["decoded"] = time.perf_counter()
         assert slot.batcher is not None
-        score, heat, info = await slot.batcher.submit(item.tensor, engine)
+        score, heat, info = await slot.batcher.submit(item.tensor, engine,
+                                                      (item.height, item.width))
         item.tensor = None
         marks["inferred"] = time.perf_counter()
         outcome = await self._finish(engine, score, heat, item, heatmap)
@@ -750,6 +778,13 @@ class Service:
             record.id = await until_done(asyncio.wrap_future(self.recorder.submit(record)))
         except asyncio.CancelledError:
             raise
+        except StoreUnavailableError as exc:
+            self.metrics.log_errors.inc()
+            if self.files is not None and not exc.outcome_unknown:
+                # no row will name them: the pictures go too (a commit of unknown outcome
+                # keeps them, in case its row was stored)
+                await self.loop.run_in_executor(self.pool, self.files.delete, [record])
+            raise results_unavailable(exc) from None
         # broad: a store plug-in may raise anything; the client must learn that its
         # prediction was not recorded (500), never get an answer for a record that is not
         except Exception as exc:  # noqa: BLE001

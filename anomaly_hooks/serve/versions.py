@@ -8,8 +8,10 @@ which one serves and which served before it (the rollback stack).
   only: a promote loads the file through the service's one loader
   (:meth:`~anomaly_hooks.serve.service.Service.reload`), which verifies everything again and
   refuses a file that is incomplete, damaged or changing.
-* The record (``versions.json`` in the folder) holds the serving version, the stack of earlier
-  ones and the ``--model`` the server was started with; it is written atomically (a temporary
+* The record (``versions.json`` in the folder) holds, for each served model (a
+  :class:`VersionTrack`: the default model's at the top level, those of ``--model NAME=PATH``
+  under ``models``, by name), the serving version, the stack of earlier ones and the
+  ``--model`` path it was started with; it is written atomically (a temporary
   file, fsync, rename, fsync of the folder), so a crash leaves the old record or the new one,
   and a restarted server finds its rollback stack where it was.
 
@@ -42,6 +44,7 @@ STATE_FILE = "versions.json"          # the record, in the models folder
 STATE_FORMAT = "anomaly_hooks.versions"
 MODEL_SUFFIXES = (".safetensors", ".onnx")
 MAX_HISTORY = 100                     # earlier versions kept on the rollback stack
+DEFAULT_TRACK = ""                   # the default model's key in VersionShelf.tracks
 MIN_PREFIX = 6                        # hex digits of a checksum prefix
 MAX_HEADER_BYTES = 100_000_000        # a safetensors header (the model reader's own bound)
 MAX_TEXT = 200                        # characters of a metadata string shown
@@ -188,13 +191,51 @@ def _describe(path: str, name: str, st: os.stat_result,
 
 
 @dataclass
-class VersionShelf:
-    """The versions of one models folder and the record of which serves (see the module)."""
+class VersionTrack:
+    """The serving version of one served model and the versions that served it before (its
+    rollback stack), as the record keeps them."""
 
-    folder: str
     history: List[Dict[str, Any]] = field(default_factory=list)  # oldest first; top = last
     serving: Optional[Dict[str, Any]] = None
-    model_option: Optional[str] = None      # the --model of the server that wrote the record
+    model_option: Optional[str] = None      # the --model path the model was started with
+
+    def switched(self, old: Optional[Dict[str, Any]], new: Dict[str, Any],
+                 rollback_of: Optional[Dict[str, Any]] = None) -> None:
+        """Record a switch of the serving model from ``old`` to ``new`` (``{name, checksum}``
+        each): ``old`` goes on the stack, or, for a rollback to ``rollback_of`` (the stack's
+        top), that comes off it."""
+        if rollback_of is not None and self.history and self.history[-1] is rollback_of:
+            self.history.pop()
+        elif old is not None and old.get("checksum") != new.get("checksum"):
+            self.history.append({**old, "until": _now()})
+            del self.history[:-MAX_HISTORY]
+        self.serving = {**new, "since": _now()}
+
+    def as_record(self) -> Dict[str, Any]:
+        return {"serving": self.serving, "history": list(self.history),
+                "model_option": self.model_option}
+
+    @classmethod
+    def from_record(cls, data: Any) -> "VersionTrack":
+        """A track from its record (``ValueError``/``TypeError``/``KeyError`` when damaged)."""
+        if not isinstance(data, dict):
+            raise ValueError("a model's versions are not an object")
+        history = [_entry(e) for e in data.get("history") or []]
+        serving = _entry(data["serving"]) if data.get("serving") else None
+        option = data.get("model_option")
+        if option is not None and not isinstance(option, str):
+            raise ValueError("model_option is not a path")
+        return cls(history[-MAX_HISTORY:], serving, option)
+
+
+@dataclass
+class VersionShelf:
+    """The versions of one models folder and the record of which serves (see the module):
+    one :class:`VersionTrack` per served model, :meth:`track` (the default model's by
+    default; ``history``, ``serving``, ``model_option`` and :meth:`switched` are its)."""
+
+    folder: str
+    tracks: Dict[str, VersionTrack] = field(default_factory=dict)  # name -> track; "": default
     recorded: bool = False                  # whether the record exists on disk
 
     def __post_init__(self) -> None:
@@ -206,6 +247,35 @@ class VersionShelf:
     @property
     def state_path(self) -> Path:
         return Path(self.folder) / STATE_FILE
+
+    def track(self, model: Optional[str] = None) -> VersionTrack:
+        """The track of the served model ``model`` (None: the default model's)."""
+        return self.tracks.setdefault(model or DEFAULT_TRACK, VersionTrack())
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        return self.track().history
+
+    @property
+    def serving(self) -> Optional[Dict[str, Any]]:
+        return self.track().serving
+
+    @serving.setter
+    def serving(self, value: Optional[Dict[str, Any]]) -> None:
+        self.track().serving = value
+
+    @property
+    def model_option(self) -> Optional[str]:
+        return self.track().model_option
+
+    @model_option.setter
+    def model_option(self, value: Optional[str]) -> None:
+        self.track().model_option = value
+
+    def switched(self, old: Optional[Dict[str, Any]], new: Dict[str, Any],
+                 rollback_of: Optional[Dict[str, Any]] = None) -> None:
+        """:meth:`VersionTrack.switched` of the default model's track."""
+        self.track().switched(old, new, rollback_of)
 
     # -- the listing -----------------------------------------------------------------------
     def describe(self, path: str, cancel: Optional[threading.Event] = None) -> Optional[Version]:
@@ -305,23 +375,29 @@ class VersionShelf:
             data = json.loads(raw)
             if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
                 raise ValueError("not a versions record")
-            history = [_entry(e) for e in data.get("history") or []]
-            serving = _entry(data["serving"]) if data.get("serving") else None
-            option = data.get("model_option")
-            if option is not None and not isinstance(option, str):
-                raise ValueError("model_option is not a path")
+            tracks = {DEFAULT_TRACK: VersionTrack.from_record(data)}
+            models = data.get("models") or {}
+            if not isinstance(models, dict):
+                raise ValueError("models is not an object")
+            for name, entry in models.items():
+                if name != DEFAULT_TRACK:
+                    tracks[str(name)] = VersionTrack.from_record(entry)
         except (ValueError, TypeError, KeyError) as exc:
             log.warning("the versions record %s is damaged (%s): starting without it",
                         self.state_path, exc)
             return self
-        self.history, self.serving, self.model_option = history[-MAX_HISTORY:], serving, option
+        self.tracks = tracks
         self.recorded = True
         return self
 
     def snapshot(self) -> Dict[str, Any]:
         """The record as written."""
-        return {"format": STATE_FORMAT, "version": 1, "serving": self.serving,
-                "history": list(self.history), "model_option": self.model_option}
+        # the default model's track at the top (as a record of one model has it), the
+        # other served models' under "models", by name
+        others = {name: t.as_record() for name, t in sorted(self.tracks.items())
+                  if name != DEFAULT_TRACK}
+        return {"format": STATE_FORMAT, "version": 1, **self.track().as_record(),
+                **({"models": others} if others else {})}
 
     def save(self, snapshot: Dict[str, Any]) -> None:
         """Write ``snapshot`` as the record, atomically (temporary file, fsync, rename, fsync
@@ -346,18 +422,6 @@ class VersionShelf:
                 finally:
                     os.close(dfd)
         self.recorded = True
-
-    def switched(self, old: Optional[Dict[str, Any]], new: Dict[str, Any],
-                 rollback_of: Optional[Dict[str, Any]] = None) -> None:
-        """Record a switch of the serving model from ``old`` to ``new`` (``{name, checksum}``
-        each): ``old`` goes on the stack, or, for a rollback to ``rollback_of`` (the stack's
-        top), that comes off it."""
-        if rollback_of is not None and self.history and self.history[-1] is rollback_of:
-            self.history.pop()
-        elif old is not None and old.get("checksum") != new.get("checksum"):
-            self.history.append({**old, "until": _now()})
-            del self.history[:-MAX_HISTORY]
-        self.serving = {**new, "since": _now()}
 
 
 def _entry(data: Any) -> Dict[str, Any]:

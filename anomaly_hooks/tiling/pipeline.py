@@ -11,7 +11,8 @@
       │  that shares its statistics by tile position (PaDiM ``positions: tile``)
       ▼
     scorer.score -> frame_scores(): tile windows' scores stitched back   [B, gh, gw]
-      │  heatmap at the frame size; image score over the content box only (content_maps)
+      │  padding cells (letterbox, rounding) set to the image's least score (mask_padding);
+      │  heatmap at the frame size; image score over the image's own box only
       ▼
     Preprocessor.to_original: the image's own part of the frame back to its size
 
@@ -20,7 +21,7 @@ memory bank (PatchCore), one set of Gaussians (PaDiM) and one heatmap, with no s
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -116,11 +117,26 @@ class Tiling:
             return patch
         return self.grid.stitch(patch, self.grid_stride)
 
-    def content_maps(self, maps: torch.Tensor) -> torch.Tensor:
-        """Heatmaps ``[B, H, W]`` at the frame size -> their content box ``[B, h, w]``: what
-        the image score looks at (the padding that rounds the frame up is no image)."""
-        h, w = self.frame.content
-        return maps[:, :h, :w]
+    def boxes(self, sizes: Optional[Sequence[Tuple[int, int]]], batch: int
+              ) -> List[Tuple[int, int]]:
+        """Each image's own part of the frame, (h, w) network pixels at its top-left: its
+        :meth:`Frame.placement` from its (H, W) in ``sizes``; without sizes the content box
+        (an image of the training images' aspect)."""
+        if sizes is None:
+            return [tuple(self.frame.content)] * batch  # type: ignore[list-item]
+        if len(sizes) != batch:
+            raise ValueError(f"{len(sizes)} image sizes for a batch of {batch} frames")
+        return [self.frame.placement(tuple(s)) for s in sizes]
+
+    def mask_padding(self, patch: torch.Tensor, boxes: Sequence[Tuple[int, int]]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Patch scores ``[B, gh, gw]`` of frames -> (the same with every cell that holds no
+        pixel of its image set to the least score of the image's own cells, the pixel mask
+        ``[B, H, W]`` of each image's box). The padding (the letterbox of an image of another
+        aspect, and the rounding of the frame up to the stride) is no part: it must neither
+        alarm nor, through the heatmap's blur, lift the scores at the part's edges."""
+        boxes_t = torch.tensor([list(b) for b in boxes], dtype=torch.int64, device=patch.device)
+        return padding_masks(patch, boxes_t, self.frame.size)
 
     # -- what the model says about itself ------------------------------------------------------
     def info(self) -> Dict[str, Any]:
@@ -128,6 +144,33 @@ class Tiling:
         return {"mode": "tiled", **self.frame.as_dict(), "tiles": self.grid.as_dict(),
                 "tile_units": self.tile_units,
                 "uninspected_fraction": self.frame.uninspected_fraction}
+
+
+def padding_masks(patch: torch.Tensor, boxes: torch.Tensor, size: Sequence[int]
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Patch scores ``[B, gh, gw]`` on a frame of ``size`` (H, W) and each image's box
+    ``[B, 2]`` int64 (h, w network pixels at the top-left) -> (patch scores with the cells
+    outside the box at the least score inside it, the pixel mask ``[B, H, W]``, True in the
+    box). A cell is the image's when its top-left pixel is (it holds some of the image).
+    Traceable (no data-dependent Python control flow): the ONNX export runs the same code."""
+    gh, gw = patch.shape[-2:]
+    height, width = int(size[0]), int(size[1])
+    box_h, box_w = boxes[:, 0].view(-1, 1, 1), boxes[:, 1].view(-1, 1, 1)
+    cell_y = torch.arange(gh, device=patch.device).view(1, gh, 1) * (height // gh)
+    cell_x = torch.arange(gw, device=patch.device).view(1, 1, gw) * (width // gw)
+    cells = (cell_y < box_h) & (cell_x < box_w)  # [B, gh, gw]
+    inf = torch.full_like(patch, float("inf"))
+    least = torch.where(cells, patch, inf).flatten(1).amin(dim=1).view(-1, 1, 1)
+    masked = torch.where(cells, patch, least.expand_as(patch))
+    pix_y = torch.arange(height, device=patch.device).view(1, height, 1)
+    pix_x = torch.arange(width, device=patch.device).view(1, 1, width)
+    return masked, (pix_y < box_h) & (pix_x < box_w)
+
+
+def outside_to(maps: torch.Tensor, inside: torch.Tensor, value: float) -> torch.Tensor:
+    """Heatmaps ``[B, H, W]`` with the pixels outside ``inside`` (a mask of that shape) at
+    ``value`` (``-inf``: what an image score's max never picks)."""
+    return torch.where(inside, maps, torch.full_like(maps, value))
 
 
 def probe_size(cfg: Any, default: Tuple[int, int]) -> Tuple[int, int]:

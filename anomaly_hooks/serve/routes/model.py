@@ -73,7 +73,7 @@ def describe(service: Service, slot: ModelSlot) -> Dict[str, Any]:
             "batching": {"wait_ms": round(b.wait_s * 1000, 3), "batches": b.batches,
                          "seconds_per_image": round(b.seconds_per_image, 6)},
             "last_reload": slot.last_reload,
-            "version": service.serving_version() if slot.default else None,
+            "version": service.serving_version(slot),
             "drift_monitor": slot.monitor is not None}
 
 
