@@ -86,6 +86,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "models instead of the load test")
     p.add_argument("--rss-requests", type=int, default=8,
                    help="--rss: requests to each model before the RSS is read")
+    p.add_argument("--rss-settle", type=float, default=3.0,
+                   help="--rss: seconds of idle whose median RSS is read (ready, after requests)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra option for the server (repeatable), e.g. "
                    "--server-arg=--keep-images=all")
@@ -285,7 +287,7 @@ class Reference:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", REFERENCE_CODE, model, str(batch), *map(str, paths)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self._read()
+        self._started = False
         self.times: List[float] = []
         self.user = self.system = 0.0
 
@@ -296,7 +298,11 @@ class Reference:
         return json.loads(line)
 
     def run(self, passes: int) -> List[float]:
-        """Time ``passes`` batches; returns their seconds."""
+        """Time ``passes`` batches; returns their seconds (the first call waits until the
+        process has loaded the model: it starts while the server does)."""
+        if not self._started:
+            self._read()
+            self._started = True
         self.proc.stdin.write(f"{passes}\n")
         self.proc.stdin.flush()
         out = self._read()
@@ -392,10 +398,9 @@ def mib(n: float) -> float:
 
 
 # ---- main -------------------------------------------------------------------------------------
-def load_test(args: argparse.Namespace, server: Server, paths: List[Path],
+def load_test(args: argparse.Namespace, server: Server, ref: Reference,
               bodies: List[Tuple[str, bytes, int]]) -> Dict[str, Any]:
     """Concurrent clients in ``--cycles`` segments, the reference between them."""
-    ref = Reference(args.model, paths, args.max_batch)
     ref.run(args.reference_passes)
     sampler = RssSampler(server.proc.pid)
     sampler.start()
@@ -442,7 +447,7 @@ def load_test(args: argparse.Namespace, server: Server, paths: List[Path],
     p = {q: percentile(res["lat"], q) for q in (50, 95, 99)}
     return {
         "mode": "load", "clients": args.clients, "max_batch": args.max_batch,
-        "max_wait_ms": args.max_wait_ms, "images": len(paths), "requests_ok": ok,
+        "max_wait_ms": args.max_wait_ms, "images": len(bodies), "requests_ok": ok,
         "errors": errors, "statuses": res["status"], "lost_results": lost,
         "wall_s": res["wall"], "cycles": args.cycles, "throughput_img_s": tput,
         "latency_s": {"p50": p[50], "p95": p[95], "p99": p[99], "max": max(res["lat"], default=0)},
@@ -599,14 +604,19 @@ def one_model(args: argparse.Namespace, paths: List[Path],
         if args.soak:
             extra += ["--max-upload-mb", "4"]
         server = Server(args, Path(tmp), extra)
+        # the reference loads its model while the server does (it idles during the load)
+        ref = None if args.soak else Reference(args.model, paths, args.max_batch)
         try:
             t = time.perf_counter()
             server.wait_ready()
             print(f"server ready in {time.perf_counter() - t:.1f} s on {server.url}")
-            result = soak_test(args, server, paths) if args.soak else load_test(
-                args, server, paths, bodies)
+            result = soak_test(args, server, paths) if ref is None else load_test(
+                args, server, ref, bodies)
         finally:
             server.stop()
+            if ref is not None and ref.proc.poll() is None:
+                ref.proc.kill()
+                ref.proc.wait()
     result["model"] = args.model
     result["engine"] = engine_of(args.model)
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
@@ -657,7 +667,7 @@ def rss_test(args: argparse.Namespace, bodies: List[Tuple[str, bytes, int]]) -> 
             server = Server(args, Path(tmp), list(args.server_arg), models=specs[:k])
             try:
                 server.wait_ready()
-                ready = settled_rss(server.proc.pid)
+                ready = settled_rss(server.proc.pid, args.rss_settle)
                 for spec in specs[:k]:
                     name = spec.split("=", 1)[0]
                     for i in range(args.rss_requests):
@@ -665,7 +675,7 @@ def rss_test(args: argparse.Namespace, bodies: List[Tuple[str, bytes, int]]) -> 
                                        content=bodies[i % len(bodies)][1], timeout=600)
                         if r.status_code != 200:
                             raise SystemExit(f"{name}: {r.status_code} {r.text[:300]}")
-                rss = settled_rss(server.proc.pid)
+                rss = settled_rss(server.proc.pid, args.rss_settle)
             finally:
                 server.stop()
         rows.append({"models": specs[:k], "rss_ready_mib": mib(ready), "rss_mib": mib(rss)})

@@ -261,15 +261,17 @@ def test_serve_bench_compares_engines_and_measures_rss_per_model(tmp_path, capsy
     from benchmarks import bench_serve
 
     cfg = load_config(str(ROOT / "configs" / "padim.yaml"), TINY)
-    train = sorted((small_dataset(tmp_path / "data") / "train" / "good").glob("*.png"))
-    det = Detector.from_config(cfg).fit(train, progress=False)
+    data = small_dataset(tmp_path / "data", train=6, test=1)
+    det = Detector.from_config(cfg).fit(sorted((data / "train" / "good").glob("*.png")),
+                                        progress=False)
     st = det.save(tmp_path / "m.safetensors")
     onnx = export_onnx(det, tmp_path / "m.onnx")
-    images = SAMPLE / "test" / "good"
+    images = data / "test"  # two images: the references and the warm-up stay short
     out = tmp_path / "load.json"
     bench_serve.main(["--model", str(st), "--model", str(onnx), "--images", str(images),
-                      "--clients", "2", "--duration", "3", "--cycles", "1", "--max-batch", "4",
-                      "--reference-passes", "1", "--out", str(out)])
+                      "--clients", "2", "--duration", "1", "--max-requests", "12",
+                      "--cycles", "1", "--max-batch", "2", "--reference-passes", "1",
+                      "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["engine"] for r in result["runs"]] == ["torch", "onnx"]
     assert all(r["errors"] == 0 and r["lost_results"] == 0 for r in result["runs"])
@@ -278,7 +280,8 @@ def test_serve_bench_compares_engines_and_measures_rss_per_model(tmp_path, capsy
     assert "per server CPU-second" in capsys.readouterr().out
     out = tmp_path / "rss.json"
     bench_serve.main(["--rss", "--model", f"a={onnx}", "--model", f"b={onnx}", "--images",
-                      str(images), "--rss-requests", "2", "--out", str(out)])
+                      str(images), "--rss-requests", "1", "--rss-settle", "0.5",
+                      "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [len(r["models"]) for r in rows] == [1, 2]
     assert rows[0]["added_mib"] is None and rows[1]["added_mib"] is not None

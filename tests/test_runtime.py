@@ -414,3 +414,35 @@ def test_a_tiled_export_is_not_quantised(tiled_model, tmp_path):
     _, _, path, folder = tiled_model
     with pytest.raises(ExportError, match="tiled .* int8 quantisation is not available"):
         quantize_backbone(path, tmp_path / "q.onnx", sorted(folder.iterdir())[:2])
+
+
+def test_a_tiled_exports_drift_monitor_sees_what_the_eager_one_sees(tiled_model):
+    """A tiled export feeds its drift monitor as the eager tiled Detector does: the same images
+    counted and blocks observed over images of several aspects, and layer statistics (the
+    means of the stitched frame maps, padding included) equal to the eager taps within the
+    float32 error of the two backbones plus the rounding of a mean over the largest stitched
+    map's positions."""
+    det, saved, path, folder = tiled_model
+    files = sorted(folder.iterdir())
+    eager = Detector.load(saved, device="cpu")
+    onnx_det = OnnxDetector.load(path)
+    assert onnx_det.drift_unavailable is None and onnx_det.drift_layers == tuple(det.layers)
+    monitors = [eager.drift_monitor(), onnx_det.drift_monitor()]
+    eager.predict(files, batch_size=2)
+    onnx_det.predict(files, batch_size=2)
+    a, b = (m.status() for m in monitors)
+    for key in ("images_seen", "blocks_observed", "alarm", "window_filled"):
+        assert a[key] == b[key], key
+    assert a["images_seen"] == len(files)
+    batch, sizes = onnx_det.prepare(files)
+    onnx_det.monitor = eager.monitor = None  # not counted again
+    features: dict = {}
+    onnx_det.run(batch, sizes, features=features)
+    taps: dict = {}
+    eager.infer(torch.from_numpy(batch), sizes=sizes, taps=taps)
+    frame = det.tiling.grid.frame
+    hw = frame[0] * frame[1] // 16  # layer1 (stride 4): the most positions of a tapped layer
+    for name in det.layers:
+        scale = float(np.abs(taps[name]).max())
+        np.testing.assert_allclose(features[name], taps[name], rtol=0,
+                                   atol=backbone_rtol() * scale + f32_tol(hw, scale))
