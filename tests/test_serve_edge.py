@@ -261,6 +261,20 @@ def _statistic_bounds(reference, window: np.ndarray, delta: dict) -> dict:
     return out
 
 
+def _fed_vectors(engine, images: list, reference) -> dict:
+    """The prepared per-image vectors ``{block: [N, d]}`` a service's monitor is fed for
+    ``images`` (encoded), each image a batch of its own, as one request at a time gives."""
+    tensors = [engine.prepare(d, 10**8, 64).tensor for d in images]
+    runs = []
+    for t in tensors:
+        layers: dict = {}
+        runs.append((engine.infer([t], features=layers)[0], layers))
+    scores = np.concatenate([r[0] for r in runs])
+    layers = {k: np.concatenate([r[1][k] for r in runs]) for k in runs[0][1]}
+    pre = engine.detector.preprocessor
+    return _block_vectors(scores, engine.stack(tensors), layers, pre.mean, pre.std, reference)
+
+
 @pytest.mark.slow
 def test_drift_on_the_edge_equals_the_eager_service(drifting_pair, tmp_path):
     """The same images, one request at a time, to the eager service of a model file and to the
@@ -270,7 +284,7 @@ def test_drift_on_the_edge_equals_the_eager_service(drifting_pair, tmp_path):
     those differences are the float32 error of the two backbones and preprocessings,
     bounded by test_export's layer-means test)."""
     det, safetensors, onnx_path, images = drifting_pair
-    statuses = {}
+    statuses, fed = {}, {}
     for name, model in (("eager", safetensors), ("onnx", onnx_path)):
         with serving(model, tmp_path / name, monitor="auto", results_dir=None) as (client,
                                                                                  service):
@@ -278,29 +292,14 @@ def test_drift_on_the_edge_equals_the_eager_service(drifting_pair, tmp_path):
                 assert client.post("/v1/predict", content=data).status_code == 200
                 wait_observed(service, i + 1)  # one batch at a time: none dropped
             statuses[name] = client.get("/v1/drift").json()
+            # what the monitor was fed, image by image: the service's own engine, outside
+            # its batches (all answered and observed above)
+            fed[name] = _fed_vectors(service.engine, images, det.drift_reference_)
     eager, edge_ = statuses["eager"], statuses["onnx"]
     assert eager["alarm"] is True and eager["images_seen"] == len(images)
     for key in ("alarm", "alarming", "images_seen", "alarm_episodes", "first_alarm_image",
                 "alarm_images", "window_filled", "blocks_observed"):
         assert edge_[key] == eager[key], key
-    # what each monitor was fed, image by image (the services' steps, outside the services)
-    from anomaly_hooks.serve.engine_onnx import OnnxEngine
-    from anomaly_hooks.serve.engine_torch import TorchEngine
-
-    fed = {}
-    for name, cls, model in (("eager", TorchEngine, safetensors), ("onnx", OnnxEngine,
-                                                                    onnx_path)):
-        engine = cls.load(str(model), warmup=False)
-        tensors = [engine.prepare(d, 10**8, 64).tensor for d in images]
-        runs = []
-        for t in tensors:  # one image per batch, as the requests above
-            layers: dict = {}
-            runs.append((engine.infer([t], features=layers)[0], layers))
-        scores = np.concatenate([r[0] for r in runs])
-        layers = {k: np.concatenate([r[1][k] for r in runs]) for k in runs[0][1]}
-        pre = engine.detector.preprocessor
-        fed[name] = _block_vectors(scores, engine.stack(tensors), layers, pre.mean, pre.std,
-                                   det.drift_reference_)
     delta = {b: np.abs(fed["onnx"][b] - fed["eager"][b]).max(axis=0) for b in fed["eager"]}
     last = {b: v[-det.drift_reference_.window:] for b, v in fed["eager"].items()}
     bounds = _statistic_bounds(det.drift_reference_, last, delta)
