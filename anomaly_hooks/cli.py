@@ -407,8 +407,8 @@ def _score_monitor(det: Any, disabled: bool) -> Any:
     a model file that has no drift reference)."""
     if disabled:
         return None
-    if not hasattr(det, "drift_monitor"):
-        print("drift: not monitored (an exported ONNX model carries no drift reference)")
+    if getattr(det, "drift_unavailable", None):  # an exported model that cannot feed one
+        print(f"drift: not monitored ({det.drift_unavailable})")
         return None
     if det.drift_reference_ is None:
         print("drift: not monitored (the model file has no drift reference; refit it to "

@@ -11,13 +11,25 @@ Starts ``anomaly-hooks serve`` on 127.0.0.1 (a free port, a temporary results lo
   p99 latency as a multiple of the reference batch latency;
 * checks that every acknowledged prediction is in the results log (lost results).
 
+``--model`` may be an exported ``.onnx`` file (the edge service, on ONNX Runtime; its reference
+is the runtime's ``OnnxDetector.predict``), and may be repeated: each model is load-tested in
+turn, same settings, and the table ends with the server's images per CPU-second of each model as
+a ratio to the first one's (e.g. the ONNX service against the eager one, in one run).
+
 ``--soak SECONDS`` instead runs mixed good, defective and hostile uploads (corrupt and truncated
 files, decompression bombs, huge headers, over-size bodies, unsupported types, 16-bit PNGs) and
 reports the server's RSS growth between the second minute and the last minute, wrong statuses and
 5xx answers.
 
+``--rss`` instead measures the memory of a service of several models: with ``--model
+NAME=PATH`` repeated it starts the service with the first 1, 2, ... of them, sends each model a
+few requests (its route ``/v1/models/NAME/predict``), and reports the server's settled RSS and
+the RSS each extra model adds.
+
     python benchmarks/bench_serve.py --model models/padim.safetensors --clients 16 --duration 180
+    python benchmarks/bench_serve.py --model m.safetensors --model m.onnx --clients 8 --duration 120
     python benchmarks/bench_serve.py --model models/padim.safetensors --soak 600 --clients 8
+    python benchmarks/bench_serve.py --rss --model a=a.onnx --model b=b.onnx --model c=c.onnx
 
 Bounded: loopback only, a request cap and a time cap; the server is stopped at the end.
 """
@@ -52,7 +64,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, action="append",
+                   help="model file (.safetensors or .onnx); repeated: each load-tested in turn "
+                   "(--rss: NAME=PATH, the service's models)")
     p.add_argument("--images", default=str(ROOT / "data" / "sample" / "test"),
                    help="folder of images to post (recursive; default data/sample/test)")
     p.add_argument("--clients", type=int, default=16)
@@ -67,6 +81,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "drifts: interleaving keeps the ratio fair)")
     p.add_argument("--soak", type=float, default=0.0,
                    help="seconds of mixed good/defective/hostile uploads instead of the load test")
+    p.add_argument("--rss", action="store_true",
+                   help="measure the RSS of a service of 1, 2, ... of the --model NAME=PATH "
+                   "models instead of the load test")
+    p.add_argument("--rss-requests", type=int, default=8,
+                   help="--rss: requests to each model before the RSS is read")
+    p.add_argument("--rss-settle", type=float, default=3.0,
+                   help="--rss: seconds of idle whose median RSS is read (ready, after requests)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra option for the server (repeatable), e.g. "
                    "--server-arg=--keep-images=all")
@@ -86,12 +107,13 @@ class Server:
     results and log in ``workdir``."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path, extra: List[str],
-                 root: Path = ROOT) -> None:
+                 root: Path = ROOT, models: Optional[List[str]] = None) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.results = workdir / "results"
         self.log_path = workdir / "server.log"
-        cmd = [sys.executable, "-m", "anomaly_hooks.serve", "--model", args.model, "--host", HOST,
+        model_args = [w for m in (models or [args.model]) for w in ("--model", m)]
+        cmd = [sys.executable, "-m", "anomaly_hooks.serve", *model_args, "--host", HOST,
                "--port", str(self.port), "--results-dir", str(self.results),
                "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
                "--max-queue", str(max(64, 2 * args.clients)), "--log-level", "warning",
@@ -218,13 +240,22 @@ REFERENCE_CODE = r"""
 import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import psutil
-from anomaly_hooks import Detector
-import torch
-torch.zeros(1 << 20).add_(1)   # first parallel torch op on the main thread: see serve/service.py
 model, batch = sys.argv[1], int(sys.argv[2])
 paths = sys.argv[3:]
+if model.endswith(".onnx"):   # the runtime (no torch), as the ONNX engine runs it
+    from anomaly_hooks.runtime import OnnxDetector
+    from anomaly_hooks.serve.engine_onnx import PREPROCESS, SPIN
+    def load():
+        return OnnxDetector.load(model, batch_size=batch, preprocess_method=PREPROCESS,
+                                 spin=SPIN)
+else:
+    from anomaly_hooks import Detector
+    import torch
+    torch.zeros(1 << 20).add_(1)   # first parallel op on the main thread: see serve/service.py
+    def load():
+        return Detector.load(model, device="cpu")
 pool = ThreadPoolExecutor(1)   # batches on a worker thread, as the service runs them
-det = pool.submit(Detector.load, model, device="cpu").result()
+det = pool.submit(load).result()
 pool.submit(det.predict, paths[:batch], batch_size=batch).result()   # warm-up
 print(json.dumps({"ready": True}), flush=True)
 done = 0
@@ -244,7 +275,8 @@ for line in sys.stdin:
 
 
 class Reference:
-    """``Detector.predict`` on batches of the same files, in a process of its own started like
+    """``Detector.predict`` (``OnnxDetector.predict`` for an ``.onnx`` model) on batches of the
+    same files, in a process of its own started like
     the server (a fresh interpreter that imports anomaly_hooks first), kept alive and idle
     while the load runs, so that the same run can interleave both. (Measured in the load
     generator's own process it came out up to twice as expensive per image: the two must not
@@ -255,7 +287,7 @@ class Reference:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", REFERENCE_CODE, model, str(batch), *map(str, paths)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self._read()
+        self._started = False
         self.times: List[float] = []
         self.user = self.system = 0.0
 
@@ -266,7 +298,11 @@ class Reference:
         return json.loads(line)
 
     def run(self, passes: int) -> List[float]:
-        """Time ``passes`` batches; returns their seconds."""
+        """Time ``passes`` batches; returns their seconds (the first call waits until the
+        process has loaded the model: it starts while the server does)."""
+        if not self._started:
+            self._read()
+            self._started = True
         self.proc.stdin.write(f"{passes}\n")
         self.proc.stdin.flush()
         out = self._read()
@@ -342,9 +378,9 @@ def batch_stats(url: str) -> Tuple[float, float, float]:
     keys = ("anomaly_hooks_batch_size_sum", "anomaly_hooks_batch_size_count",
             "anomaly_hooks_batch_duration_seconds_sum")
     for line in text.splitlines():
-        for key in keys:
-            if line.startswith(key + " "):
-                vals[key] = float(line.split()[1])
+        for key in keys:  # unlabelled, or labelled by model (summed over the models)
+            if line.startswith(key + " ") or line.startswith(key + "{"):
+                vals[key] = vals.get(key, 0.0) + float(line.rsplit(None, 1)[1])
     return tuple(vals.get(k, 0.0) for k in keys)  # type: ignore[return-value]
 
 
@@ -362,10 +398,9 @@ def mib(n: float) -> float:
 
 
 # ---- main -------------------------------------------------------------------------------------
-def load_test(args: argparse.Namespace, server: Server, paths: List[Path],
+def load_test(args: argparse.Namespace, server: Server, ref: Reference,
               bodies: List[Tuple[str, bytes, int]]) -> Dict[str, Any]:
     """Concurrent clients in ``--cycles`` segments, the reference between them."""
-    ref = Reference(args.model, paths, args.max_batch)
     ref.run(args.reference_passes)
     sampler = RssSampler(server.proc.pid)
     sampler.start()
@@ -412,7 +447,7 @@ def load_test(args: argparse.Namespace, server: Server, paths: List[Path],
     p = {q: percentile(res["lat"], q) for q in (50, 95, 99)}
     return {
         "mode": "load", "clients": args.clients, "max_batch": args.max_batch,
-        "max_wait_ms": args.max_wait_ms, "images": len(paths), "requests_ok": ok,
+        "max_wait_ms": args.max_wait_ms, "images": len(bodies), "requests_ok": ok,
         "errors": errors, "statuses": res["status"], "lost_results": lost,
         "wall_s": res["wall"], "cycles": args.cycles, "throughput_img_s": tput,
         "latency_s": {"p50": p[50], "p95": p[95], "p99": p[99], "max": max(res["lat"], default=0)},
@@ -502,7 +537,8 @@ def print_load(r: Dict[str, Any]) -> None:
     """The load test's figures, one per line."""
     ref = r["reference"]
     lat = r["latency_s"]
-    print(f"\nload test: {r['clients']} clients, {r['wall_s']:.0f} s in {r['cycles']} segments, "
+    print(f"\n{r['model']} ({r['engine']})")
+    print(f"load test: {r['clients']} clients, {r['wall_s']:.0f} s in {r['cycles']} segments, "
           f"max batch {r['max_batch']}, "
           f"max wait {r['max_wait_ms']} ms, {r['images']} images")
     rows = [
@@ -554,32 +590,128 @@ def print_soak(r: Dict[str, Any]) -> None:
     print_targets(r)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    args.model = str(Path(args.model).resolve())
-    paths = list_images(Path(args.images))
-    if not paths:
-        raise SystemExit(f"no images under {args.images}")
-    bodies = [(p.name, p.read_bytes(), 200) for p in paths]
+def engine_of(model: str) -> str:
+    """``onnx`` for an exported model, else ``torch`` (the service's choice by suffix)."""
+    return "onnx" if model.lower().endswith(".onnx") else "torch"
+
+
+def one_model(args: argparse.Namespace, paths: List[Path],
+              bodies: List[Tuple[str, bytes, int]]) -> Dict[str, Any]:
+    """The load test (or soak) of the service of ``args.model``."""
     load_start = os.getloadavg()  # a shared machine: the figures need the load beside them
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         extra = list(args.server_arg)
         if args.soak:
             extra += ["--max-upload-mb", "4"]
         server = Server(args, Path(tmp), extra)
+        # the reference loads its model while the server does (it idles during the load)
+        ref = None if args.soak else Reference(args.model, paths, args.max_batch)
         try:
             t = time.perf_counter()
             server.wait_ready()
             print(f"server ready in {time.perf_counter() - t:.1f} s on {server.url}")
-            result = soak_test(args, server, paths) if args.soak else load_test(
-                args, server, paths, bodies)
+            result = soak_test(args, server, paths) if ref is None else load_test(
+                args, server, ref, bodies)
         finally:
             server.stop()
+            if ref is not None and ref.proc.poll() is None:
+                ref.proc.kill()
+                ref.proc.wait()
     result["model"] = args.model
+    result["engine"] = engine_of(args.model)
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     result["machine"] = machine()
     result["loadavg_1_5_15"] = {"start": load_start, "end": os.getloadavg()}
-    (print_soak if args.soak else print_load)(result)
+    return result
+
+
+def compare_models(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each model's server images per CPU-second (and throughput) as a ratio to the first's."""
+    base = runs[0]
+    return {"baseline": base["model"], "models": [
+        {"model": r["model"], "engine": r["engine"],
+         "server_img_per_cpu_s": r["cpu"]["server_img_per_cpu_s"],
+         "per_cpu_ratio": r["cpu"]["server_img_per_cpu_s"]
+         / base["cpu"]["server_img_per_cpu_s"],
+         "throughput_ratio": r["throughput_img_s"] / base["throughput_img_s"]} for r in runs]}
+
+
+def print_comparison(c: Dict[str, Any]) -> None:
+    """The models side by side, per server CPU-second."""
+    print(f"\nper server CPU-second, against {c['baseline']}:")
+    for m in c["models"]:
+        print(f"  {m['engine']:<6} {m['server_img_per_cpu_s']:.3f} img/CPU-s  "
+              f"x{m['per_cpu_ratio']:.2f} per CPU-second, x{m['throughput_ratio']:.2f} "
+              f"throughput  {m['model']}")
+
+
+# ---- memory of several models -----------------------------------------------------------------
+def settled_rss(pid: int, seconds: float = 3.0) -> int:
+    """The median of the server's RSS (with children) over ``seconds`` of idle."""
+    sampler = RssSampler(pid, interval=0.25)
+    sampler.start()
+    time.sleep(seconds)
+    sampler.stop()
+    return int(statistics.median(r for _, r in sampler.samples))
+
+
+def rss_test(args: argparse.Namespace, bodies: List[Tuple[str, bytes, int]]) -> Dict[str, Any]:
+    """The service started with the first 1, 2, ... of the ``NAME=PATH`` models: its RSS after
+    ``--rss-requests`` requests to each model, and what each extra model adds."""
+    import httpx
+
+    specs = [m if "=" in m else f"{Path(m).stem}={m}" for m in args.model]
+    rows = []
+    for k in range(1, len(specs) + 1):
+        with tempfile.TemporaryDirectory(prefix="bench_serve_rss_") as tmp:
+            server = Server(args, Path(tmp), list(args.server_arg), models=specs[:k])
+            try:
+                server.wait_ready()
+                ready = settled_rss(server.proc.pid, args.rss_settle)
+                for spec in specs[:k]:
+                    name = spec.split("=", 1)[0]
+                    for i in range(args.rss_requests):
+                        r = httpx.post(f"{server.url}/v1/models/{name}/predict",
+                                       content=bodies[i % len(bodies)][1], timeout=600)
+                        if r.status_code != 200:
+                            raise SystemExit(f"{name}: {r.status_code} {r.text[:300]}")
+                rss = settled_rss(server.proc.pid, args.rss_settle)
+            finally:
+                server.stop()
+        rows.append({"models": specs[:k], "rss_ready_mib": mib(ready), "rss_mib": mib(rss)})
+        added = rows[-1]["rss_mib"] - rows[-2]["rss_mib"] if k > 1 else None
+        rows[-1]["added_mib"] = added
+        print(f"  {k} model(s): RSS {mib(rss):.0f} MiB after requests ({mib(ready):.0f} MiB "
+              f"ready){'' if added is None else f', +{added:.0f} MiB for {specs[k - 1]}'}",
+              flush=True)
+    return {"mode": "rss", "requests_per_model": args.rss_requests, "rows": rows,
+            "targets": {"all_answered": True}}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    paths = list_images(Path(args.images))
+    if not paths:
+        raise SystemExit(f"no images under {args.images}")
+    bodies = [(p.name, p.read_bytes(), 200) for p in paths]
+    load_start = os.getloadavg()
+    if args.rss:
+        result = rss_test(args, bodies)
+        result.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=machine(),
+                      loadavg_1_5_15={"start": load_start, "end": os.getloadavg()})
+    else:
+        runs = []
+        for model in args.model:
+            one = argparse.Namespace(**{**vars(args), "model": str(Path(model).resolve())})
+            runs.append(one_model(one, paths, bodies))
+        for r in runs:
+            (print_soak if args.soak else print_load)(r)
+        result = runs[0] if len(runs) == 1 else {
+            "runs": runs, "comparison": None if args.soak else compare_models(runs),
+            "targets": {f"{i}.{k}": v for i, r in enumerate(runs)
+                        for k, v in r["targets"].items()}}
+        if len(runs) > 1 and not args.soak:
+            print_comparison(result["comparison"])
     print(f"  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()} "
           f"on {os.cpu_count()} CPUs")
     print(f"written {write_json(args.out, result)}")

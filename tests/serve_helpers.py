@@ -200,10 +200,15 @@ def models(fitted, tmp_path_factory) -> Dict[str, Path]:
 def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, **kw
             ) -> Iterator[Tuple[Any, Any]]:
     """The real app (real batcher, model and SQLite results log) around FastAPI's TestClient;
-    the client sends the token when one is set. ``kw``: :class:`ServeSettings` fields."""
+    the client sends the token when one is set. ``kw``: :class:`ServeSettings` fields.
+    ``monitor``: a drift monitor object, or a ``--monitor`` spec (``"auto"``: the one the
+    service builds from the model file)."""
     from fastapi.testclient import TestClient
 
     from anomaly_hooks.serve import ServeSettings, create_app
+
+    if isinstance(monitor, str):
+        kw["monitor"], monitor = monitor, None
 
     kw.setdefault("results_dir", str(tmp_path / "results"))
     settings = ServeSettings(model=str(model), token=kw.pop("token", None), **kw)

@@ -247,3 +247,42 @@ def test_measure_imports_no_torch():
 def test_tree_cpu_seconds_counts_this_process():
     sum(i * i for i in range(200_000))
     assert measure.tree_cpu_seconds() > 0
+
+
+@pytest.mark.slow
+def test_serve_bench_compares_engines_and_measures_rss_per_model(tmp_path, capsys):
+    """bench_serve load-tests an eager and an ONNX model in one run (the second's images per
+    server CPU-second as a ratio to the first's), and ``--rss`` reads the RSS of a service of
+    one, then two models."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("onnxruntime")
+    from anomaly_hooks import Detector
+    from anomaly_hooks.export import export_onnx
+    from benchmarks import bench_serve
+
+    cfg = load_config(str(ROOT / "configs" / "padim.yaml"), TINY)
+    data = small_dataset(tmp_path / "data", train=6, test=1)
+    det = Detector.from_config(cfg).fit(sorted((data / "train" / "good").glob("*.png")),
+                                        progress=False)
+    st = det.save(tmp_path / "m.safetensors")
+    onnx = export_onnx(det, tmp_path / "m.onnx")
+    images = data / "test"  # two images: the references and the warm-up stay short
+    out = tmp_path / "load.json"
+    bench_serve.main(["--model", str(st), "--model", str(onnx), "--images", str(images),
+                      "--clients", "2", "--duration", "1", "--max-requests", "12",
+                      "--cycles", "1", "--max-batch", "2", "--reference-passes", "1",
+                      "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["engine"] for r in result["runs"]] == ["torch", "onnx"]
+    assert all(r["errors"] == 0 and r["lost_results"] == 0 for r in result["runs"])
+    ratios = [m["per_cpu_ratio"] for m in result["comparison"]["models"]]
+    assert ratios[0] == 1.0 and ratios[1] > 0
+    assert "per server CPU-second" in capsys.readouterr().out
+    out = tmp_path / "rss.json"
+    bench_serve.main(["--rss", "--model", f"a={onnx}", "--model", f"b={onnx}", "--images",
+                      str(images), "--rss-requests", "1", "--rss-settle", "0.5",
+                      "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [len(r["models"]) for r in rows] == [1, 2]
+    assert rows[0]["added_mib"] is None and rows[1]["added_mib"] is not None
+    assert all(r["rss_mib"] > 0 for r in rows)

@@ -17,7 +17,7 @@ from torch import nn
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from conftest import textured_images, with_defect  # noqa: E402
+from conftest import backbone_rtol, f32_tol, textured_images, with_defect  # noqa: E402
 
 from anomaly_hooks import Detector  # noqa: E402
 from anomaly_hooks.errors import ExportError, ModelFileError, NotFittedError  # noqa: E402
@@ -28,6 +28,7 @@ from anomaly_hooks.export import export_onnx  # noqa: E402
 # backbone differ by ~1e-6 relative (docs/benchmarks.md), far inside it
 from anomaly_hooks.export.onnx import HEAT_TOL, INPUT, SCORE_RTOL  # noqa: E402
 from anomaly_hooks.runtime import OnnxDetector  # noqa: E402
+from anomaly_hooks.runtime.metadata import OUTPUTS  # noqa: E402
 
 MODELS = {
     "padim-lowrank": {"method": "padim", "padim": {"n_features": 40, "covariance": "lowrank"}},
@@ -103,13 +104,64 @@ def test_graph_outputs_at_each_batch_size(exported, batch):
     x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
                      for i in probe_images()[:batch]])
     scores, maps = det.infer(x)
-    patch, heat, image = ort.InferenceSession(str(path)).run(None, {INPUT: x.numpy()})
+    patch, heat, image, *_ = ort.InferenceSession(str(path)).run(None, {INPUT: x.numpy()})
     grid = det.scorer_.grid
     assert patch.shape == (batch, *grid) and heat.shape == (batch, 64, 80)
     assert image.shape == (batch,)
     np.testing.assert_allclose(image, scores.numpy(), rtol=SCORE_RTOL)
     span = (maps.amax(dim=(1, 2)) - maps.amin(dim=(1, 2))).numpy()
     assert (np.abs(heat - maps.numpy()).max(axis=(1, 2)) <= HEAT_TOL * span).all()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_layer_means_equal_the_eager_drift_taps(exported, batch):
+    """The graph's ``layer_means/<layer>`` outputs are the drift monitor's layer statistics:
+    equal to the eager extractor's taps (``Detector.infer(taps=...)``) within the float32
+    error of the computation. Each layer output is computed by ONNX Runtime's kernels and by
+    torch's, in their own summation order, through the backbone up to that layer:
+    :func:`backbone_rtol` of the layer maps' largest magnitude (ResNet18 up to layer3 bounds
+    every tapped layer); the mean over the ``h * w`` positions then rounds by at most
+    :func:`f32_tol` ``(h * w)`` of the mean magnitude, in either order."""
+    import onnxruntime as ort
+
+    from anomaly_hooks.data import load_preprocessed
+    from anomaly_hooks.runtime.metadata import layer_means_output
+
+    _, det, path = exported
+    x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
+                     for i in probe_images()[:batch]])
+    taps, fmaps = {}, {}
+    det.infer(x, taps=taps, observe=lambda feats, _images: fmaps.update(
+        {k: v.float().numpy().copy() for k, v in feats.items()}))
+    sess = ort.InferenceSession(str(path))
+    names = [o.name for o in sess.get_outputs()]
+    assert names == [*OUTPUTS, *(layer_means_output(n) for n in det.layers)]
+    outs = dict(zip(names, sess.run(None, {INPUT: x.numpy()})))
+    for layer in det.layers:
+        got, want, fmap = outs[layer_means_output(layer)], taps[layer], fmaps[layer]
+        assert got.shape == want.shape == fmap.shape[:2]
+        hw = fmap.shape[2] * fmap.shape[3]
+        tol = (backbone_rtol() * float(np.abs(fmap).max())
+               + f32_tol(hw, float(np.abs(fmap).mean(axis=(2, 3)).max())))
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=layer)
+
+
+def test_a_model_without_a_drift_reference_exports_without_layer_means(tmp_path):
+    """A model fitted with ``monitor.enabled=false`` exports (and predicts) as before: no
+    layer-mean outputs, an empty ``drift`` entry, and the runtime says why it cannot feed a
+    drift monitor and what to do."""
+    det = Detector.from_config(config(method="padim", padim={"n_features": 40},
+                                      monitor={"enabled": False}))
+    det.fit(textured_images(8), progress=False)
+    assert det.drift_reference_ is None
+    onnx_det = OnnxDetector.load(export_onnx(det, tmp_path / "m.onnx"))
+    assert [o.name for o in onnx_det.session.get_outputs()] == list(OUTPUTS)
+    assert onnx_det.meta["drift"] == "" and onnx_det.drift_reference_ is None
+    assert "without a drift reference" in onnx_det.drift_unavailable
+    assert "monitor.enabled=true" in onnx_det.drift_unavailable
+    features: dict = {}
+    onnx_det.run(onnx_det.prepare(probe_images()[:2])[0], features=features)
+    assert features == {}
 
 
 def test_metadata_is_enough_to_predict(exported):
@@ -283,10 +335,10 @@ def _rewrite_meta(src, dst, **changes) -> None:
 def test_wrong_metadata_is_refused(exported, tmp_path):
     _, _, path = exported
     newer = tmp_path / "newer.onnx"
-    _rewrite_meta(path, newer, format_version="3")
-    with pytest.raises(ModelFileError, match=rf"^{newer} is in exported-model format 3; this "
-                       r"version of anomaly_hooks reads format 2: export it again with this "
-                       r"version, or upgrade anomaly_hooks$"):
+    _rewrite_meta(path, newer, format_version="4")
+    with pytest.raises(ModelFileError, match=rf"^{newer} is in exported-model format 4; this "
+                       r"version of anomaly_hooks reads formats 2 and 3: export it again with "
+                       r"this version, or upgrade anomaly_hooks$"):
         OnnxDetector.load(newer)
     older = tmp_path / "older.onnx"
     _rewrite_meta(path, older, format_version="1")
@@ -424,8 +476,8 @@ def test_tiled_graph_masks_each_images_padding(tiled_export):
     x[1, :, 40:60, 100:120] = 6.0  # an alarming blotch, right of a portrait image's box
     sizes = [(96, 144), (150, 100)]  # placed at (96, 144) and (96, 64)
     sess = ort.InferenceSession(str(path))
-    patch, heat, image = sess.run(None, {INPUT: x.numpy(),
-                                         BOXES: np.array([[96, 144], [96, 64]], np.int64)})
+    patch, heat, image, *_ = sess.run(None, {INPUT: x.numpy(),
+                                             BOXES: np.array([[96, 144], [96, 64]], np.int64)})
     scores, maps = det.infer(x, sizes=sizes)
     from conftest import backbone_rtol
 
@@ -434,3 +486,36 @@ def test_tiled_graph_masks_each_images_padding(tiled_export):
     assert np.all(patch[1, :, cut:] == patch[1, :, :cut].min())
     full, _ = det.infer(x)  # without sizes the blotch is part of the image
     assert float(full[1]) > float(scores[1])
+
+
+def test_tiled_layer_means_equal_the_eager_tiled_drift_taps(tiled_export):
+    """A tiled graph's ``layer_means/<layer>`` are the channel means of the stitched frame
+    maps, padding included: what the eager tiled path's taps (and its drift monitor) measure,
+    within the bound of :func:`test_layer_means_equal_the_eager_drift_taps` (the stitching is
+    copies); the boxes change the scores, not the layer means."""
+    import onnxruntime as ort
+
+    from anomaly_hooks.runtime.metadata import BOXES, layer_means_output
+
+    _, det, path = tiled_export
+    assert det.drift_reference_ is not None
+    x = torch.stack([det.preprocessor(torch.from_numpy(i).permute(2, 0, 1).float() / 255)
+                     for i in textured_images(3, size=(96, 144), seed=5)])
+    sizes = [(96, 144), (150, 100), (60, 200)]  # whole frame, right and lower padding
+    taps, fmaps = {}, {}
+    det.infer(x, sizes=sizes, taps=taps, observe=lambda feats, _images: fmaps.update(
+        {k: v.float().numpy().copy() for k, v in feats.items()}))
+    sess = ort.InferenceSession(str(path))
+    names = [o.name for o in sess.get_outputs()]
+    assert names == [*OUTPUTS, *(layer_means_output(n) for n in det.layers)]
+    box = np.array([det.preprocessor.frame.placement(s) for s in sizes], np.int64)
+    outs = dict(zip(names, sess.run(None, {INPUT: x.numpy(), BOXES: box})))
+    for layer in det.layers:
+        got, want, fmap = outs[layer_means_output(layer)], taps[layer], fmaps[layer]
+        assert fmap.shape[2:] == tuple(v // det.tiling.layer_strides[layer]
+                                       for v in det.tiling.grid.frame)  # stitched
+        assert got.shape == want.shape == fmap.shape[:2]
+        hw = fmap.shape[2] * fmap.shape[3]
+        tol = (backbone_rtol() * float(np.abs(fmap).max())
+               + f32_tol(hw, float(np.abs(fmap).mean(axis=(2, 3)).max())))
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=layer)

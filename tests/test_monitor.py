@@ -238,6 +238,55 @@ def test_state_round_trip_is_float32_and_exact():
         DriftReference.from_state(tensors, {**meta, "thresholds": {}})
 
 
+def test_portable_json_holds_the_same_reference():
+    """``reference_to_json`` (the ONNX metadata's form) gives back the reference of the model
+    file's state exactly: the same float32 arrays, JSON part and statistics; a damaged value is
+    refused saying what is wrong."""
+    from anomaly_hooks.monitor.portable import reference_from_json, reference_to_json
+
+    ref = synthetic_reference()
+    data = json.loads(json.dumps(reference_to_json(ref)))
+    back = reference_from_json(data)
+    tensors, meta = ref.state()
+    tensors_back, meta_back = back.state()
+    assert meta_back == json.loads(json.dumps(meta))
+    assert tensors.keys() == tensors_back.keys()
+    for name, arr in tensors.items():
+        assert np.array_equal(arr, tensors_back[name]), name
+    from_state = DriftReference.from_state(tensors, json.loads(json.dumps(meta)))
+    x = correlated(ref.window, 40, np.random.default_rng(1))[None].mean(1)
+    assert back.blocks["layer"].stats_of_means(x, ref.window).keys() == {"layer:shift",
+                                                                         "layer:pca"}
+    for k, v in from_state.blocks["layer"].stats_of_means(x, ref.window).items():
+        assert np.array_equal(back.blocks["layer"].stats_of_means(x, ref.window)[k], v)
+
+    def broken(change):
+        bad = json.loads(json.dumps(data))
+        change(bad)
+        return bad
+
+    name = "drift.layer.mean"
+    cases = [
+        (lambda d: d.update(version=2), "version 2 is not supported"),
+        (lambda d: d.pop("arrays"), "expected an object with"),
+        (lambda d: d["arrays"][name].update(shape=[3]), r"bytes for shape \[3\]"),
+        (lambda d: d["arrays"][name].update(float32_base64="@@@"), "not valid base64"),
+        (lambda d: d["arrays"].update(other=d["arrays"][name]), "must map drift"),
+        (lambda d: d["reference"].update(window=0), r"window 0 is not in 1\.\."),
+        (lambda d: d["reference"].update(alpha=1.5), r"alpha 1\.5 is not in \(0, 1\)"),
+        (lambda d: d["reference"].pop("blocks"), "malformed"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ModelFileError, match=message):
+            reference_from_json(broken(change))
+    nan = np.full(ref.blocks["layer"].dim, np.nan, "<f4").tobytes()
+    import base64
+
+    with pytest.raises(ModelFileError, match="non-finite"):
+        reference_from_json(broken(lambda d: d["arrays"][name].update(
+            float32_base64=base64.b64encode(nan).decode())))
+
+
 def test_small_reference_lowers_the_window():
     rng = np.random.default_rng(0)
     ref = DriftReference.fit({"input": correlated(20, 7, rng)}, None, window=16, alpha=0.05,

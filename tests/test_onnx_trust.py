@@ -351,7 +351,12 @@ TARGETS = {
     ("preprocess", ("mean", 1)): ("preprocess",), ("preprocess", ("std",)): ("preprocess",),
     ("preprocess", ("resize", 0)): ("preprocess", "input"),
     ("preprocess", ("crop",)): ("preprocess", "input"),
-    ("layers", (0, "channels")): ("layers",), ("layers", (0,)): ("layers",),
+    # a layer's channels must agree with its drift block and the graph's layer-mean output
+    ("layers", (0, "channels")): ("layers", "drift"), ("layers", (0,)): ("layers", "drift"),
+    ("drift", ("layers",)): ("drift",), ("drift", ("layers", 0)): ("drift",),
+    ("drift", ("reference", "version")): ("drift",),
+    ("drift", ("reference", "reference", "window")): ("drift",),
+    ("drift", ("reference", "arrays", "drift.layer1.mean", "shape")): ("drift",),
     ("grid", (1,)): ("grid",), ("input", ("size", 0)): ("input", "preprocess"),
     ("max_pixels", ()): ("max_pixels",), ("outputs", ()): ("outputs",),
 }

@@ -18,10 +18,17 @@ from PIL import Image
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from conftest import ROOT, resample_tolerance, textured_images, with_defect  # noqa: E402
+from conftest import (  # noqa: E402
+    ROOT,
+    backbone_rtol,
+    f32_tol,
+    resample_tolerance,
+    textured_images,
+    with_defect,
+)
 
 from anomaly_hooks import Detector  # noqa: E402
-from anomaly_hooks.errors import ImageReadError, ModelFileError  # noqa: E402
+from anomaly_hooks.errors import ImageReadError, ModelFileError, NotFittedError  # noqa: E402
 from anomaly_hooks.export import export_onnx  # noqa: E402
 
 # the score parity export enforces (docs/edge-onnx.md): a specification, not a rounding bound
@@ -155,6 +162,42 @@ def test_cli_export_and_score_an_onnx_model(model, tmp_path, capsys):
         assert abs(row["score"] - ref[Path(row["path"]).name]) <= SCORE_RTOL * row["score"]
 
 
+def test_attached_drift_monitor_sees_what_the_eager_one_sees(model):
+    """``OnnxDetector.drift_monitor()`` is fed by every predict, as ``Detector``'s: over the
+    same images the same images counted, blocks observed and alarm; the layer statistics it
+    is fed equal the eager taps within the float32 error of the two backbones
+    (:func:`backbone_rtol` of their magnitude) plus the rounding of a mean over the largest
+    tapped layer's positions (``f32_tol``). A file without a reference raises its reason."""
+    det, saved, path, folder = model
+    files = sorted(folder.iterdir())
+    eager = Detector.load(saved, device="cpu")
+    onnx_det = OnnxDetector.load(path)
+    monitors = [eager.drift_monitor(), onnx_det.drift_monitor()]
+    eager.predict(files, batch_size=3)
+    onnx_det.predict(files, batch_size=3)
+    a, b = (m.status() for m in monitors)
+    for key in ("images_seen", "blocks_observed", "alarm", "window_filled"):
+        assert a[key] == b[key], key
+    assert a["images_seen"] == len(files)
+    assert set(a["blocks_observed"]) == {"input", "score", *det.layers}
+    features: dict = {}
+    batch = onnx_det.prepare(files)[0]
+    onnx_det.monitor = None  # not counted again
+    onnx_det.run(batch, features=features)
+    taps: dict = {}
+    eager.monitor = None
+    eager.infer(torch.from_numpy(batch), taps=taps)
+    hw = 64 * 80 // 16  # layer1 (stride 4): the most positions of a tapped layer
+    for name in det.layers:
+        scale = float(np.abs(taps[name]).max())
+        np.testing.assert_allclose(features[name], taps[name], rtol=0,
+                                   atol=backbone_rtol() * scale + f32_tol(hw, scale))
+    no_ref = OnnxDetector.load(path)
+    no_ref.drift_reference_, no_ref.drift_unavailable = None, "why not"
+    with pytest.raises(NotFittedError, match="^why not$"):
+        no_ref.drift_monitor()
+
+
 def test_cli_export_errors_are_one_line(model, tmp_path, capsys):
     from anomaly_hooks.cli import main
 
@@ -183,6 +226,11 @@ def test_int8_is_checked_and_refused_beyond_the_tolerance(model, tmp_path):
     assert report["accepted"] and report["nodes_quantized"] > 10
     q = OnnxDetector.load(tmp_path / "q.onnx")
     assert json.loads(q.meta["int8"])["max_drift"] == report["max_drift"]
+    # no drift monitor on int8 (its layer means are not the reference's float32 ones)
+    assert OnnxDetector.load(path).drift_layers and q.drift_layers == ()
+    assert [o.name for o in q.session.get_outputs()] == ["patch_scores", "heatmap",
+                                                         "image_score"]
+    assert q.drift_reference_ is None and "int8 model" in q.drift_unavailable
     # the int8 copy carries the checksum of its own bytes, and a damaged copy is refused
     assert q.model.checksum != read_exported(path).checksum
     raw = bytearray((tmp_path / "q.onnx").read_bytes())
@@ -268,6 +316,7 @@ def test_cli_scores_an_onnx_model_where_torch_cannot_be_imported(model, tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.returncode == 2, out.stderr
+    assert "drift:" in out.stdout and "not monitored" not in out.stdout, out.stdout
     assert out.stderr.strip().splitlines()[-1].startswith(
         "error: export needs PyTorch and onnx (import of torch halted; None in sys.modules): "
         "run it where the model was fitted, with pip install 'anomaly_hooks[export]'")
@@ -365,3 +414,35 @@ def test_a_tiled_export_is_not_quantised(tiled_model, tmp_path):
     _, _, path, folder = tiled_model
     with pytest.raises(ExportError, match="tiled .* int8 quantisation is not available"):
         quantize_backbone(path, tmp_path / "q.onnx", sorted(folder.iterdir())[:2])
+
+
+def test_a_tiled_exports_drift_monitor_sees_what_the_eager_one_sees(tiled_model):
+    """A tiled export feeds its drift monitor as the eager tiled Detector does: the same images
+    counted and blocks observed over images of several aspects, and layer statistics (the
+    means of the stitched frame maps, padding included) equal to the eager taps within the
+    float32 error of the two backbones plus the rounding of a mean over the largest stitched
+    map's positions."""
+    det, saved, path, folder = tiled_model
+    files = sorted(folder.iterdir())
+    eager = Detector.load(saved, device="cpu")
+    onnx_det = OnnxDetector.load(path)
+    assert onnx_det.drift_unavailable is None and onnx_det.drift_layers == tuple(det.layers)
+    monitors = [eager.drift_monitor(), onnx_det.drift_monitor()]
+    eager.predict(files, batch_size=2)
+    onnx_det.predict(files, batch_size=2)
+    a, b = (m.status() for m in monitors)
+    for key in ("images_seen", "blocks_observed", "alarm", "window_filled"):
+        assert a[key] == b[key], key
+    assert a["images_seen"] == len(files)
+    batch, sizes = onnx_det.prepare(files)
+    onnx_det.monitor = eager.monitor = None  # not counted again
+    features: dict = {}
+    onnx_det.run(batch, sizes, features=features)
+    taps: dict = {}
+    eager.infer(torch.from_numpy(batch), sizes=sizes, taps=taps)
+    frame = det.tiling.grid.frame
+    hw = frame[0] * frame[1] // 16  # layer1 (stride 4): the most positions of a tapped layer
+    for name in det.layers:
+        scale = float(np.abs(taps[name]).max())
+        np.testing.assert_allclose(features[name], taps[name], rtol=0,
+                                   atol=backbone_rtol() * scale + f32_tol(hw, scale))

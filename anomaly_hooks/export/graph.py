@@ -4,7 +4,10 @@
 
 * ``patch_scores`` ``[B, h, w]`` (the scorer's patch-score grid),
 * ``heatmap`` ``[B, H, W]`` (bilinear upsampling + Gaussian blur, at the network input size),
-* ``image_score`` ``[B]`` (max of the heatmap, or the scorer's own rule).
+* ``image_score`` ``[B]`` (max of the heatmap, or the scorer's own rule),
+* then, for each layer of ``drift_layers``, its per-image channel means ``[B, C_l]`` (the
+  drift monitor's layer statistic, :func:`anomaly_hooks.monitor.layer_statistics`, on the maps
+  the scorer reads anyway).
 
 A tiled (high-resolution) model's graph, :class:`TiledPredictGraph`, takes the working frames
 ``[B, 3, H, W]`` and each image's box ``[B, 2]`` (its own part of the frame) and runs the eager
@@ -32,6 +35,7 @@ from torch import nn
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
 from anomaly_hooks.heatmap import anomaly_maps
+from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
 from anomaly_hooks.tiling.pipeline import padding_masks
 
 
@@ -160,13 +164,20 @@ class PredictGraph(nn.Module):
     Args:
         detector: a fitted :class:`~anomaly_hooks.detector.Detector` on the CPU.
         stop: cut the backbone by stopping its forward (TorchScript exporter) or not (dynamo).
+        drift_layers: tapped layers whose per-image channel means are extra outputs.
         options: passed to the scorer's ``export_module`` (e.g. PatchCore's ``search``).
     """
 
-    def __init__(self, detector: Any, *, stop: bool = True, **options: Any) -> None:
+    def __init__(self, detector: Any, *, stop: bool = True, drift_layers: Sequence[str] = (),
+                 **options: Any) -> None:
         super().__init__()
         ext = detector.extractor
         self.backbone = TruncatedBackbone(ext.model, ext.layers, ext.order, stop=stop)
+        unknown = sorted(set(drift_layers) - set(ext.layers))
+        if unknown:
+            raise ValueError(f"drift_layers {unknown} are not tapped layers ({ext.layers})")
+        self.drift_layers: List[str] = list(drift_layers)
+        self.drift_index = [list(ext.layers).index(name) for name in drift_layers]
         scorer = detector.scorer_
         self.embed = Embed(scorer.embedder)
         self.scorer = scorer.export_module(**options)
@@ -175,15 +186,28 @@ class PredictGraph(nn.Module):
         self.size: Tuple[int, int] = tuple(detector.preprocessor.input_size)
         _plain_buffers(self)
 
+    @property
+    def output_names(self) -> List[str]:
+        """The graph's outputs in order: :data:`~anomaly_hooks.runtime.metadata.OUTPUTS`,
+        then ``layer_means/<layer>`` of each drift layer."""
+        return [*OUTPUTS, *(layer_means_output(name) for name in self.drift_layers)]
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B, 3, H, W]`` -> ``[B, h, w]`` patch scores, ``[B, H, W]`` heatmap, ``[B]``."""
-        rows = self.embed(self.backbone(x))
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``[B, 3, H, W]`` -> ``[B, h, w]`` patch scores, ``[B, H, W]`` heatmap, ``[B]``
+        image scores, then ``[B, C_l]`` channel means of each drift layer."""
+        maps = self.backbone(x)
+        rows = self.embed(maps)
         scores, aux = self.scorer(rows)  # [B, P]
         patch = scores.reshape(x.shape[0], self.grid[0], self.grid[1])
         heat = anomaly_maps(patch, self.size)
         image = self.scorer.image_scores(rows, scores, aux, heat.flatten(1).amax(dim=1))
-        return patch, heat, image
+        return (patch, heat, image, *self.layer_means(maps))
+
+    def layer_means(self, maps: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        """Each drift layer's per-image channel means ``[B, C_l]`` of the layer maps
+        ``[B, C_l, h_l, w_l]``: the eager taps' reduction (monitor.stats.layer_statistics),
+        a float32 mean over h, w."""
+        return tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
 
 
 def stitch_tiles(tiles: torch.Tensor, grid: Any, stride: int) -> torch.Tensor:
@@ -206,8 +230,9 @@ def stitch_tiles(tiles: torch.Tensor, grid: Any, stride: int) -> torch.Tensor:
 
 class TiledPredictGraph(PredictGraph):
     """A fitted tiled Detector's predict path: ``(frames [B, 3, H, W], boxes [B, 2] int64)``
-    -> (patch scores ``[B, gh, gw]``, heatmap ``[B, H, W]``, image score ``[B]``), the eager
-    :meth:`~anomaly_hooks.detector.Detector.infer` with ``sizes`` (see the module docstring).
+    -> (patch scores ``[B, gh, gw]``, heatmap ``[B, H, W]``, image score ``[B]``, the drift
+    layers' channel means), the eager :meth:`~anomaly_hooks.detector.Detector.infer` with
+    ``sizes`` (see the module docstring).
     ``boxes``: each image's own part of the frame, (h, w) network pixels at its top-left
     (``Frame.placement`` of its size); the rest is padding, masked as eager masks it."""
 
@@ -238,9 +263,11 @@ class TiledPredictGraph(PredictGraph):
         return torch.stack(parts, dim=1).reshape(-1, th * tw, rows.shape[-1])
 
     def forward(self, x: torch.Tensor, boxes: torch.Tensor  # type: ignore[override]
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> Tuple[torch.Tensor, ...]:
         """Frames ``[B, 3, H, W]`` and boxes ``[B, 2]`` -> ``[B, gh, gw]`` patch scores,
-        ``[B, H, W]`` heatmap, ``[B]`` image scores."""
+        ``[B, H, W]`` heatmap, ``[B]`` image scores, then ``[B, C_l]`` channel means of each
+        drift layer over its stitched frame map (the whole frame, padding included: what the
+        eager tiled path's taps and drift monitor see)."""
         maps = [stitch_tiles(f, self.tile_grid, s)
                 for f, s in zip(self.backbone(self.cut(x)), self.strides)]
         rows = self.embed(maps)
@@ -260,4 +287,4 @@ class TiledPredictGraph(PredictGraph):
         heat = anomaly_maps(patch, self.size)
         peak = torch.where(inside, heat, torch.full_like(heat, float("-inf")))
         image = self.scorer.image_scores(rows, flat, aux, peak.flatten(1).amax(dim=1))
-        return patch, heat, image
+        return (patch, heat, image, *self.layer_means(maps))

@@ -2,17 +2,23 @@
 
 ``export_onnx(detector, "m.onnx")`` writes a graph from a normalised image batch
 ``images [B, 3, H, W]`` (dynamic B) to ``patch_scores [B, h, w]``, ``heatmap [B, H, W]`` (at the
-network input size) and ``image_score [B]`` (a tiled model's graph takes each image's box in
-its frame too, ``boxes [B, 2]``: :class:`~anomaly_hooks.export.graph.TiledPredictGraph`), with
-everything the torch-free runtime
-(:mod:`anomaly_hooks.runtime`) needs to predict in the ONNX metadata (``metadata_props``):
-threshold, preprocessing, layer description, method and the scorer's form, the source model
-file's checksum, the backbone fingerprint, and last the checksum of the file's own content
+network input size), ``image_score [B]`` and, for a model with a drift reference, one
+``layer_means/<layer> [B, C]`` per layer of the reference (the statistics the drift monitor
+compares; a tiled model's graph takes each image's box in its frame too, ``boxes [B, 2]``, and
+its layer means are over the stitched frame maps:
+:class:`~anomaly_hooks.export.graph.TiledPredictGraph`), with everything the torch-free runtime
+(:mod:`anomaly_hooks.runtime`) needs to predict and to monitor drift in the ONNX metadata
+(``metadata_props``): threshold, preprocessing, layer description, method and the scorer's
+form, the source model file's checksum, the backbone fingerprint, a tiled model's frame and
+tiles (``tiling``), the drift reference (``drift``: empty for a model fitted without one --
+such an export predicts, and its service says why it has no drift monitor), and last the
+checksum of the file's own content
 (graph, weights, metadata; :mod:`anomaly_hooks.runtime.onnxfile`), which the runtime verifies
 before it runs anything. The export is verified before it is published:
 ONNX Runtime's outputs on probe images, one at a time and batched, must match the eager ones
-(image scores within ``SCORE_RTOL`` relative, heatmaps within ``HEAT_TOL`` of the map's range),
-or :class:`~anomaly_hooks.errors.ExportError` is raised and nothing is written.
+(image scores within ``SCORE_RTOL`` relative, heatmaps within ``HEAT_TOL`` of the map's range,
+layer means within ``SCORE_RTOL`` of each layer's largest mean), or
+:class:`~anomaly_hooks.errors.ExportError` is raised and nothing is written.
 
 Models whose initialisers exceed protobuf's 2 GB (dense PaDiM on WRN50: 3.8 GB) are written
 with their weights in one side file ``<name>.data`` next to the ``.onnx`` (ONNX external data,
@@ -37,8 +43,10 @@ from torch import nn
 from anomaly_hooks import __version__
 from anomaly_hooks.errors import ExportError, NotFittedError
 from anomaly_hooks.export.graph import PredictGraph, TiledPredictGraph
+from anomaly_hooks.monitor.portable import reference_to_json
 from anomaly_hooks.runtime.metadata import (  # the torch-free reader's constants
     BOXES,
+    DRIFT_KEY,
     FORMAT,
     FORMAT_VERSION,
     INPUT,
@@ -59,6 +67,24 @@ def source_checksum(model_path: Union[str, os.PathLike]) -> str:
     from anomaly_hooks.modelfile import read_header
 
     return str(read_header(Path(model_path))["__metadata__"].get("checksum", ""))
+
+
+def drift_layers(detector: Any) -> List[str]:
+    """The tapped layers whose channel means the export outputs: those of the detector's
+    drift reference (none without a reference)."""
+    reference = getattr(detector, "drift_reference_", None)
+    if reference is None:
+        return []
+    return [name for name in detector.layers if name in reference.blocks]
+
+
+def drift_entry(detector: Any, layers: Sequence[str]) -> str:
+    """The ``drift`` metadata entry: the reference (:func:`reference_to_json`) and the layers
+    the graph outputs the means of; empty for a model without a reference."""
+    reference = getattr(detector, "drift_reference_", None)
+    if reference is None:
+        return ""
+    return json.dumps({"layers": list(layers), "reference": reference_to_json(reference)})
 
 
 def tiling_entry(detector: Any) -> Dict[str, Any]:
@@ -96,26 +122,28 @@ def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dic
         "source_checksum": checksum or "",
         "int8": "",
         EXTERNAL_KEY: "",
+        DRIFT_KEY: drift_entry(detector, graph.drift_layers),
     }
 
 
-def _export_graph(graph: nn.Module, probe: Sequence[torch.Tensor], path: Path, exporter: str,
-                  opset: int) -> None:
-    names = [INPUT, BOXES][:len(probe)]
-    axes = {**{name: {0: "batch"} for name in names}, **{name: {0: "batch"} for name in OUTPUTS}}
+def _export_graph(graph: PredictGraph, probe: Sequence[torch.Tensor], path: Path,
+                  exporter: str, opset: int) -> None:
+    inputs = [INPUT, BOXES][:len(probe)]
+    names = graph.output_names
+    axes = {name: {0: "batch"} for name in [*inputs, *names]}
     chatter = io.StringIO()  # the exporters print graph dumps and progress lines
     with warnings.catch_warnings(), contextlib.redirect_stdout(chatter), \
             contextlib.redirect_stderr(chatter):
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             torch.onnx.export(graph, tuple(probe), str(path), dynamo=False, opset_version=opset,
-                              input_names=names, output_names=list(OUTPUTS), dynamic_axes=axes,
+                              input_names=inputs, output_names=names, dynamic_axes=axes,
                               do_constant_folding=True)
         else:
             batch = torch.export.Dim("batch", min=1, max=4096)
             shapes = {"x": {0: batch}, "boxes": {0: batch}}
             torch.onnx.export(graph, tuple(probe), str(path), dynamo=True, opset_version=opset,
-                              input_names=names, output_names=list(OUTPUTS),
+                              input_names=inputs, output_names=names,
                               dynamic_shapes={k: shapes[k] for k in list(shapes)[:len(probe)]},
                               external_data=True,
                               optimize=True, verbose=False)
@@ -284,7 +312,8 @@ def _finish(raw: Path, out: Path, meta: Dict[str, str],
     gemm_transposed_initializers(model)
     set_metadata(model, meta)
     model.doc_string = (f"anomaly_hooks {meta['method']} ({meta['scorer_form']}) model: "
-                        f"normalised images [B, 3, H, W] -> {', '.join(OUTPUTS)}")
+                        f"normalised images [B, 3, H, W] -> {', '.join(OUTPUTS)}"
+                        f"{', layer_means/*' if meta.get(DRIFT_KEY) else ''}")
     size = sum(t.ByteSize() for t in model.graph.initializer)
     external = bool(external_data or (external_data is None and size > PROTOBUF_LIMIT))
     return save_sealed(model, out, external)
@@ -345,7 +374,8 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     kind = TiledPredictGraph if getattr(detector, "tiling", None) is not None else PredictGraph
-    graph = kind(detector, stop=exporter == "torchscript", **options).eval()
+    graph = kind(detector, stop=exporter == "torchscript", drift_layers=drift_layers(detector),
+                 **options).eval()
     h, w = detector.preprocessor.input_size
     probe = [torch.randn(2, 3, h, w, generator=torch.Generator().manual_seed(0))]
     if kind is TiledPredictGraph:  # a letterboxed image beside one that fills the frame
@@ -420,7 +450,8 @@ def verify_export(detector: Any, onnx_path: Union[str, os.PathLike],
     import onnxruntime as ort
 
     x, sizes = probe_batch(detector, images)
-    scores, maps = detector.infer(x, sizes=sizes)
+    taps: Dict[str, np.ndarray] = {}
+    scores, maps = detector.infer(x, sizes=sizes, taps=taps)
     scores, maps = scores.numpy(), maps.float().cpu().numpy()
     feeds = [{INPUT: x[i:i + 1].numpy()} for i in range(x.shape[0])]
     full = {INPUT: x.numpy()}
@@ -439,13 +470,21 @@ def verify_export(detector: Any, onnx_path: Union[str, os.PathLike],
                                    np.concatenate([o[2] for o in single])),
                         "batched": (full[1], full[2])}.items():
         diffs.update({f"{tag}_{k}": v for k, v in compare(scores, maps, s, m).items()})
-    if max(diffs["batch1_score_rel"], diffs["batched_score_rel"]) > SCORE_RTOL or \
+    layers = drift_layers(detector)
+    for tag, outs in (("batch1", [np.concatenate(parts) for parts in
+                                  zip(*(o[len(OUTPUTS):] for o in single))] if layers else []),
+                      ("batched", full[len(OUTPUTS):])):
+        diffs[f"{tag}_means_rel"] = max(
+            (float(np.abs(got - taps[name]).max() / max(np.abs(taps[name]).max(), 1e-12))
+             for name, got in zip(layers, outs)), default=0.0)
+    if max(diffs["batch1_score_rel"], diffs["batched_score_rel"],
+           diffs["batch1_means_rel"], diffs["batched_means_rel"]) > SCORE_RTOL or \
             max(diffs["batch1_heat_rel"], diffs["batched_heat_rel"]) > HEAT_TOL:
         raise ExportError(f"the exported graph does not reproduce the eager model "
                           f"({', '.join(f'{k}={v:.2g}' for k, v in diffs.items())}; tolerances "
-                          f"{SCORE_RTOL:g} relative on scores, {HEAT_TOL:g} of the heatmap "
-                          "range): the backbone may have data-dependent control flow that "
-                          "tracing froze; nothing was written")
+                          f"{SCORE_RTOL:g} relative on scores and layer means, {HEAT_TOL:g} "
+                          "of the heatmap range): the backbone may have data-dependent control "
+                          "flow that tracing froze; nothing was written")
     return diffs
 
 

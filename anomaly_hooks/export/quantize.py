@@ -13,6 +13,11 @@ scores' standard deviation), and no good image may change verdict; otherwise
 :class:`QuantizationRefused` is raised and nothing is written. The threshold is the float32
 model's; the metadata key ``int8`` records the calibration and the drift measured. The int8 file
 carries the checksum of its own content (the float32 model's is dropped with its bytes).
+
+The int8 file has no drift monitor: its quantised backbone's layer means sit one or two
+good-image spreads away from the float32 ones the drift reference was fitted on (measured on
+ResNet18), so every window would alarm; the layer-mean outputs and the reference are dropped,
+and its service says to serve the float32 export where drift must be watched.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from anomaly_hooks.errors import ExportError
-from anomaly_hooks.runtime.metadata import KEYS
+from anomaly_hooks.runtime.metadata import DRIFT_KEY, KEYS, LAYER_MEANS_PREFIX
 from anomaly_hooks.runtime.onnxfile import EXTERNAL_KEY, seal
 
 DEFAULT_TOLERANCE = 0.5  # max |score_int8 - score_fp32| / threshold.scale over good images
@@ -112,7 +117,8 @@ def quantize_backbone(fp32_path: Union[str, os.PathLike], out_path: Union[str, o
             calibrate_method=methods[calibration],
             use_external_data_format=fp32_path.with_name(fp32_path.name + ".data").exists(),
             extra_options={"ActivationSymmetric": False, "CalibMovingAverage": False})
-        _rewrite_metadata(q, {})  # the float32 model's checksum does not fit these bytes
+        # the float32 model's checksum does not fit these bytes; nor does its drift reference
+        _rewrite_metadata(q, {DRIFT_KEY: ""}, drop_layer_means=True)
         s32 = ref.decision_function(checks)
         s8 = OnnxDetector.load(q).decision_function(checks)
         report = drift_report(s32, s8, ref.threshold_, tolerance)
@@ -157,16 +163,24 @@ def drift_report(s32: np.ndarray, s8: np.ndarray, threshold: Any,
             "accepted": bool(drift.max() <= tolerance and not flips)}
 
 
-def _rewrite_metadata(path: Path, values: Dict[str, str]) -> Optional[Path]:
+def _rewrite_metadata(path: Path, values: Dict[str, str], drop_layer_means: bool = False
+                      ) -> Optional[Path]:
     """Update metadata entries of the model at ``path`` (its side file of weights, written by
     the quantiser as ``<name>.data``, stays as it is) and seal it again; the entries ONNX
     Runtime's tools add (``onnx.infer``, ``onnx.quant.pre_process``) are dropped: an export
-    holds the format's entries only. Returns the side file, if any."""
+    holds the format's entries only. ``drop_layer_means``: remove the graph's
+    ``layer_means/*`` outputs (their nodes, then unused, are skipped by the engines). Returns
+    the side file, if any."""
     import onnx
 
     from anomaly_hooks.export.onnx import save_sealed, set_metadata
 
     model = onnx.load(str(path), load_external_data=False)
+    if drop_layer_means:
+        kept_outputs = [o for o in model.graph.output
+                        if not o.name.startswith(LAYER_MEANS_PREFIX)]
+        del model.graph.output[:]
+        model.graph.output.extend(kept_outputs)
     kept = {p.key: p.value for p in model.metadata_props if p.key in KEYS}
     set_metadata(model, {**kept, **values})
     side = path.with_name(path.name + ".data")

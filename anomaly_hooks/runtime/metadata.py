@@ -35,6 +35,9 @@ from anomaly_hooks.modelmeta import (
     size_pair,
     text,
 )
+from anomaly_hooks.monitor.portable import reference_from_json
+from anomaly_hooks.monitor.reference import DriftReference
+from anomaly_hooks.monitor.stats import RESERVED_BLOCKS
 from anomaly_hooks.runtime.onnxfile import (
     CHECKSUM_KEY,
     EXTERNAL_KEY,
@@ -45,16 +48,42 @@ from anomaly_hooks.runtime.onnxfile import (
 from anomaly_hooks.threshold import Threshold
 
 FORMAT = "anomaly_hooks-onnx"
-FORMAT_VERSION = 2  # the exported-model format this version reads and writes
+FORMAT_VERSION = 3  # the exported-model format this version writes
 # 1: the first format (no checksum of the file's content: no longer read); 2: adds the
-# checksum and external_data entries
+# checksum and external_data entries (still read: served without a drift monitor); 3: adds the
+# drift entry and the layer-mean outputs
+READ_VERSIONS = (2, 3)
 INPUT = "images"
 BOXES = "boxes"  # a tiled model's second input: each image's part of the frame [B, 2] (h, w)
 OUTPUTS = ("patch_scores", "heatmap", "image_score")
-KEYS = ("format", "format_version", "anomaly_hooks_version", "method", "scorer_form",
-        "threshold", "preprocess", "layers", "backbone", "grid", "input", "outputs",
-        "max_pixels", "source_checksum", "int8", EXTERNAL_KEY, CHECKSUM_KEY)
+#: the graph's output of a tapped layer's per-image channel means ``[B, C]`` (format 3)
+LAYER_MEANS_PREFIX = "layer_means/"
+DRIFT_KEY = "drift"  # the drift reference and its layers ("" for a model without one)
+KEYS_V2 = ("format", "format_version", "anomaly_hooks_version", "method", "scorer_form",
+           "threshold", "preprocess", "layers", "backbone", "grid", "input", "outputs",
+           "max_pixels", "source_checksum", "int8", EXTERNAL_KEY, CHECKSUM_KEY)
+KEYS = KEYS_V2 + (DRIFT_KEY,)
 OPTIONAL_KEYS = ("tiling",)  # a tiled (high-resolution) model's: the frame and its tiles
+#: why a format-2 file feeds no drift monitor
+NO_LAYER_MEANS = ("this model was exported by an earlier version of anomaly_hooks (exported-model "
+                  "format 2), whose graph does not output the tapped layers' statistics and "
+                  "whose file holds no drift reference: export it again (anomaly-hooks export "
+                  "--model MODEL.safetensors --out m.onnx) to monitor drift on the edge")
+#: why a file exported from a model without a drift reference feeds no drift monitor
+NO_DRIFT_REFERENCE = ("this model was exported from a model file without a drift reference "
+                      "(fitted with monitor.enabled=false, or with fewer than 4 good images): "
+                      "refit it with monitor.enabled=true (the default) and export it again to "
+                      "monitor drift on the edge")
+
+#: why an int8 file feeds no drift monitor
+NO_DRIFT_INT8 = ("this is an int8 model: its quantised backbone's layer statistics differ from "
+                 "the float32 ones its drift reference was fitted on, so the quantisation "
+                 "dropped them; serve the float32 export where drift must be watched")
+
+
+def layer_means_output(layer: str) -> str:
+    """The name of the graph output holding ``layer``'s per-image channel means."""
+    return LAYER_MEANS_PREFIX + layer
 _HEX64 = r"[0-9a-f]{64}"
 
 
@@ -79,6 +108,25 @@ class ExportedModel:
     checksum: str
     content: OnnxContent = field(repr=False, compare=False)
     tiling: Optional[Dict[str, Any]] = None  # a tiled model's frame and tiles (_tiling)
+    format_version: int = FORMAT_VERSION
+    #: the drift reference saved with the source model (None: none, or a format-2 file)
+    drift: Optional[DriftReference] = field(default=None, repr=False, compare=False)
+    #: the tapped layers whose channel means the graph outputs (``layer_means/<name>``)
+    drift_layers: Tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> List[str]:
+        """The graph's output names, in order."""
+        return [*OUTPUTS, *(layer_means_output(name) for name in self.drift_layers)]
+
+    @property
+    def drift_unavailable(self) -> Optional[str]:
+        """None when the file can feed a drift monitor, else why not."""
+        if self.format_version < 3:
+            return NO_LAYER_MEANS
+        if self.drift is None:
+            return NO_DRIFT_INT8 if self.int8 else NO_DRIFT_REFERENCE
+        return None
 
 
 def check_format(meta: Mapping[str, str], path: Path) -> int:
@@ -95,9 +143,10 @@ def check_format(meta: Mapping[str, str], path: Path) -> int:
     if version == 1:
         raise ModelFileError(f"{path} is in exported-model format 1, which has no checksum of "
                              "its content: export it again with this version of anomaly_hooks")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise ModelFileError(f"{path} is in exported-model format {version}; this version of "
-                             f"anomaly_hooks reads format {FORMAT_VERSION}: export it again "
+                             f"anomaly_hooks reads formats "
+                             f"{' and '.join(map(str, READ_VERSIONS))}: export it again "
                              "with this version, or upgrade anomaly_hooks")
     return version
 
@@ -119,7 +168,7 @@ def read_exported(path: Any) -> ExportedModel:
         raise ModelFileError(f"{path}: metadata entries {repeated} appear more than once: the "
                              "file was modified after export")
     meta = content.metadata
-    check_format(meta, path)
+    version = check_format(meta, path)
     if not content.checksum_records:
         raise ModelFileError(f"{path}: no checksum of its content (the file was truncated or "
                              "modified after export): export it again")
@@ -129,14 +178,16 @@ def read_exported(path: Any) -> ExportedModel:
                              "damaged after export; export it again or restore it from a "
                              "backup")
     with about(path):
-        return ExportedModel(path=path, meta=meta, content=content, **parse_metadata(meta))
+        return ExportedModel(path=path, meta=meta, content=content,
+                             **parse_metadata(meta, version))
 
 
-def parse_metadata(meta: Mapping[str, str]) -> Dict[str, Any]:
+def parse_metadata(meta: Mapping[str, str], version: int = FORMAT_VERSION) -> Dict[str, Any]:
     """Every entry of an export's metadata checked and parsed (the fields of
-    :class:`ExportedModel` that come from the metadata); the checksum's value is only checked
-    for its form here (:func:`read_exported` compares it with the content)."""
-    _check_entries(meta)
+    :class:`ExportedModel` that come from the metadata) for the format ``version``; the
+    checksum's value is only checked for its form here (:func:`read_exported` compares it with
+    the content)."""
+    _check_entries(meta, KEYS if version >= 3 else KEYS_V2)
     text(meta["anomaly_hooks_version"], "anomaly_hooks_version", r"[0-9A-Za-z.+_-]{1,64}",
          "a version string")
     if meta["source_checksum"]:
@@ -145,18 +196,24 @@ def parse_metadata(meta: Mapping[str, str]) -> Dict[str, Any]:
         side_file(Path("."), meta[EXTERNAL_KEY])
     preprocess = check_preprocess(parse_json(meta["preprocess"], "preprocess"))
     size = preprocess["crop"] or preprocess["resize"]
+    layers = check_layers(parse_json(meta["layers"], "layers"))
+    drift, drift_layers = (_drift(meta[DRIFT_KEY], layers) if version >= 3 and meta[DRIFT_KEY]
+                           else (None, ()))
     tiling = None
     if "tiling" in meta:
         tiling = _tiling(parse_json(meta["tiling"], "tiling"), preprocess)
         size = tiling["frame"]["size"]
     return {
         "tiling": tiling,
+        "format_version": version,
+        "drift": drift,
+        "drift_layers": drift_layers,
         "method": text(meta["method"], "method", r"[a-z][a-z0-9_]{0,63}", "a method name"),
         "scorer_form": text(meta["scorer_form"], "scorer_form", r"[a-z0-9_]{0,64}",
                             "a scorer form name"),
         "threshold": Threshold.from_dict(parse_json(meta["threshold"], "threshold")),
         "preprocess": preprocess,
-        "layers": check_layers(parse_json(meta["layers"], "layers")),
+        "layers": layers,
         "backbone": _backbone(parse_json(meta["backbone"], "backbone")),
         "grid": size_pair(parse_json(meta["grid"], "grid"), "grid"),
         "input_name": _input(parse_json(meta["input"], "input"), size),
@@ -167,17 +224,42 @@ def parse_metadata(meta: Mapping[str, str]) -> Dict[str, Any]:
     }
 
 
-def _check_entries(meta: Mapping[str, str]) -> None:
-    """Exactly the entries an export writes, and the output list the runtime relies on."""
-    extra = sorted(set(meta) - set(KEYS) - set(OPTIONAL_KEYS))
+def _check_entries(meta: Mapping[str, str], keys: Sequence[str]) -> None:
+    """Exactly the entries an export of its format writes, and the output list the runtime
+    relies on."""
+    extra = sorted(set(meta) - set(keys) - set(OPTIONAL_KEYS))
     if extra:
         raise MetadataError("metadata", f"unexpected metadata entries {extra}: the file was "
                             "modified after export, or was not written by anomaly_hooks")
-    for key in KEYS:
+    for key in keys:
         if key not in meta:
             raise MetadataError(key, f"{key} is missing")
     if parse_json(meta["outputs"], "outputs") != list(OUTPUTS):
         raise refuse("outputs", meta["outputs"], f"{list(OUTPUTS)}")
+
+
+def _drift(raw: str, layers: Sequence[Mapping[str, Any]]
+           ) -> Tuple[DriftReference, Tuple[str, ...]]:
+    """The drift entry: ``{"layers": [names], "reference": reference_to_json(...)}``; every
+    layer block of the reference is a tapped layer the graph outputs the means of, with that
+    layer's channel count."""
+    data = check_keys(parse_json(raw, DRIFT_KEY), DRIFT_KEY, ("layers", "reference"),
+                      ("layers", "reference"))
+    channels = {layer["name"]: layer["channels"] for layer in layers}
+    names = data["layers"]
+    if not isinstance(names, list) or len(set(map(str, names))) != len(names) or \
+            not all(isinstance(n, str) and n in channels for n in names):
+        raise refuse("drift.layers", names, f"distinct tapped layers (of {sorted(channels)})")
+    try:
+        reference = reference_from_json(data["reference"])
+    except ModelFileError as exc:
+        raise MetadataError("drift.reference", str(exc)) from None
+    blocks = {name: block.dim for name, block in reference.blocks.items()
+              if name not in RESERVED_BLOCKS}
+    if blocks != {n: channels[n] for n in names}:
+        raise MetadataError("drift.layers", f"drift.layers = {names}: disagrees with the "
+                            f"reference's layer blocks {blocks} (name: channels)")
+    return reference, tuple(names)
 
 
 def _backbone(data: Any) -> Dict[str, str]:
@@ -244,8 +326,8 @@ def check_graph(model: ExportedModel, inputs: Sequence[Any], outputs: Sequence[A
         MetadataError: naming the entry that disagrees with the graph.
     """
     names = [o.name for o in outputs]
-    if names != list(OUTPUTS):
-        raise refuse("outputs", list(OUTPUTS), f"the graph's outputs, which are {names}")
+    if names != model.outputs:
+        raise refuse("outputs", model.outputs, f"the graph's outputs, which are {names}")
     want = [model.input_name] + ([model.tiling["boxes_input"]] if model.tiling else [])
     if [i.name for i in inputs] != want:
         raise refuse("input.name" if model.tiling is None else "tiling.boxes_input", want,
@@ -258,6 +340,10 @@ def check_graph(model: ExportedModel, inputs: Sequence[Any], outputs: Sequence[A
     _shape(("grid", f"grid = {list(model.grid)}"), outputs[0], [None, *model.grid])
     _shape(network, outputs[1], [None, h, w])
     _shape(("outputs", f"outputs = {list(OUTPUTS)}"), outputs[2], [None])
+    channels = {layer["name"]: layer["channels"] for layer in model.layers}
+    for name, arg in zip(model.drift_layers, outputs[len(OUTPUTS):]):
+        _shape(("layers", f"layers: {name} of {channels[name]} channels"), arg,
+               [None, channels[name]])
 
 
 def _shape(entry: Tuple[str, str], arg: Any, want: List[Optional[int]]) -> None:
@@ -273,5 +359,6 @@ def _shape(entry: Tuple[str, str], arg: Any, want: List[Optional[int]]) -> None:
                             f"of shape {list(shape)}")
 
 
-__all__ = ["BOXES", "ExportedModel", "FORMAT", "FORMAT_VERSION", "INPUT", "KEYS", "OUTPUTS",
-           "check_format", "check_graph", "parse_metadata", "read_exported"]
+__all__ = ["BOXES", "DRIFT_KEY", "ExportedModel", "FORMAT", "FORMAT_VERSION", "INPUT", "KEYS",
+           "LAYER_MEANS_PREFIX", "OPTIONAL_KEYS", "OUTPUTS", "READ_VERSIONS", "check_format",
+           "check_graph", "layer_means_output", "parse_metadata", "read_exported"]

@@ -4,16 +4,19 @@
 interface).
 
 It uses the runtime's public steps only: :meth:`~anomaly_hooks.runtime.OnnxDetector.load`
-(which verifies the file's checksum, metadata and graph before any image),
+(which verifies the file's checksum, metadata and graph before any image; with the Pillow
+resize, :data:`PREPROCESS`),
 :meth:`~anomaly_hooks.runtime.OnnxDetector.preprocess`,
 :meth:`~anomaly_hooks.runtime.OnnxDetector.run` and
 :meth:`~anomaly_hooks.runtime.OnnxDetector.heatmap`, so that a prediction of the service is the
 runtime's ``predict`` of the same image.
 
-Drift: the exported graph outputs the patch scores, the heatmap and the image score only -- not
-the tapped layers' channel means the drift monitor compares with its reference -- and the
-export holds no drift reference, so this engine feeds no monitor
-(:attr:`OnnxEngine.drift_unavailable` says why; ``/v1/drift`` answers it with a 409).
+Drift: an export of a model with a drift reference carries that reference in its metadata and
+outputs each tapped layer's per-image channel means beside the scores, so :meth:`OnnxEngine.infer`
+hands the service the same ``features`` as the PyTorch engine and the same numpy drift monitor
+(``anomaly_hooks.monitor.service``) runs on them. An older export (format 2) or one of a model
+fitted without a reference feeds no monitor: :attr:`OnnxEngine.drift_unavailable` says why and
+what to do, and ``/v1/drift`` answers it with a 409.
 """
 from __future__ import annotations
 
@@ -29,6 +32,12 @@ from anomaly_hooks.serve.modelpaths import physical_memory
 
 # the service forms its batches itself (--max-batch): one session run per batch
 SESSION_BATCH = 1 << 16
+# the runtime's Pillow resize: ~10x less CPU than the numpy one on a 900 x 900 upload (12 against
+# 116 ms, docs/benchmarks.md), equal to the torch Preprocessor within float32 rounding as well
+PREPROCESS = "pillow"
+# ONNX Runtime's threads wait without spinning: the decode pool needs those CPU cycles on a
+# small box (1.2x images per CPU-second for the service, docs/benchmarks.md)
+SPIN = False
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -65,15 +74,16 @@ def providers_for(device: Optional[str]) -> List[Any]:
 
 
 class OnnxEngine(ModelEngine):
-    """An exported model on ONNX Runtime (``.onnx``); no drift monitor."""
+    """An exported model on ONNX Runtime (``.onnx``), with the drift taps where its file has
+    them."""
 
     kind = "onnx"
-    drift_unavailable = (
-        "this is an exported ONNX model: its graph outputs the image score, the heatmap and "
-        "the patch scores, but not the tapped layers' statistics that the drift monitor "
-        "compares with its reference (nor does the export hold that reference), so this "
-        "service runs without a drift monitor; serve the .safetensors model where drift must "
-        "be watched")
+
+    @property  # type: ignore[override]
+    def drift_unavailable(self) -> Optional[str]:
+        """None when the file feeds a drift monitor, else why not (the runtime's reason)."""
+        reason = self.detector.drift_unavailable
+        return None if reason is None else f"{reason}; this service runs without a drift monitor"
 
     @classmethod
     def check_file(cls, path: Path) -> None:
@@ -90,7 +100,8 @@ class OnnxEngine(ModelEngine):
         from anomaly_hooks.runtime import OnnxDetector
 
         return OnnxDetector.load(path, providers=providers_for(device),
-                                 batch_size=SESSION_BATCH)
+                                 batch_size=SESSION_BATCH, preprocess_method=PREPROCESS,
+                                 spin=SPIN)
 
     @property
     def method(self) -> str:
@@ -138,8 +149,9 @@ class OnnxEngine(ModelEngine):
 
     def infer(self, tensors: List[Any], features: Optional[Dict[str, np.ndarray]] = None,
               sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[np.ndarray, Any]:
-        """As :meth:`ModelEngine.infer`; ``features`` stays empty (:attr:`drift_unavailable`)."""
-        scores, maps = self.detector.run(self.stack(tensors), sizes=sizes)
+        """As :meth:`ModelEngine.infer`: ``features`` receives the graph's layer-mean outputs
+        (left empty for a file without them, :attr:`drift_unavailable`)."""
+        scores, maps = self.detector.run(self.stack(tensors), sizes=sizes, features=features)
         return np.asarray(scores).astype(np.float64), maps
 
 
