@@ -14,24 +14,31 @@ MAX_SIDE = 8192  # a resize or crop side: beyond it no backbone fits in memory
 @dataclass(frozen=True)
 class Framing:
     """Resize to ``resize`` (H, W), then centre crop to ``crop`` (H, W) or not at all; the
-    normalisation ``mean`` / ``std`` per RGB channel."""
+    normalisation ``mean`` / ``std`` per RGB channel. With ``frame`` (a tiled model's working
+    :class:`Frame`), its crop, resize and padding instead (``resize`` records its content box).
+    Shared by the PyTorch and the numpy preprocessing."""
 
     resize: Tuple[int, int] = (256, 256)
     crop: Optional[Tuple[int, int]] = (224, 224)
     mean: Tuple[float, float, float] = IMAGENET_MEAN
     std: Tuple[float, float, float] = IMAGENET_STD
+    frame: Optional["Frame"] = None
 
     @property
     def input_size(self) -> Tuple[int, int]:
-        """(H, W) of the network input."""
+        """(H, W) of the network input (a tiled model's: its frame)."""
+        if self.frame is not None:
+            return tuple(self.frame.size)  # type: ignore[return-value]
         return tuple(self.crop) if self.crop is not None else tuple(self.resize)
 
     @property
     def min_source_size(self) -> Tuple[int, int]:
         """(H, W) that a huge image may be reduced to before preprocessing without changing
-        what the network sees much: twice the resize, so the antialiased resize still averages
-        at least 2 x 2 source pixels per output pixel (``images.decode_reduced``)."""
-        return 2 * self.resize[0], 2 * self.resize[1]
+        what the network sees much: twice what the network sees of it (the resize, or the
+        frame's content box), so the antialiased resize still averages at least 2 x 2 source
+        pixels per output pixel (``images.decode_reduced``)."""
+        h, w = self.frame.content if self.frame is not None else self.resize
+        return 2 * h, 2 * w
 
     def crop_box(self) -> Tuple[int, int, int, int]:
         """(top, left, height, width) of the crop inside the resized image (torchvision rule)."""

@@ -26,8 +26,6 @@ class Preprocessor(Framing):
     Resizing is bilinear with antialiasing (as torchvision's ``Resize`` on tensors).
     """
 
-    frame: Optional[Frame] = None
-
     @classmethod
     def from_config(cls, pre) -> "Preprocessor":
         """From the ``preprocess`` section of a config."""
@@ -39,21 +37,6 @@ class Preprocessor(Framing):
                std: Tuple[float, float, float]) -> "Preprocessor":
         """The preprocessing of a working ``frame`` (``resize`` records its content box)."""
         return cls(tuple(frame.content), None, tuple(mean), tuple(std), frame)  # type: ignore
-
-    @property
-    def input_size(self) -> Tuple[int, int]:
-        """(H, W) of the network input."""
-        if self.frame is not None:
-            return tuple(self.frame.size)  # type: ignore[return-value]
-        return super().input_size
-
-    @property
-    def min_source_size(self) -> Tuple[int, int]:
-        """(H, W) a huge image may be reduced to before preprocessing (twice what the network
-        sees of it: see :class:`Framing`)."""
-        if self.frame is not None:
-            return 2 * self.frame.content[0], 2 * self.frame.content[1]
-        return super().min_source_size
 
     def __call__(self, image: torch.Tensor,
                  size: Optional[Tuple[int, int]] = None) -> torch.Tensor:

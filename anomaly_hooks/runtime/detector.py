@@ -116,7 +116,7 @@ class OnnxDetector:
         pre = model.preprocess
         frame = Frame.from_dict(pre["frame"]) if pre.get("frame") is not None else None
         self.preprocessor = NumpyPreprocessor(pre["resize"], pre["crop"], pre["mean"],
-                                              pre["std"], preprocess_method, frame)
+                                              pre["std"], frame, preprocess_method)
         self.tiling = model.tiling
         self.layers = model.layers
         self.max_pixels = model.max_pixels

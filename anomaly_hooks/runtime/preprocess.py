@@ -102,7 +102,6 @@ class NumpyPreprocessor(Framing):
     ``frame`` (a tiled model's): its crop, aspect-keeping resize and padding instead."""
 
     method: str = "numpy"
-    frame: Optional[Frame] = None
 
     @classmethod
     def from_dict(cls, d: dict, method: str = "numpy") -> "NumpyPreprocessor":
@@ -110,21 +109,7 @@ class NumpyPreprocessor(Framing):
         :func:`anomaly_hooks.modelmeta.check_preprocess` (sizes, finite mean, std > 0)."""
         pre = check_preprocess(d)
         frame = Frame.from_dict(pre["frame"]) if pre.get("frame") is not None else None
-        return cls(pre["resize"], pre["crop"], pre["mean"], pre["std"], method, frame)
-
-    @property
-    def input_size(self) -> Tuple[int, int]:
-        """(H, W) of the network input (a tiled model's: its frame)."""
-        if self.frame is not None:
-            return tuple(self.frame.size)  # type: ignore[return-value]
-        return super().input_size
-
-    @property
-    def min_source_size(self) -> Tuple[int, int]:
-        """(H, W) a huge image may be reduced to before preprocessing (as the eager one)."""
-        if self.frame is not None:
-            return 2 * self.frame.content[0], 2 * self.frame.content[1]
-        return super().min_source_size
+        return cls(pre["resize"], pre["crop"], pre["mean"], pre["std"], frame, method)
 
     def _normalise(self, out: np.ndarray) -> np.ndarray:
         mean = np.asarray(self.mean, dtype=F32).reshape(3, 1, 1)
