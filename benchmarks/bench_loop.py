@@ -52,7 +52,7 @@ from anomaly_hooks.config import load_config  # noqa: E402
 from anomaly_hooks.detector import Detector  # noqa: E402
 from anomaly_hooks.evaluation.datasets import mvtec  # noqa: E402
 from anomaly_hooks.learning import update_from_results  # noqa: E402
-from benchmarks.measure import machine, write_json  # noqa: E402
+from benchmarks.measure import machine, wait_ready, write_json  # noqa: E402
 
 TOKEN = "bench-loop-token"
 
@@ -77,17 +77,8 @@ class Server:
                                    headers={"Authorization": f"Bearer {TOKEN}"})
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the server did not become ready")
+        """Until ``/readyz`` answers 200."""
+        wait_ready(self.proc, self.url, None, timeout)
 
     def predict(self, paths: Sequence[str]) -> List[Dict[str, Any]]:
         """Each image's prediction (in order), four requests at a time (the server batches)."""

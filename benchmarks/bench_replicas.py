@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import ROOT, machine, percentile, write_json
+from benchmarks.measure import ROOT, machine, percentile, wait_ready, write_json
 
 HOST = "127.0.0.1"  # never anything else
 SCENARIOS = ("steady", "replica-kill", "db-kill")
@@ -94,19 +94,8 @@ class Replica:
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"replica exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"replica not ready after {timeout:g} s")
+        """Until ``/readyz`` answers 200."""
+        wait_ready(self.proc, self.url, self.log_path, timeout, what="replica")
 
     def alive(self) -> bool:
         return self.proc.poll() is None

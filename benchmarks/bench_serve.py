@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import ROOT, machine, percentile, write_json
+from benchmarks.measure import ROOT, machine, percentile, wait_ready, write_json
 
 HOST = "127.0.0.1"  # never anything else
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -127,19 +127,7 @@ class Server:
 
     def wait_ready(self, timeout: float = 600) -> None:
         """Until ``/readyz`` answers 200 (the model loaded and warmed up)."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("server not ready in time")
+        wait_ready(self.proc, self.url, self.log_path, timeout)
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM: it drains), killing it if it does not end."""

@@ -212,3 +212,24 @@ def write_json(path: Path | str, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def wait_ready(proc: Any, url: str, log_path: Optional[Path] = None,
+               timeout: float = 600, what: str = "server") -> None:
+    """Until the service at ``url`` answers ``/readyz`` with 200 (its model loaded and warmed
+    up); ``SystemExit`` with its log if the process ``proc`` (a ``subprocess.Popen``) exits
+    first or ``timeout`` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = log_path.read_text() if log_path is not None else ""
+            raise SystemExit(f"{what} exited with {proc.returncode}:\n{log}")
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{what} not ready after {timeout:g} s")
