@@ -9,6 +9,7 @@ import io
 import os
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -195,14 +196,28 @@ def models(fitted, tmp_path_factory) -> Dict[str, Path]:
     return model_variants(fitted, tmp_path_factory.mktemp("serve_models"))
 
 
+# ---- the results log ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def write_locked(path) -> Iterator[sqlite3.Connection]:
+    """Another connection holds the SQLite log's write lock for the block (as a program
+    writing to it by hand would)."""
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield other
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
 # ---- the app in process ---------------------------------------------------------------------
 @contextlib.contextmanager
-def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, **kw
+def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, store=None, **kw
             ) -> Iterator[Tuple[Any, Any]]:
     """The real app (real batcher, model and SQLite results log) around FastAPI's TestClient;
     the client sends the token when one is set. ``kw``: :class:`ServeSettings` fields.
     ``monitor``: a drift monitor object, or a ``--monitor`` spec (``"auto"``: the one the
-    service builds from the model file)."""
+    service builds from the model file); ``store``: a results store opened by the test."""
     from fastapi.testclient import TestClient
 
     from anomaly_hooks.serve import ServeSettings, create_app
@@ -212,7 +227,7 @@ def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, **kw
 
     kw.setdefault("results_dir", str(tmp_path / "results"))
     settings = ServeSettings(model=str(model), token=kw.pop("token", None), **kw)
-    app = create_app(settings, monitor=monitor)
+    app = create_app(settings, monitor=monitor, store=store)
     with TestClient(app, raise_server_exceptions=False) as client:
         if settings.token:
             client.headers["Authorization"] = f"Bearer {settings.token}"

@@ -1,12 +1,14 @@
 """Faults of the model and of the results log, in process: a model that gives non-finite
 numbers (a NaN or infinite score, a forged threshold or scale) answers 500 JSON and records
 nothing; one poisoned image of a batch fails alone; a request whose record is being committed
-when its timeout strikes is answered with that record; any other error is a JSON 500, not
+when its timeout strikes is answered with that record; a locked SQLite log answers 503 as
+a database outage does; any other error is a JSON 500, not
 the framework's text. (One refused record of a group commit: test_serve_results.py.)"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import Callable, Iterator
 
@@ -16,7 +18,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 pytest.importorskip("httpx", reason="httpx (TestClient) is not installed")
 import serve_helpers  # noqa: E402
-from serve_helpers import assert_error, encode, good_png, serving  # noqa: E402
+from serve_helpers import assert_error, encode, good_png, serving, write_locked  # noqa: E402
+
+from anomaly_hooks.serve.results import SQLiteResultStore  # noqa: E402
+from anomaly_hooks.serve.settings import RESULTS_FILE  # noqa: E402
 
 models = serve_helpers.models
 BLACK = encode(np.zeros((96, 112, 3), np.uint8))  # the image a poisoned model fails on
@@ -136,6 +141,30 @@ def test_a_record_committed_as_the_timeout_strikes_is_answered(models, tmp_path)
         r = client.post("/v1/predict/batch", files=files)
         assert r.status_code == 200 and r.json()["failed"] == 0, r.text
         assert store.count() == 3
+
+
+def test_a_locked_sqlite_log_answers_503_like_a_database_outage(models, tmp_path, caplog):
+    """Another program holds the SQLite log's write lock: a prediction answers 503
+    ``results_unavailable`` with a Retry-After after the busy timeout (not a 500), its kept
+    pictures are removed, the outage is one log line; once the lock is gone it serves again."""
+    results = tmp_path / "results"
+    store = SQLiteResultStore(results / RESULTS_FILE, busy_timeout_s=0.3)
+    with serving(models["good"], tmp_path, keep_images="all", store=store) as (client, _):
+        assert client.post("/v1/predict", content=good_png(1)).status_code == 200
+        kept = sorted((results / "images").rglob("*.*"))
+        with write_locked(store.path), caplog.at_level(logging.INFO, "anomaly_hooks.serve"):
+            for i in range(2):
+                r = client.post("/v1/predict", content=good_png(2 + i))
+                body = assert_error(r, 503, "results_unavailable")
+                assert "locked by another connection" in body["message"]
+                assert int(r.headers["Retry-After"]) >= 1
+            assert client.get("/v1/results").status_code == 200  # reads go on
+        assert sorted((results / "images").rglob("*.*")) == kept  # refused: pictures gone
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "unavailable" in errors[0].getMessage(), errors
+        assert not any(r.exc_info for r in caplog.records)
+        assert client.post("/v1/predict", content=good_png(5)).status_code == 200
+        assert client.get("/v1/results").json()["count"] == 2
 
 
 def test_an_unexpected_error_is_a_json_500(api, monkeypatch):

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import re
 import sqlite3
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serve_helpers import write_locked
 
 from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
 from anomaly_hooks.serve.results import (
+    BUSY_TIMEOUT_S,
     COLUMNS,
     MAX_ID,
     SCHEMA,
@@ -22,6 +27,7 @@ from anomaly_hooks.serve.results import (
     Recorder,
     ResultStore,
     SQLiteResultStore,
+    StoreUnavailableError,
     csv_lines,
 )
 from anomaly_hooks.serve.stores import open_store
@@ -180,6 +186,72 @@ def test_one_refused_record_does_not_fail_its_group(store_factory):
     finally:
         recorder.close()
     assert sorted(r.part_id for r in store.query()) == ["a", "c"]
+
+
+def test_a_write_lock_held_elsewhere_is_unavailable_after_the_busy_timeout(tmp_path):
+    """SQLite: a write meeting another connection's lock gives up after the busy timeout with
+    StoreUnavailableError (nothing recorded), as an unreachable PostgreSQL server does; the
+    store writes again once the lock is gone."""
+    store = SQLiteResultStore(tmp_path / "results.sqlite", busy_timeout_s=0.3)
+    store.add([_record(0, 1000.0)])
+    with write_locked(store.path):
+        writes = {"add": lambda: store.add([_record(1, 1001.0)]),
+                  "label": lambda: store.set_label(1, "good"),
+                  "prune": lambda: store.prune(max_count=0)}
+        for name, write in writes.items():
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="locked by another connection"
+                               ) as info:
+                write()
+            assert 0.3 <= time.monotonic() - start < 5.0, name  # bounded by the timeout
+            assert not info.value.outcome_unknown and str(store.path) in str(info.value)
+        assert store.count() == 1  # reads go on (WAL: a writer blocks no reader)
+    assert store.add([_record(1, 1001.0)]) == [2] and store.get(1).label is None
+    assert store.count() == 2
+    store.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "5"])
+def test_a_busy_timeout_that_is_no_positive_number_is_refused(tmp_path, timeout):
+    with pytest.raises(ValueError, match="busy_timeout_s"):
+        SQLiteResultStore(tmp_path / "results.sqlite", busy_timeout_s=timeout)
+
+
+def test_the_default_busy_timeout_is_bounded_below_the_request_timeout():
+    """Every request queued behind the writer waits out a lock: the default gives up in
+    seconds, well inside the service's request timeout."""
+    from anomaly_hooks.serve.settings import ServeSettings
+
+    assert 1.0 <= BUSY_TIMEOUT_S <= ServeSettings(model="m").request_timeout_s / 10
+
+
+def test_a_locked_log_fails_a_group_at_once_and_logs_one_line(tmp_path, caplog):
+    """The group commit on a locked log: every record of the group fails with
+    StoreUnavailableError after one busy timeout (not one timeout per record), the outage is
+    logged once, its end once."""
+    store = SQLiteResultStore(tmp_path / "results.sqlite", busy_timeout_s=0.3)
+    recorder = Recorder(store)
+    gate = threading.Event()
+    try:
+        with write_locked(store.path), caplog.at_level(logging.WARNING, "anomaly_hooks.serve"):
+            recorder.call(gate.wait, 10)  # the writer waits: the records queue up as one group
+            futures = [recorder.submit(_record(i, 1000.0 + i)) for i in range(12)]
+            start = time.monotonic()
+            gate.set()
+            for fut in futures:
+                with pytest.raises(StoreUnavailableError):
+                    fut.result(30)
+            assert time.monotonic() - start < 3.0  # one wait of 0.3 s, not twelve
+            again = recorder.submit(_record(20, 1020.0))
+            with pytest.raises(StoreUnavailableError):
+                again.result(30)
+        assert recorder.submit(_record(21, 1021.0)).result(30) == 1
+    finally:
+        recorder.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("unavailable" in m for m in lines) == 1, lines
+    assert not any(r.exc_info for r in caplog.records)  # one line, no traceback
+    assert store.count() == 1
 
 
 # ---- operator labels ------------------------------------------------------------------------

@@ -213,7 +213,7 @@ class PostgresResultStore(ResultStore):
         """Connect, create or upgrade the schema. An unreachable server, refused credentials
         or a schema of a newer version are a :class:`ConfigError` naming the URL (without its
         password) and what to do. ``statement_timeout_s`` bounds each statement (a lock held
-        elsewhere), as SQLite's 30 s busy timeout does; 0: no bound."""
+        elsewhere), as SQLite's busy timeout does; 0: no bound."""
         _require_psycopg()
         if not statement_timeout_s >= 0:
             raise ValueError(f"statement_timeout_s must be >= 0, not {statement_timeout_s}")

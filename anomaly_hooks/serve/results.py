@@ -19,6 +19,7 @@ Scores: higher = more anomalous. Times are Unix seconds (UTC) in the store, ISO 
 from __future__ import annotations
 
 import abc
+import contextlib
 import csv
 import io
 import logging
@@ -295,14 +296,35 @@ ADDED_INDEXES = ("CREATE INDEX IF NOT EXISTS results_label ON results (label, id
 SCHEMA_VERSION = 4
 
 
-class SQLiteResultStore(ResultStore):
-    """The default store: one SQLite file in WAL mode (readers never block the writer)."""
+# seconds a statement waits for a lock another connection holds on the log before the store
+# gives up (StoreUnavailableError: 503 results_unavailable). The service's own commits take
+# milliseconds; a lock held longer is another program's long transaction (a hand edit, a
+# VACUUM), and every request queued behind the writer waits for it: a few seconds, far below
+# the request timeout, then the clients are told to retry.
+BUSY_TIMEOUT_S = 5.0
+# SQLite's primary result codes of a lock held elsewhere: SQLITE_BUSY, SQLITE_LOCKED
+_BUSY_CODES = (5, 6)
 
-    def __init__(self, path: os.PathLike | str, synchronous: str = "FULL") -> None:
+
+class SQLiteResultStore(ResultStore):
+    """The default store: one SQLite file in WAL mode (readers never block the writer). A
+    lock another connection holds past ``busy_timeout_s`` is a
+    :class:`StoreUnavailableError` (nothing recorded), as an unreachable database server is
+    for :class:`~anomaly_hooks.serve.pgstore.PostgresResultStore`."""
+
+    def __init__(self, path: os.PathLike | str, synchronous: str = "FULL",
+                 busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         """Open (or create) the log at ``path``; a path that cannot hold one (its folder is a
-        file, the file is not a SQLite database, ...) is a :class:`ConfigError` saying so."""
+        file, the file is not a SQLite database, ...) is a :class:`ConfigError` saying so.
+        ``busy_timeout_s``: how long a statement waits for another connection's lock
+        (ValueError unless a finite number > 0)."""
+        if not (isinstance(busy_timeout_s, (int, float)) and math.isfinite(busy_timeout_s)
+                and busy_timeout_s > 0):
+            raise ValueError(f"busy_timeout_s must be a finite number of seconds > 0, not "
+                             f"{busy_timeout_s!r}")
         self.path = Path(path)
         self._synchronous = synchronous
+        self.busy_timeout_s = float(busy_timeout_s)
         self._lock = threading.Lock()
         self._local = threading.local()
         try:
@@ -351,11 +373,25 @@ class SQLiteResultStore(ResultStore):
             raise
 
     def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
+        # timeout: SQLite's busy handler, retrying a locked statement up to that long
+        con = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
                               check_same_thread=False)
         con.execute(f"PRAGMA synchronous={self._synchronous}")
-        con.execute("PRAGMA busy_timeout=30000")
         return con
+
+    @contextlib.contextmanager
+    def _unless_locked(self, during: str) -> Iterator[None]:
+        """Turn a lock held elsewhere past the busy timeout (``database is locked``) met in
+        the block into :class:`StoreUnavailableError`; other errors pass unchanged."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc):
+                raise
+            raise StoreUnavailableError(
+                f"the results log {self.path} is locked by another connection (waited "
+                f"{self.busy_timeout_s:g} s during {during}: {exc}); nothing was recorded"
+            ) from None
 
     def _reader(self) -> sqlite3.Connection:
         con = getattr(self._local, "con", None)
@@ -365,23 +401,36 @@ class SQLiteResultStore(ResultStore):
             self._local.con = con
         return con
 
+    @contextlib.contextmanager
+    def _transaction(self, during: str) -> Iterator[sqlite3.Connection]:
+        """The writer connection inside one ``BEGIN IMMEDIATE`` transaction, committed when
+        the block ends and rolled back when it raises; a lock held elsewhere past the busy
+        timeout is :class:`StoreUnavailableError` (``during``: what was being done)."""
+        with self._lock, self._unless_locked(during):
+            con = self._write
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                yield con
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:  # a failed COMMIT may have ended it already
+                    con.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, args: Sequence[Any]) -> List[Any]:
+        """The rows of one query on this thread's read connection."""
+        with self._unless_locked("a read"):
+            return self._reader().execute(sql, list(args)).fetchall()
+
     def add(self, records: Sequence[Record]) -> List[int]:
         if not records:
             return []
         sql = (f"INSERT INTO results ({', '.join(COLUMNS)}) "
                f"VALUES ({', '.join('?' for _ in COLUMNS)})")
         ids: List[int] = []
-        with self._lock:
-            con = self._write
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                for rec in records:
-                    cur = con.execute(sql, _to_row(rec))
-                    ids.append(int(cur.lastrowid))
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+        with self._transaction("a write") as con:
+            for rec in records:
+                ids.append(int(con.execute(sql, _to_row(rec)).lastrowid))
         for rec, rid in zip(records, ids):
             rec.id = rid
         return ids
@@ -392,44 +441,37 @@ class SQLiteResultStore(ResultStore):
                                       part_id=part_id, before_id=before_id, label=label,
                                       model=model)
         where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
-        rows = self._reader().execute(
+        rows = self._read(
             f"SELECT id, {', '.join(COLUMNS)} FROM results{where} ORDER BY id DESC LIMIT ?",
-            [*args, min(int(limit), MAX_ID)]).fetchall()
+            [*args, min(int(limit), MAX_ID)])
         return [record_from_row(r) for r in rows]
 
     def get(self, record_id: int) -> Optional[Record]:
         if not 0 < record_id <= MAX_ID:  # no such row, and SQLite cannot even bind it
             return None
-        row = self._reader().execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
-                                     [int(record_id)]).fetchone()
-        return record_from_row(row) if row else None
+        rows = self._read(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
+                          [int(record_id)])
+        return record_from_row(rows[0]) if rows else None
 
     def count(self) -> int:
-        return int(self._reader().execute("SELECT COUNT(*) FROM results").fetchone()[0])
+        return int(self._read("SELECT COUNT(*) FROM results", [])[0][0])
 
     def prune(self, *, max_age_s=None, max_count=None, now=None) -> List[Record]:
         cols = f"id, {', '.join(COLUMNS)}"
         removed: List[Record] = []
-        with self._lock:
-            con = self._write
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                if max_age_s is not None:
-                    cutoff = (time.time() if now is None else now) - float(max_age_s)
+        with self._transaction("retention") as con:
+            if max_age_s is not None:
+                cutoff = (time.time() if now is None else now) - float(max_age_s)
+                removed += [record_from_row(r) for r in con.execute(
+                    f"SELECT {cols} FROM results WHERE time < ?", [cutoff]).fetchall()]
+                con.execute("DELETE FROM results WHERE time < ?", [cutoff])
+            if max_count is not None:
+                row = con.execute("SELECT id FROM results ORDER BY id DESC LIMIT 1 OFFSET ?",
+                                  [int(max_count)]).fetchone()
+                if row is not None:
                     removed += [record_from_row(r) for r in con.execute(
-                        f"SELECT {cols} FROM results WHERE time < ?", [cutoff]).fetchall()]
-                    con.execute("DELETE FROM results WHERE time < ?", [cutoff])
-                if max_count is not None:
-                    row = con.execute("SELECT id FROM results ORDER BY id DESC LIMIT 1 OFFSET ?",
-                                      [int(max_count)]).fetchone()
-                    if row is not None:
-                        removed += [record_from_row(r) for r in con.execute(
-                            f"SELECT {cols} FROM results WHERE id <= ?", [row[0]]).fetchall()]
-                        con.execute("DELETE FROM results WHERE id <= ?", [row[0]])
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+                        f"SELECT {cols} FROM results WHERE id <= ?", [row[0]]).fetchall()]
+                    con.execute("DELETE FROM results WHERE id <= ?", [row[0]])
         return removed
 
     def set_label(self, record_id: int, label: str, note: Optional[str] = None,
@@ -439,18 +481,11 @@ class SQLiteResultStore(ResultStore):
         if not 0 < record_id <= MAX_ID:
             return None
         at = time.time() if now is None else float(now)
-        with self._lock:
-            con = self._write
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                con.execute("UPDATE results SET label = ?, label_note = ?, label_by = ?, "
-                            "label_at = ? WHERE id = ?", [label, note, by, at, int(record_id)])
-                row = con.execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
-                                  [int(record_id)]).fetchone()
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+        with self._transaction("a label") as con:
+            con.execute("UPDATE results SET label = ?, label_note = ?, label_by = ?, "
+                        "label_at = ? WHERE id = ?", [label, note, by, at, int(record_id)])
+            row = con.execute(f"SELECT id, {', '.join(COLUMNS)} FROM results WHERE id = ?",
+                              [int(record_id)]).fetchone()
         return record_from_row(row) if row else None
 
     def close(self) -> None:
@@ -460,6 +495,15 @@ class SQLiteResultStore(ResultStore):
             except sqlite3.Error:
                 pass
             self._write.close()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite gave up waiting for a lock another connection holds."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    if code is not None:
+        return code & 0xFF in _BUSY_CODES  # extended codes keep the primary in the low byte
+    text = str(exc)
+    return "is locked" in text or "database is busy" in text
 
 
 def _os_reason(exc: OSError) -> str:
