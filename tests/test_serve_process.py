@@ -226,6 +226,53 @@ def test_a_killed_database_server_answers_503_then_serves_again(model_files, tmp
     assert "Traceback" not in log, log[-3000:]
 
 
+def _fill_results(url: str, n: int) -> None:
+    """``n`` results in the PostgreSQL log at ``url`` (schema created by the store), in one
+    statement."""
+    import psycopg
+
+    from anomaly_hooks.serve.stores import open_store
+
+    open_store(url).close()
+    with psycopg.connect(url) as con:
+        con.execute("INSERT INTO results (time, request_id, score, normalized_score, "
+                    "is_anomalous, threshold, model_id, model_checksum, part_id, source) "
+                    "SELECT 1000 + g, 'r' || g, g, 0.5, false, 10, 'm', repeat('c', 64), "
+                    "'P' || g, repeat('s', 100) FROM generate_series(1, %s) AS g", [n])
+
+
+def test_a_csv_export_cut_by_a_database_crash_is_an_incomplete_transfer(model_files, tmp_path,
+                                                                       own_postgres_server):
+    """``/v1/results.csv`` while the PostgreSQL server dies: a crash mid-export aborts the
+    transfer (the client sees an incomplete chunked body, never a 200 with a short file that
+    parses as complete); an export asked while the server is down is a clean 503
+    ``results_unavailable``; once it is back the export is whole."""
+    pg = own_postgres_server
+    url = pg.url(pg.new_database())
+    n = 40_000  # ~10 MB of CSV: more than the socket buffers hold, so the export is mid-way
+    _fill_results(url, n)
+    with ServerProcess(model_files["good"], tmp_path, "--results-db", url) as server:
+        received = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("GET", server.url + "/v1/results.csv", timeout=60) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                received += next(chunks)
+                pg.kill9()
+                time.sleep(0.5)
+                for chunk in chunks:
+                    received += chunk
+        assert 0 < received.count(b"\n") - 1 < n  # cut: some rows, not all
+        down = httpx.get(server.url + "/v1/results.csv", timeout=60)
+        assert down.status_code == 503, down.text[:300]
+        assert down.json()["code"] == "results_unavailable" and down.headers["Retry-After"]
+        pg.restart()
+        whole = httpx.get(server.url + "/v1/results.csv", timeout=60)
+        assert whole.status_code == 200 and whole.text.count("\n") == n + 1
+        log = server.log()
+    assert "the CSV export was cut" in log, log[-3000:]
+
+
 def _alternating(urls: list, stop: threading.Event, out: list, errors: list, seed: int
                  ) -> None:
     """One client sending its predictions to each server in turn until ``stop``."""

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import math
 from datetime import datetime, timezone
-from typing import Annotated, Any, Dict, Literal, Optional
+from typing import Annotated, Any, Dict, Iterator, Literal, Optional
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import FileResponse, StreamingResponse
 
+from anomaly_hooks.errors import AnomalyHooksError
 from anomaly_hooks.serve.dependencies import ServiceDep, StoreDep, admin_enabled
 from anomaly_hooks.serve.errors import ServeError
-from anomaly_hooks.serve.results import MAX_ID, PICTURES, csv_lines
+from anomaly_hooks.serve.results import MAX_ID, PICTURES, Record, csv_lines
 from anomaly_hooks.serve.schemas import (
     LabelRequest,
     ResultPage,
@@ -25,6 +27,7 @@ from anomaly_hooks.serve.schemas import (
 )
 
 router = APIRouter(tags=["results"])
+log = logging.getLogger("anomaly_hooks.serve")
 
 TIME_HELP = "Unix seconds or ISO 8601 (2026-11-23T10:00:00Z; a time without zone is UTC)"
 Since = Annotated[Optional[str], Query(max_length=64,
@@ -38,7 +41,7 @@ Label = Annotated[Optional[Literal["good", "defect", "none"]], Query(
     description="only results an operator labelled good, or defect; none: not labelled")]
 Model = Annotated[Optional[str], Query(max_length=64, description="only the results of the "
                                        "model of this name (GET /v1/models)")]
-_ERRORS = error_responses(401, 404, 422, 500)
+_ERRORS = error_responses(401, 404, 422, 500, 503)
 
 
 @router.get("/v1/results", response_model=ResultPage, summary="Query the results log",
@@ -59,16 +62,60 @@ async def results(service: ServiceDep, store: StoreDep, since: Since = None, unt
 
 @router.get("/v1/results.csv", response_class=StreamingResponse, summary="Export as CSV",
             responses={**media("text/csv", "every matching result, newest first"), **_ERRORS})
-async def results_csv(store: StoreDep, since: Since = None, until: Until = None,
-                      anomalous: Anomalous = None, part_id: PartId = None,
+async def results_csv(service: ServiceDep, store: StoreDep, since: Since = None,
+                      until: Until = None, anomalous: Anomalous = None, part_id: PartId = None,
                       limit: Annotated[Optional[int], Query(ge=1, le=MAX_ID)] = None,
                       label: Label = None, model: Model = None) -> StreamingResponse:
     """The same filters as ``/v1/results``; cells that a spreadsheet would run as a formula
-    are neutralised."""
-    rows = store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id, label,
-                                                    model))
-    return StreamingResponse(csv_lines(rows), media_type="text/csv; charset=utf-8",
+    are neutralised. A log that cannot be read before the first rows are sent answers 503
+    ``results_unavailable``; one that fails later aborts the transfer (the chunked body never
+    ends), so a client never takes a cut export for a whole one."""
+    rows = _Counted(store.iter_query(limit=limit, **_filters(since, until, anomalous, part_id,
+                                                             label, model)))
+    chunks = csv_lines(rows)
+    # the header and the first rows before the answer starts: a log that cannot be read is
+    # still a status code here
+    first = await service.loop.run_in_executor(service.aux, next, chunks)
+    return StreamingResponse(_cut_loudly(first, chunks, rows), media_type="text/csv; "
+                             "charset=utf-8",
                              headers={"Content-Disposition": 'attachment; filename="results.csv"'})
+
+
+class CsvExportCutError(AnomalyHooksError):
+    """The results log failed after a CSV export had started: the transfer is aborted."""
+
+
+class _Counted:
+    """An iterator of records that counts what it gave."""
+
+    def __init__(self, records: Iterator[Record]) -> None:
+        self._records = records
+        self.count = 0
+
+    def __iter__(self) -> "_Counted":
+        return self
+
+    def __next__(self) -> Record:
+        record = next(self._records)
+        self.count += 1
+        return record
+
+
+def _cut_loudly(first: str, chunks: Iterator[str], rows: _Counted) -> Iterator[str]:
+    """``first``, then the rest of ``chunks``. An error of the store once the answer has
+    started is logged in one line and raised as :class:`CsvExportCutError`: the server then
+    closes the connection without the chunked body's last chunk, so every HTTP client reports
+    an incomplete download (raised as the store's own error, the framework would log a second
+    traceback trying to answer it)."""
+    yield first
+    try:
+        yield from chunks
+    # broad: whatever stopped the store (unreachable, locked, a plug-in's error) cuts the file
+    except Exception as exc:  # noqa: BLE001
+        log.error("the CSV export was cut after %d rows had been read, the transfer is "
+                  "aborted: %s", rows.count, exc)
+        raise CsvExportCutError(f"the CSV export was cut after {rows.count} rows had been "
+                                f"read: {exc}") from None
 
 
 @router.get("/v1/results/{record_id}", response_model=ResultRecord, summary="One result",
