@@ -18,6 +18,7 @@ from serve_helpers import write_locked
 from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
 from anomaly_hooks.serve.results import (
     BUSY_TIMEOUT_S,
+    CHECK_TIMEOUT_S,
     COLUMNS,
     MAX_ID,
     SCHEMA,
@@ -208,6 +209,22 @@ def test_a_write_lock_held_elsewhere_is_unavailable_after_the_busy_timeout(tmp_p
         assert store.count() == 1  # reads go on (WAL: a writer blocks no reader)
     assert store.add([_record(1, 1001.0)]) == [2] and store.get(1).label is None
     assert store.count() == 2
+    store.close()
+
+
+def test_the_check_takes_the_write_lock_without_waiting_out_the_busy_timeout(tmp_path):
+    """check() (what /readyz asks): passes on a free log; while another connection holds the
+    write lock it fails within CHECK_TIMEOUT_S, however long the busy timeout (a read would
+    pass: WAL readers never block)."""
+    store = SQLiteResultStore(tmp_path / "results.sqlite", busy_timeout_s=30)
+    store.check()
+    with write_locked(store.path):
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="readiness check"):
+            store.check()
+        assert time.monotonic() - start < CHECK_TIMEOUT_S + 2.0
+        assert store.query(limit=1) == []
+    store.check()
     store.close()
 
 

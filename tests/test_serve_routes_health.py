@@ -2,13 +2,23 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 pytest.importorskip("httpx", reason="httpx (TestClient) is not installed")
 import serve_helpers  # noqa: E402
-from serve_helpers import StandInMonitor, good_png, serving  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    StandInMonitor,
+    assert_error,
+    good_png,
+    serving,
+    write_locked,
+)
+
+from anomaly_hooks.serve.results import SQLiteResultStore  # noqa: E402
+from anomaly_hooks.serve.settings import RESULTS_FILE  # noqa: E402
 
 models = serve_helpers.models
 
@@ -25,6 +35,45 @@ def test_probes(api):
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["uptime_s"] >= 0
     assert client.get("/readyz").json() == {"ready": True, "model_id": service.engine.model_id}
+
+
+def test_readiness_reports_a_locked_sqlite_log(models, tmp_path):
+    """/readyz answers 503 ``results_unavailable`` saying why while another program holds the
+    SQLite log's write lock (every prediction would be refused), promptly and without waiting
+    out the busy timeout; /healthz stays 200; ready again once the lock is gone."""
+    store = SQLiteResultStore(tmp_path / "results" / RESULTS_FILE, busy_timeout_s=30)
+    with serving(models["good"], tmp_path, store=store) as (client, _):
+        assert client.get("/readyz").status_code == 200
+        with write_locked(store.path):
+            start = time.monotonic()
+            r = client.get("/readyz")
+            assert time.monotonic() - start < 5  # the check's own short wait, not 30 s
+            body = assert_error(r, 503, "results_unavailable")
+            assert "not ready" in body["message"] and "locked" in body["message"]
+            assert str(store.path) in body["message"] and int(r.headers["Retry-After"]) >= 1
+            assert client.get("/healthz").status_code == 200
+        assert client.get("/readyz").status_code == 200
+
+
+def test_readiness_reports_a_database_server_that_is_down(models, tmp_path,
+                                                         own_postgres_server):
+    """PostgreSQL killed: /readyz 503 ``results_unavailable`` naming the database, /healthz
+    200; after the server's restart the same service is ready again by itself."""
+    pg = own_postgres_server
+    with serving(models["good"], tmp_path,
+                 results_db=pg.url(pg.new_database())) as (client, _):
+        assert client.get("/readyz").status_code == 200
+        pg.kill9()
+        body = assert_error(client.get("/readyz"), 503, "results_unavailable")
+        assert f":{pg.port}/" in body["message"], body
+        assert client.get("/healthz").status_code == 200
+        pg.restart()
+        assert client.get("/readyz").status_code == 200
+
+
+def test_readiness_without_a_results_log(models, tmp_path):
+    with serving(models["good"], tmp_path, results_dir=None) as (client, service):
+        assert service.store is None and client.get("/readyz").status_code == 200
 
 
 def test_metrics(api):

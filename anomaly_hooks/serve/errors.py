@@ -7,7 +7,7 @@ the OpenAPI document (``/openapi.json``, ``/docs``) lists them under each error 
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from anomaly_hooks.errors import AnomalyHooksError
 
@@ -38,8 +38,9 @@ CODES = (
     (503, "overloaded", "the bounded queue is full; Retry-After"),
     (503, "timeout", "the request took longer than the request timeout; Retry-After"),
     (503, "shutting_down", "the server is stopping"),
-    (503, "results_unavailable", "the results log (its database server) cannot be reached: "
-     "the prediction was not acknowledged; Retry-After (the service reconnects by itself)"),
+    (503, "results_unavailable", "the results log cannot be reached (its database server is "
+     "down, or the SQLite file stays locked): the prediction was not acknowledged, or /readyz "
+     "is not ready; Retry-After (the service reconnects by itself)"),
     (503, "too_many_connections", "this client (or the server) holds as many connections as "
      "it may, all busy; Retry-After"),
 )
@@ -91,6 +92,14 @@ def results_unavailable(exc: Exception) -> ServeError:
     return ServeError(503, "results_unavailable",
                       f"the results log is unavailable, the request was not recorded: {exc}; "
                       "retry later", {"Retry-After": str(RESULTS_RETRY_AFTER_S)})
+
+
+def results_not_ready(reason: Any) -> ServeError:
+    """503 ``results_unavailable`` of ``/readyz``: the results log cannot record now
+    (``reason``), so predictions would be refused."""
+    return ServeError(503, "results_unavailable",
+                      f"not ready: the results log is unavailable, predictions would be "
+                      f"refused: {reason}", {"Retry-After": str(RESULTS_RETRY_AFTER_S)})
 
 
 STATUS_CODES = {400: "malformed_request", 401: "unauthorized", 403: "forbidden",

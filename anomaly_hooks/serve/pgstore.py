@@ -415,6 +415,15 @@ class PostgresResultStore(ResultStore):
             sql, [_pg_value(v) for v in (label, note, by, at, int(record_id))]).fetchone())
         return record_from_row(row) if row else None
 
+    def check(self) -> None:
+        """A round trip to the server (``SELECT 1``); any driver error is
+        :class:`StoreUnavailableError` (a server in crash recovery, a statement timeout)."""
+        try:
+            self._read(lambda con: con.execute("SELECT 1").fetchone())
+        except psycopg.Error as exc:
+            raise StoreUnavailableError(f"the results database {self.display_url} does not "
+                                        f"answer: {_reason(exc)}") from None
+
     def close(self) -> None:
         self._pool.close()
 

@@ -185,6 +185,13 @@ class ResultStore(abc.ABC):
         plug-in written before them) raises NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} keeps no labels")
 
+    def check(self) -> None:
+        """Raise :class:`StoreUnavailableError` when the store could not record a prediction
+        now (what ``/readyz`` asks, so a load balancer stops sending to a replica that would
+        refuse). By default a read of the newest record; a store whose writes can fail while
+        reads succeed checks a write."""
+        self.query(limit=1)
+
     def close(self) -> None:  # noqa: B027 (optional: nothing to release by default)
         """Release resources."""
 
@@ -302,6 +309,9 @@ SCHEMA_VERSION = 4
 # VACUUM), and every request queued behind the writer waits for it: a few seconds, far below
 # the request timeout, then the clients are told to retry.
 BUSY_TIMEOUT_S = 5.0
+# seconds the readiness check waits for the write lock (the service's own commits hold it
+# for milliseconds; a longer hold is another program's)
+CHECK_TIMEOUT_S = 0.5
 # SQLite's primary result codes of a lock held elsewhere: SQLITE_BUSY, SQLITE_LOCKED
 _BUSY_CODES = (5, 6)
 
@@ -380,18 +390,31 @@ class SQLiteResultStore(ResultStore):
         return con
 
     @contextlib.contextmanager
-    def _unless_locked(self, during: str) -> Iterator[None]:
+    def _unless_locked(self, during: str, waited_s: Optional[float] = None) -> Iterator[None]:
         """Turn a lock held elsewhere past the busy timeout (``database is locked``) met in
-        the block into :class:`StoreUnavailableError`; other errors pass unchanged."""
+        the block into :class:`StoreUnavailableError`; other errors pass unchanged.
+        ``waited_s``: how long the block waits for a lock (default: the busy timeout)."""
         try:
             yield
         except sqlite3.OperationalError as exc:
             if not _is_busy(exc):
                 raise
+            waited = self.busy_timeout_s if waited_s is None else waited_s
             raise StoreUnavailableError(
                 f"the results log {self.path} is locked by another connection (waited "
-                f"{self.busy_timeout_s:g} s during {during}: {exc}); nothing was recorded"
-            ) from None
+                f"{waited:g} s during {during}: {exc}); nothing was recorded") from None
+
+    def check(self) -> None:
+        """Take the write lock and give it back at once, on a connection of its own that waits
+        :data:`CHECK_TIMEOUT_S` for it (readers never block in WAL mode: a read would pass
+        while every write waits out a lock)."""
+        with self._unless_locked("a readiness check", CHECK_TIMEOUT_S):
+            con = sqlite3.connect(self.path, timeout=CHECK_TIMEOUT_S, isolation_level=None)
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                con.execute("ROLLBACK")
+            finally:
+                con.close()
 
     def _reader(self) -> sqlite3.Connection:
         con = getattr(self._local, "con", None)

@@ -51,7 +51,12 @@ from anomaly_hooks.serve.engine import (
     PreparedImage,
 )
 from anomaly_hooks.serve.engines import engine_class, load_engine
-from anomaly_hooks.serve.errors import ServeError, not_ready, results_unavailable
+from anomaly_hooks.serve.errors import (
+    ServeError,
+    not_ready,
+    results_not_ready,
+    results_unavailable,
+)
 from anomaly_hooks.serve.metrics import ServiceMetrics
 from anomaly_hooks.serve.modelpaths import inside_folder, load_cancelled
 from anomaly_hooks.serve.monitoring import (
@@ -75,6 +80,9 @@ from anomaly_hooks.serve.stores import open_store
 from anomaly_hooks.serve.versions import Version, VersionShelf, VersionTrack
 
 log = logging.getLogger("anomaly_hooks.serve")
+# seconds /readyz waits for the results log's check (a database that vanished without closing
+# its connections takes the connect timeout, 10 s, to fail: the probe says "not ready" sooner)
+STORE_CHECK_TIMEOUT_S = 2.0
 
 TRIM_INTERVAL_S = 5.0  # at most this often, the free C heap goes back to the system
 
@@ -107,6 +115,8 @@ class Service:
         self.store: Optional[ResultStore] = None
         self.files: Optional[ImageFiles] = None
         self.recorder: Optional[Recorder] = None
+        # the readiness check of the results log in flight (one at a time, however many probes)
+        self._store_check: Optional["asyncio.Future[None]"] = None
         self.on_fatal = on_fatal
         self.admission = Admission(settings.max_queue)
         # consulted by the server's HTTP protocol (serve/server.py); unused in process
@@ -358,6 +368,23 @@ class Service:
         if removed:
             log.info("retention: removed %d result(s)", len(removed))
         return len(removed)
+
+    async def require_store(self) -> None:
+        """503 ``results_unavailable`` (why, in its message) unless the results log could
+        record a prediction now (:meth:`ResultStore.check`, at most
+        :data:`STORE_CHECK_TIMEOUT_S`); nothing without a log. Concurrent callers share one
+        check, so probes of a hung database do not pile up threads."""
+        if self.store is None:
+            return
+        if self._store_check is None or self._store_check.done():
+            self._store_check = self.loop.run_in_executor(self.aux, self.store.check)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._store_check), STORE_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise results_not_ready(f"it did not answer a check within "
+                                    f"{STORE_CHECK_TIMEOUT_S:g} s") from None
+        except StoreUnavailableError as exc:
+            raise results_not_ready(exc) from None
 
     # -- model -----------------------------------------------------------------------------
     def require_engine(self, slot: Optional[ModelSlot] = None) -> ModelEngine:

@@ -27,8 +27,10 @@ async def healthz(service: ServiceDep) -> Dict[str, Any]:
             responses=error_responses(500, 503))
 async def readyz(service: ServiceDep) -> Dict[str, Any]:
     """Every model is loaded and warm (503 ``not_ready`` while one loads, or why it was
-    refused)."""
+    refused) and the results log can record (503 ``results_unavailable`` and why, while it
+    cannot: every prediction would be refused). ``/healthz`` stays 200 meanwhile."""
     engines = {name: service.require_engine(slot) for name, slot in service.slots.items()}
+    await service.require_store()
     out: Dict[str, Any] = {"ready": True, "model_id": engines[service.default.name].model_id}
     if len(engines) > 1:
         out["models"] = {name: engine.model_id for name, engine in engines.items()}
