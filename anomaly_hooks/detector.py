@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -43,8 +43,11 @@ from anomaly_hooks.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
-# sees a batch's layer outputs {layer: [B, C, h, w]} and its network input [B, 3, h, w]
-Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor], None]
+# sees a batch's layer outputs {layer: [B, C, h, w]}, its network input [B, 3, h, w] and each
+# image's box [B] (h, w) in a tiled model's frame (its own part, the rest padding; None: an
+# untiled model, whose images fill the input)
+Observer = Callable[[Dict[str, torch.Tensor], torch.Tensor,
+                     Optional[List[Tuple[int, int]]]], None]
 
 
 class Inference(NamedTuple):
@@ -57,11 +60,13 @@ class Inference(NamedTuple):
 def _taps_observer(taps: Dict[str, np.ndarray], then: Optional[Observer]) -> Observer:
     """An observer that puts each layer's per-image channel means into ``taps`` (and calls
     ``then``, if any)."""
-    def observe(features: Dict[str, torch.Tensor], images: torch.Tensor) -> None:
+    def observe(features: Dict[str, torch.Tensor], images: torch.Tensor,
+                boxes: Optional[List[Tuple[int, int]]] = None) -> None:
         # the drift monitor's layer statistic, on maps the scorer reads anyway
-        taps.update({name: layer_statistics(f) for name, f in features.items()})
+        frame = tuple(images.shape[-2:])
+        taps.update({name: layer_statistics(f, boxes, frame) for name, f in features.items()})
         if then is not None:
-            then(features, images)
+            then(features, images, boxes)
     return observe
 
 
@@ -296,16 +301,20 @@ class Detector:
                           pin_memory=self.device.type == "cuda")
         return torch.stack(pre, out=out), [size for _, size in loaded]
 
-    def embed(self, images: torch.Tensor, *, scorer: Optional[Scorer] = None,
-              observe: Optional[Observer] = None, timings: Optional[Stopwatch] = None
-              ) -> torch.Tensor:
+    def embed(self, images: torch.Tensor, *, sizes: Optional[Sequence[tuple[int, int]]] = None,
+              scorer: Optional[Scorer] = None, observe: Optional[Observer] = None,
+              timings: Optional[Stopwatch] = None) -> torch.Tensor:
         """Network inputs ``[B, 3, h, w]`` -> patch embeddings ``[B, D, gh, gw]``: the hooked
         backbone's layer outputs ``{layer: [B, C_l, h_l, w_l]}``, then the scorer's embedder.
 
         Args:
+            sizes: each image's own (H, W), as in :meth:`infer` (a tiled model's observer
+                learns each image's box in the frame from them).
             scorer: whose embedder (default: the fitted ``scorer_``).
-            observe: ``observe(features, images)`` sees the layer outputs first (the drift
-                statistics: no second backbone pass).
+            observe: ``observe(features, images, boxes)`` sees the layer outputs first (the
+                drift statistics: no second backbone pass); ``boxes``: each image's own part
+                of a tiled model's frame, ``(h, w)`` network pixels at its top-left (the
+                rest is padding), None for an untiled model.
             timings: charged ``backbone`` and ``embedding`` seconds.
         """
         scorer = scorer if scorer is not None else self.scorer_
@@ -315,7 +324,9 @@ class Detector:
             features = (self.extractor(images) if self.tiling is None
                         else self.tiling.features(self.extractor, images))
             if observe is not None:
-                observe(features, images)
+                boxes = (None if self.tiling is None
+                         else self.tiling.boxes(sizes, images.shape[0]))
+                observe(features, images, boxes)
             if timings is not None:
                 timings.lap("backbone")
             emb = scorer.embedder(features)
@@ -352,7 +363,8 @@ class Detector:
         if taps is not None:
             observe = _taps_observer(taps, observe)
         with torch.inference_mode(), ieee_float32():
-            emb = self.embed(images, scorer=scorer, observe=observe, timings=timings)
+            emb = self.embed(images, sizes=sizes, scorer=scorer, observe=observe,
+                             timings=timings)
             patch = scorer.score(emb)
             inside = None
             if self.tiling is not None:  # the padding around each image is no part

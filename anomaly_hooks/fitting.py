@@ -180,7 +180,8 @@ def fit_shard(det: "Detector", items: Sequence[Any], n_total: int,
         for b, batch in enumerate(det.batches(items)):
             errors.extend(msg for _, msg in batch.errors)
             if batch.indices:
-                emb = det.embed(batch.images, scorer=scorer, observe=collector)
+                emb = det.embed(batch.images, sizes=batch.sizes, scorer=scorer,
+                                observe=collector)
                 if descriptors:
                     desc.append(descriptors_of(det, emb))
                 scorer.partial_fit(emb)
@@ -286,6 +287,7 @@ class FitRun:
         self.collector = new_collector(det)
         self.errors: Dict[str, List[str]] = {"training": [], "threshold": [], "defect": []}
         self.held_images: List[torch.Tensor] = []  # [b, 3, h, w] per batch
+        self.held_sizes: List[Tuple[int, int]] = []  # each held image's own (H, W)
         self.n_used = 0
         self.used: List[int] = []  # indices into plan.train of the images the fit read
         self.descriptors: List[np.ndarray] = []  # grouping descriptors, one array per batch
@@ -335,8 +337,10 @@ class FitRun:
             k = sum(i < n_train for i in batch.indices)
             if k < len(batch.indices):  # a copy, so that a mixed batch is not kept whole
                 self.held_images.append(batch.images[k:].clone() if k else batch.images)
+                self.held_sizes.extend(batch.sizes[k:])
             if k:
-                emb = det.embed(batch.images[:k], scorer=self.scorer, observe=self.collector)
+                emb = det.embed(batch.images[:k], sizes=batch.sizes[:k], scorer=self.scorer,
+                                observe=self.collector)
                 parts.lap("features")
                 if self.plan.out_of_sample:
                     self.descriptors.append(descriptors_of(det, emb))
@@ -379,6 +383,7 @@ class FitRun:
             self.errors["threshold"].extend(msg for _, msg in batch.errors)
             if batch.indices:
                 self.held_images.append(batch.images)
+                self.held_sizes.extend(batch.sizes)
         report_unreadable(self.cfg, self.errors)
 
     # -- groups, finalize, threshold, reference ----------------------------------------------
@@ -452,11 +457,11 @@ class FitRun:
         else:
             good = []
             images = torch.cat(self.held_images) if self.held_images else None
-            self.held_images = []
+            sizes, self.held_images, self.held_sizes = self.held_sizes, [], []
             step = self.cfg.data.batch_size
             for lo in range(0, 0 if images is None else images.shape[0], step):
-                good.extend(det.infer(images[lo:lo + step], scorer=scorer,
-                                      observe=self.collector).scores.tolist())
+                good.extend(det.infer(images[lo:lo + step], sizes=sizes[lo:lo + step],
+                                      scorer=scorer, observe=self.collector).scores.tolist())
         self.clock.lap("threshold")
         return good
 

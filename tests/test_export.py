@@ -131,7 +131,7 @@ def test_layer_means_equal_the_eager_drift_taps(exported, batch):
     x = torch.stack([load_preprocessed(i, det.preprocessor, 10**8)[0]
                      for i in probe_images()[:batch]])
     taps, fmaps = {}, {}
-    det.infer(x, taps=taps, observe=lambda feats, _images: fmaps.update(
+    det.infer(x, taps=taps, observe=lambda feats, _images, _boxes: fmaps.update(
         {k: v.float().numpy().copy() for k, v in feats.items()}))
     sess = ort.InferenceSession(str(path))
     names = [o.name for o in sess.get_outputs()]
@@ -489,10 +489,11 @@ def test_tiled_graph_masks_each_images_padding(tiled_export):
 
 
 def test_tiled_layer_means_equal_the_eager_tiled_drift_taps(tiled_export):
-    """A tiled graph's ``layer_means/<layer>`` are the channel means of the stitched frame
-    maps, padding included: what the eager tiled path's taps (and its drift monitor) measure,
-    within the bound of :func:`test_layer_means_equal_the_eager_drift_taps` (the stitching is
-    copies); the boxes change the scores, not the layer means."""
+    """A tiled graph's ``layer_means/<layer>`` are each image's channel means over the cells of
+    the stitched frame map that hold pixels of its box (the padding left out): a brute-force
+    mean over those cells, which the eager tiled path's taps (and its drift monitor) measure
+    too, within the bound of :func:`test_layer_means_equal_the_eager_drift_taps` (the
+    stitching is copies). With padding the whole map's mean differs."""
     import onnxruntime as ort
 
     from anomaly_hooks.runtime.metadata import BOXES, layer_means_output
@@ -502,20 +503,31 @@ def test_tiled_layer_means_equal_the_eager_tiled_drift_taps(tiled_export):
     x = torch.stack([det.preprocessor(torch.from_numpy(i).permute(2, 0, 1).float() / 255)
                      for i in textured_images(3, size=(96, 144), seed=5)])
     sizes = [(96, 144), (150, 100), (60, 200)]  # whole frame, right and lower padding
-    taps, fmaps = {}, {}
-    det.infer(x, sizes=sizes, taps=taps, observe=lambda feats, _images: fmaps.update(
-        {k: v.float().numpy().copy() for k, v in feats.items()}))
+    box = np.array([det.preprocessor.frame.placement(s) for s in sizes], np.int64)
+    taps, fmaps, seen = {}, {}, []
+
+    def observe(feats, _images, boxes):
+        fmaps.update({k: v.float().numpy().copy() for k, v in feats.items()})
+        seen.append(boxes)
+
+    det.infer(x, sizes=sizes, taps=taps, observe=observe)
+    assert [tuple(b) for b in seen[0]] == [tuple(b) for b in box]  # the observer's boxes
     sess = ort.InferenceSession(str(path))
     names = [o.name for o in sess.get_outputs()]
     assert names == [*OUTPUTS, *(layer_means_output(n) for n in det.layers)]
-    box = np.array([det.preprocessor.frame.placement(s) for s in sizes], np.int64)
     outs = dict(zip(names, sess.run(None, {INPUT: x.numpy(), BOXES: box})))
     for layer in det.layers:
         got, want, fmap = outs[layer_means_output(layer)], taps[layer], fmaps[layer]
-        assert fmap.shape[2:] == tuple(v // det.tiling.layer_strides[layer]
-                                       for v in det.tiling.grid.frame)  # stitched
-        assert got.shape == want.shape == fmap.shape[:2]
+        stride = det.tiling.layer_strides[layer]
+        assert fmap.shape[2:] == tuple(v // stride for v in det.tiling.grid.frame)  # stitched
+        cells = [(-(-int(h) // stride), -(-int(w) // stride)) for h, w in box]
+        brute = np.stack([fmap[i, :, :h, :w].astype(np.float64).mean(axis=(1, 2))
+                          for i, (h, w) in enumerate(cells)])
+        assert got.shape == want.shape == brute.shape == fmap.shape[:2]
         hw = fmap.shape[2] * fmap.shape[3]
-        tol = (backbone_rtol() * float(np.abs(fmap).max())
-               + f32_tol(hw, float(np.abs(fmap).mean(axis=(2, 3)).max())))
-        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=layer)
+        scale = float(np.abs(fmap).mean(axis=(2, 3)).max())
+        np.testing.assert_allclose(want, brute, rtol=0, atol=f32_tol(hw, scale), err_msg=layer)
+        tol = backbone_rtol() * float(np.abs(fmap).max()) + f32_tol(hw, scale)
+        np.testing.assert_allclose(got, brute, rtol=0, atol=tol, err_msg=layer)
+        whole = fmap.astype(np.float64).mean(axis=(2, 3))
+        assert np.abs(whole[1:] - brute[1:]).max() > 10 * tol, layer  # the padding counts

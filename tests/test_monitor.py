@@ -18,6 +18,7 @@ from anomaly_hooks.monitor import (
     DriftMonitor,
     DriftReference,
     StatisticsCollector,
+    block_statistics,
     input_statistics,
     layer_statistics,
 )
@@ -423,6 +424,72 @@ def test_statistics_of_tensors_match_numpy(device):
     want = input_statistics(imgs.numpy(), mean, std)
     for i in range(len(got)):
         _assert_input_statistics_close(got[i], want[i], pixels=20 * 24)
+
+
+def _box_reference(feats: np.ndarray, cells) -> np.ndarray:
+    """Brute force: each image's float64 channel means over its unpadded cells only."""
+    return np.stack([feats[i, :, :h, :w].astype(np.float64).mean(axis=(1, 2))
+                     for i, (h, w) in enumerate(cells)])
+
+
+def test_statistics_over_boxes_read_only_the_images_part(device):
+    """A tiled model's letterboxed images: with each image's box, the layer means are those of
+    the cells whose top-left pixel is in the box (a brute-force mean over those cells; bright
+    padding cells change nothing), the input statistics those of the box's pixels (the
+    statistics of the cropped image)."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(1)
+    frame = (32, 48)
+    feats = torch.randn(3, 6, 8, 12, generator=gen)  # stride 4
+    imgs = torch.randn(3, 3, *frame, generator=gen)
+    boxes = [(32, 48), (32, 22), (13, 48)]  # the whole frame, right and lower padding
+    cells = [(8, 12), (8, 6), (4, 12)]      # ceil(box / 4): cells starting inside the box
+    for i, (h, w) in enumerate(cells):      # the padding: far from the image's features
+        feats[i, :, h:, :] = 100.0
+        feats[i, :, :, w:] = 100.0
+    want = _box_reference(feats.numpy(), cells)
+    tol = f32_tol(8 * 12, float(np.abs(want).max()))
+    for given in (feats.to(device), feats.numpy()):
+        got = layer_statistics(given, boxes, frame)
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    padded = layer_statistics(feats)  # without boxes: the padding's 100s are in the mean
+    assert np.abs(padded[1:] - want[1:]).min() > 10.0
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    got = input_statistics(imgs.to(device), mean, std, boxes)
+    for i, (h, w) in enumerate(boxes):
+        crop = input_statistics(imgs[i:i + 1, :, :h, :w].numpy(), mean, std)[0]
+        _assert_input_statistics_close(got[i], crop, pixels=h * w)
+    blocks = block_statistics({"layer": feats}, imgs, mean, std, boxes=np.array(boxes))
+    np.testing.assert_allclose(blocks["layer"], want, rtol=0, atol=tol)
+    with pytest.raises(ValueError, match=r"boxes must be \[B, 2\]"):
+        layer_statistics(feats, boxes[:2], frame)
+    with pytest.raises(ValueError, match="frame's size"):
+        layer_statistics(feats, boxes)
+
+
+@pytest.mark.slow
+def test_a_tiled_fits_reference_reads_each_images_box():
+    """A tiled fit on parts of two aspects: the drift reference's layer means are the mean,
+    over the training images, of each image's channel means over its own cells (not the
+    letterbox around the portrait ones), as the monitor then measures a predict."""
+    from conftest import TILED_SIZE, backbone_rtol, textured_images, tiled_cfg
+
+    from anomaly_hooks import Detector
+
+    det = Detector.from_config({**tiled_cfg("padim"), "monitor": MONITOR_CFG})
+    images = textured_images(16, size=TILED_SIZE) + textured_images(8, size=(150, 100), seed=7)
+    det.fit(images, progress=False)
+    batch, sizes = det.prepare(images)
+    assert {det.preprocessor.frame.placement(s) for s in sizes} == {(96, 144), (96, 64)}
+    taps, padded = {}, {}
+    det.infer(batch, sizes=sizes, taps=taps, observe=lambda feats, images_, boxes: padded.update(
+        {k: layer_statistics(v) for k, v in feats.items()}))
+    for layer in det.layers:
+        block = det.drift_reference_.blocks[layer]
+        want = taps[layer].astype(np.float64).mean(axis=0)
+        scale = float(np.abs(taps[layer]).max())
+        np.testing.assert_allclose(block.mean, want, rtol=0, atol=backbone_rtol() * scale)
+        assert np.abs(padded[layer].mean(axis=0) - want).max() > 10 * backbone_rtol() * scale
 
 
 def test_bad_inputs_are_refused_with_a_message():

@@ -419,7 +419,7 @@ def test_a_tiled_export_is_not_quantised(tiled_model, tmp_path):
 def test_a_tiled_exports_drift_monitor_sees_what_the_eager_one_sees(tiled_model):
     """A tiled export feeds its drift monitor as the eager tiled Detector does: the same images
     counted and blocks observed over images of several aspects, and layer statistics (the
-    means of the stitched frame maps, padding included) equal to the eager taps within the
+    means of the stitched frame maps over each image's box) equal to the eager taps within the
     float32 error of the two backbones plus the rounding of a mean over the largest stitched
     map's positions."""
     det, saved, path, folder = tiled_model

@@ -203,11 +203,29 @@ class PredictGraph(nn.Module):
         image = self.scorer.image_scores(rows, scores, aux, heat.flatten(1).amax(dim=1))
         return (patch, heat, image, *self.layer_means(maps))
 
-    def layer_means(self, maps: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    def layer_means(self, maps: Sequence[torch.Tensor], boxes: Any = None
+                    ) -> Tuple[torch.Tensor, ...]:
         """Each drift layer's per-image channel means ``[B, C_l]`` of the layer maps
         ``[B, C_l, h_l, w_l]``: the eager taps' reduction (monitor.stats.layer_statistics),
-        a float32 mean over h, w."""
-        return tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
+        a float32 mean over h, w; with ``boxes`` ``[B, 2]`` (each image's own part of the
+        frame, a tiled graph's input) over the cells whose top-left pixel is in the box, by a
+        mask (traceable: no per-image slicing)."""
+        if boxes is None:
+            return tuple(maps[i].float().mean(dim=(2, 3)) for i in self.drift_index)
+        return tuple(box_means(maps[i].float(), boxes, self.size) for i in self.drift_index)
+
+
+def box_means(fmap: torch.Tensor, boxes: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """Channel means ``[B, C]`` of a layer map ``[B, C, h, w]`` of frames of ``size`` (H, W),
+    each over the cells whose top-left pixel lies in its image's box ``[B, 2]`` (h, w at the
+    top-left): monitor.stats.box_cells' rule, as a masked sum over a cell count."""
+    h, w = fmap.shape[-2:]
+    cell_y = torch.arange(h, device=fmap.device).view(1, h, 1) * (int(size[0]) // h)
+    cell_x = torch.arange(w, device=fmap.device).view(1, 1, w) * (int(size[1]) // w)
+    inside = ((cell_y < boxes[:, 0].view(-1, 1, 1)) & (cell_x < boxes[:, 1].view(-1, 1, 1))
+              ).to(fmap.dtype).unsqueeze(1)  # [B, 1, h, w]
+    count = inside.sum(dim=(2, 3)).clamp(min=1.0)  # [B, 1]
+    return (fmap * inside).sum(dim=(2, 3)) / count
 
 
 def stitch_tiles(tiles: torch.Tensor, grid: Any, stride: int) -> torch.Tensor:
@@ -266,8 +284,8 @@ class TiledPredictGraph(PredictGraph):
                 ) -> Tuple[torch.Tensor, ...]:
         """Frames ``[B, 3, H, W]`` and boxes ``[B, 2]`` -> ``[B, gh, gw]`` patch scores,
         ``[B, H, W]`` heatmap, ``[B]`` image scores, then ``[B, C_l]`` channel means of each
-        drift layer over its stitched frame map (the whole frame, padding included: what the
-        eager tiled path's taps and drift monitor see)."""
+        drift layer over the cells of its stitched frame map that hold pixels of the image's
+        box (the padding left out: what the eager tiled path's taps and drift monitor read)."""
         maps = [stitch_tiles(f, self.tile_grid, s)
                 for f, s in zip(self.backbone(self.cut(x)), self.strides)]
         rows = self.embed(maps)
@@ -287,4 +305,4 @@ class TiledPredictGraph(PredictGraph):
         heat = anomaly_maps(patch, self.size)
         peak = torch.where(inside, heat, torch.full_like(heat, float("-inf")))
         image = self.scorer.image_scores(rows, flat, aux, peak.flatten(1).amax(dim=1))
-        return (patch, heat, image, *self.layer_means(maps))
+        return (patch, heat, image, *self.layer_means(maps, boxes))

@@ -73,24 +73,27 @@ class DriftMonitor:
         self._peaks: Dict[str, float] = {}
 
     # -- feeding ---------------------------------------------------------------------------
-    def statistics(self, features: Optional[Mapping[str, Any]], images: Any) -> Dict[str, Any]:
+    def statistics(self, features: Optional[Mapping[str, Any]], images: Any,
+                   boxes: Any = None, frame: Any = None) -> Dict[str, Any]:
         """Per-image block statistics of a batch (``features`` ``{layer: [B, C, h, w]}`` or
         None, ``images`` the normalised network input ``[B, 3, h, w]`` or None): a few
-        floats per channel, so the layer outputs can be freed before :meth:`update`."""
+        floats per channel, so the layer outputs can be freed before :meth:`update`.
+        ``boxes``: ``[B, 2]`` each image's own part of a tiled model's frame (``frame`` (H,
+        W), default the images' size), the padding around it not read; None: all of it."""
         return block_statistics(features, images, self.mean, self.std,
-                                blocks=self.reference.blocks)
+                                blocks=self.reference.blocks, boxes=boxes, frame=frame)
 
     def batch(self) -> "PendingBatch":
-        """A callable ``(features, images)`` for the detector's forward pass that keeps the
-        batch's statistics (so the layer outputs can be freed) until ``finish(scores)`` adds
-        them with the image scores. One per batch: concurrent predicts do not mix."""
+        """A callable ``(features, images, boxes)`` for the detector's forward pass that keeps
+        the batch's statistics (so the layer outputs can be freed) until ``finish(scores)``
+        adds them with the image scores. One per batch: concurrent predicts do not mix."""
         return PendingBatch(self)
 
     def add_batch(self, features: Optional[Mapping[str, Any]], images: Any,
-                  scores: Optional[Any] = None) -> None:
+                  scores: Optional[Any] = None, boxes: Any = None) -> None:
         """One batch as the detector sees it: :meth:`statistics` then :meth:`update`.
         Tensors or arrays; e.g. from a runtime without layer outputs, ``features=None``."""
-        self.update(self.statistics(features, images), scores)
+        self.update(self.statistics(features, images, boxes), scores)
 
     def update(self, vectors: Mapping[str, Any], scores: Optional[Any] = None) -> None:
         """Add ``B`` images: per-image statistics ``{block: [B, d]}`` and (optionally) their
@@ -272,8 +275,8 @@ class PendingBatch:
         self.monitor = monitor
         self.vectors: Dict[str, np.ndarray] = {}
 
-    def __call__(self, features: Mapping[str, Any], images: Any) -> None:
-        self.vectors = self.monitor.statistics(features, images)
+    def __call__(self, features: Mapping[str, Any], images: Any, boxes: Any = None) -> None:
+        self.vectors = self.monitor.statistics(features, images, boxes)
 
     def finish(self, scores: Any) -> None:
         """Add the batch (statistics and its image scores ``[B]``) to the window."""

@@ -41,7 +41,8 @@ class ServiceMonitor:
                 return
         vectors: Dict[str, Any] = dict(batch.features or {})  # the layers' channel means
         vectors.update(block_statistics(None, batch.inputs, batch.mean, batch.std,
-                                        blocks=self.monitor.reference.blocks))
+                                        blocks=self.monitor.reference.blocks,
+                                        boxes=getattr(batch, "boxes", None)))
         self.monitor.update(vectors, batch.scores)
 
     def status(self) -> Dict[str, Any]:

@@ -18,7 +18,8 @@ heatmap comes back from the image's own part of the frame.
 
 Drift: a file exported from a model with a drift reference carries it (``drift_reference_``)
 and its graph outputs each tapped layer's per-image channel means (a tiled model's: over the
-stitched frame maps, as the eager tiled path's taps) beside the scores
+cells of the stitched frame maps that hold the image's box, as the eager tiled path's taps)
+beside the scores
 (:meth:`OnnxDetector.run` with ``features``), so the numpy drift monitor runs on the edge as on
 the eager path::
 
@@ -32,6 +33,7 @@ the eager path::
     layers = {}                                     # {layer: [B, C]} channel means
     scores, _ = det.run(batch, features=layers)
     mon.update({**mon.statistics(None, batch), **layers}, scores)   # input + layers + score
+    # (a tiled model: statistics(None, batch, boxes), each image's box in the frame)
 
 ``drift_unavailable`` says why a file cannot (an older export, a model fitted without a
 reference).
@@ -224,7 +226,8 @@ class OnnxDetector:
                              for i, name in enumerate(self.drift_layers)})
         scores_all = np.concatenate(scores)
         if monitor is not None:
-            monitor.update({**monitor.statistics(None, batch), **(features or {})}, scores_all)
+            monitor.update({**monitor.statistics(None, batch, feed_boxes),
+                            **(features or {})}, scores_all)
         return scores_all, np.concatenate(maps)
 
     def preprocess(self, image: np.ndarray, size: Optional[Sequence[int]] = None

@@ -177,6 +177,16 @@ class ModelEngine:
     def input_size(self) -> Tuple[int, int]:
         return tuple(self.detector.preprocessor.input_size)  # type: ignore[return-value]
 
+    def boxes(self, sizes: Sequence[Optional[Tuple[int, int]]]) -> Optional[np.ndarray]:
+        """``[B, 2]`` int64: each image's own part of a tiled model's working frame, ``(h,
+        w)`` network pixels at its top-left, for images of ``sizes`` (H, W; None: the content
+        box); None for an untiled model (its images fill the input)."""
+        frame = getattr(self.detector.preprocessor, "frame", None)
+        if frame is None:
+            return None
+        return np.asarray([tuple(frame.content) if s is None else frame.placement(tuple(s))
+                           for s in sizes], dtype=np.int64).reshape(len(sizes), 2)
+
     def info(self) -> Dict[str, Any]:
         """What GET /v1/model shows (the fields of :class:`.schemas.ModelInfo`)."""
         raise NotImplementedError

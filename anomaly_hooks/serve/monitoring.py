@@ -27,7 +27,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,6 +54,9 @@ class ObservedBatch:
             recorded by the scorer's own forward hooks in the same pass (no second forward);
             None when the service was built without a monitor; empty from an engine that
             cannot tap its layers (the ONNX engine).
+        boxes: ``[B, 2]`` int64, each image's own part of a tiled model's working frame
+            (``(h, w)`` network pixels at the top-left; the rest of ``inputs`` is padding),
+            None for an untiled model (the layer means above are over the boxes already).
     """
 
     inputs: Any
@@ -66,6 +69,7 @@ class ObservedBatch:
     std: Tuple[float, float, float]
     timestamp: float
     features: Optional[Dict[str, np.ndarray]] = None
+    boxes: Optional[np.ndarray] = None
 
 
 AUTO_FACTORY = "anomaly_hooks.monitor.service:build_auto"  # None for a model without reference
@@ -149,9 +153,12 @@ def numeric_leaves(data: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:
 
 
 def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: float,
-                   features: Optional[Dict[str, np.ndarray]] = None) -> ObservedBatch:
+                   features: Optional[Dict[str, np.ndarray]] = None,
+                   sizes: Optional[Sequence[Optional[Tuple[int, int]]]] = None
+                   ) -> ObservedBatch:
     """The :class:`ObservedBatch` of one inference batch (built on the monitor's thread;
-    ``inputs`` stacked by the engine: a torch tensor, or a numpy array on the ONNX engine)."""
+    ``inputs`` stacked by the engine: a torch tensor, or a numpy array on the ONNX engine;
+    ``sizes``: each image's own (H, W), for a tiled model's boxes)."""
     inputs = engine.stack(list(tensors))
     thr = engine.detector.threshold_
     pre = engine.detector.preprocessor
@@ -160,7 +167,9 @@ def observed_batch(engine: Any, tensors: Any, scores: np.ndarray, timestamp: flo
                          normalized_scores=norm, is_anomalous=np.asarray(scores) > thr.value,
                          threshold=float(thr.value), model_id=engine.model_id,
                          mean=tuple(pre.mean), std=tuple(pre.std), timestamp=timestamp,
-                         features=features)
+                         features=features,
+                         boxes=engine.boxes(sizes if sizes is not None
+                                            else [None] * len(scores)))
 
 
 def monitor_enabled(spec: Optional[str]) -> bool:

@@ -698,11 +698,13 @@ class Service:
         if not keep.any():
             return
         tensors = [j.tensor for j, k in zip(jobs, keep) if k]
+        sizes = [j.size for j, k in zip(jobs, keep) if k]
         scores = np.asarray(scores)[keep]
         if features is not None and not keep.all():
             features = {name: values[keep] for name, values in features.items()}
         stamp = time.time()
-        if not monitor.offer(lambda: observed_batch(engine, tensors, scores, stamp, features)):
+        if not monitor.offer(lambda: observed_batch(engine, tensors, scores, stamp, features,
+                                                    sizes)):
             self.metrics.drift_dropped.inc()
 
     # -- predictions -----------------------------------------------------------------------
