@@ -5,7 +5,7 @@
 network input size), ``image_score [B]`` and, for a model with a drift reference, one
 ``layer_means/<layer> [B, C]`` per layer of the reference (the statistics the drift monitor
 compares; a tiled model's graph takes each image's box in its frame too, ``boxes [B, 2]``, and
-its layer means are over the stitched frame maps:
+its layer means are over the cells of the stitched frame maps in each image's box:
 :class:`~anomaly_hooks.export.graph.TiledPredictGraph`), with everything the torch-free runtime
 (:mod:`anomaly_hooks.runtime`) needs to predict and to monitor drift in the ONNX metadata
 (``metadata_props``): threshold, preprocessing, layer description, method and the scorer's
