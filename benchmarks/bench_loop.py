@@ -28,10 +28,7 @@ images and (v1, v2) the alarms on the labelled images; the update's seconds and 
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +49,14 @@ from anomaly_hooks.config import load_config  # noqa: E402
 from anomaly_hooks.detector import Detector  # noqa: E402
 from anomaly_hooks.evaluation.datasets import mvtec  # noqa: E402
 from anomaly_hooks.learning import update_from_results  # noqa: E402
-from benchmarks.measure import machine, wait_ready, write_json  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    machine,
+    split_training,
+    stop_process,
+    update_arguments,
+    wait_ready,
+    write_json,
+)
 
 TOKEN = "bench-loop-token"
 
@@ -104,12 +108,7 @@ class Server:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process(self.proc, 60, group=True)
         self.log.close()
 
 
@@ -128,21 +127,14 @@ def served(server: Server, tests: Sequence[str], labels: np.ndarray) -> Dict[str
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="an MVTec-layout data set")
-    parser.add_argument("--config", required=True, help="YAML config")
-    parser.add_argument("--split", type=float, default=0.5,
-                        help="the share of the training images (file order) fitted first")
+    parser = update_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--label", choices=["all", "alarms"], default="all",
                         help="label every new image good (default), or only its false alarms")
-    parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     data = mvtec(args.data)
     cfg = load_config(args.config, args.overrides)
     train = [str(p) for p in data.train]
-    n_first = max(1, int(math.ceil(args.split * len(train))))
-    first, second = train[:n_first], train[n_first:]
+    first, second = split_training(train, args.split)
     tests = [str(s.path) for s in data.test]
     labels = np.asarray(data.labels)
     out: Dict[str, Any] = {"data": args.data, "config": args.config,

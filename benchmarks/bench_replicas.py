@@ -42,7 +42,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import ROOT, machine, percentile, wait_ready, write_json
+from benchmarks.measure import (
+    ROOT,
+    machine,
+    percentile,
+    stop_process,
+    wait_ready,
+    write_json,
+)
 
 HOST = "127.0.0.1"  # never anything else
 SCENARIOS = ("steady", "replica-kill", "db-kill")
@@ -105,13 +112,8 @@ class Replica:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Terminate the replica (SIGTERM: it drains), killing it if it does not end."""
+        stop_process(self.proc)
 
 
 # ---- the clients ------------------------------------------------------------------------------

@@ -56,7 +56,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import ROOT, machine, percentile, wait_ready, write_json
+from benchmarks.measure import (
+    ROOT,
+    machine,
+    percentile,
+    stop_process,
+    wait_ready,
+    write_json,
+)
 
 HOST = "127.0.0.1"  # never anything else
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -131,13 +138,7 @@ class Server:
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM: it drains), killing it if it does not end."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 class RssSampler(threading.Thread):

@@ -22,8 +22,6 @@ the update's steps (``Detector.update_timings_``).
 """
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 import warnings
@@ -38,7 +36,12 @@ from anomaly_hooks.config import load_config  # noqa: E402
 from anomaly_hooks.detector import Detector  # noqa: E402
 from anomaly_hooks.evaluation.datasets import mvtec  # noqa: E402
 from anomaly_hooks.evaluation.metrics import image_auroc  # noqa: E402
-from benchmarks.measure import machine, write_json  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    machine,
+    split_training,
+    update_arguments,
+    write_json,
+)
 
 
 def rates(det: Detector, scores: np.ndarray, labels: np.ndarray) -> dict:
@@ -59,19 +62,11 @@ def timed(fn):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="an MVTec-layout data set")
-    parser.add_argument("--config", required=True, help="YAML config (configs/padim.yaml, ...)")
-    parser.add_argument("--split", type=float, default=0.5,
-                        help="the share of the training images (file order) fitted first")
-    parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args = update_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
     data = mvtec(args.data)
     cfg = load_config(args.config, args.overrides)
     train = [str(p) for p in data.train]
-    n_first = max(1, int(math.ceil(args.split * len(train))))
-    first, second = train[:n_first], train[n_first:]
+    first, second = split_training(train, args.split)
     tests = [str(s.path) for s in data.test]
     labels = data.labels
     with warnings.catch_warnings():

@@ -8,16 +8,22 @@
   pipeline's figures are quoted against;
 * :func:`child_result` / :func:`report_result`: a measurement in a fresh process (its own peak
   memory), handing back one JSON line;
-* :func:`write_json` and :func:`chunks`.
+* :func:`write_json` and :func:`chunks`;
+* :func:`wait_ready` and :func:`stop_process`: a service process the benchmark started;
+* :func:`update_arguments` and :func:`split_training`: what the model-update benchmarks
+  (``bench_update``, ``bench_loop``) take and how they split the training images.
 
 Importing this module imports no torch: the ONNX engines of ``bench_export`` are timed in
 processes whose peak memory must not include it.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,3 +239,46 @@ def wait_ready(proc: Any, url: str, log_path: Optional[Path] = None,
             pass
         time.sleep(0.5)
     raise SystemExit(f"{what} not ready after {timeout:g} s")
+
+
+def stop_process(proc: Any, timeout: float = 120, group: bool = False) -> None:
+    """Terminate the process ``proc`` (a ``subprocess.Popen``; SIGTERM: a service drains),
+    killing it if it has not ended after ``timeout`` seconds; ``group``: signal its whole
+    process group (one started with ``start_new_session=True``)."""
+    if proc.poll() is not None:
+        return
+
+    def send(sig: int) -> None:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
+
+
+def update_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the arguments of the model-update benchmarks: ``--data`` (an
+    MVTec-layout data set), ``--config``, ``--split`` (the share of the training images
+    fitted first), ``--json`` and the ``key=value`` config overrides; a benchmark adds its
+    own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data", required=True, help="an MVTec-layout data set")
+    parser.add_argument("--config", required=True, help="YAML config (configs/padim.yaml, ...)")
+    parser.add_argument("--split", type=float, default=0.5,
+                        help="the share of the training images (file order) fitted first")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return parser
+
+
+def split_training(train: Sequence[T], split: float) -> "tuple[List[T], List[T]]":
+    """The training images fitted first (the first ``split`` share in file order, one at
+    least) and the rest."""
+    n_first = max(1, int(math.ceil(split * len(train))))
+    return list(train[:n_first]), list(train[n_first:])

@@ -235,6 +235,33 @@ def test_a_child_hands_back_its_last_result_line_or_its_error(tmp_path):
     assert "broken" in failed["error"]
 
 
+def test_stop_process_terminates_then_kills():
+    """measure.stop_process: SIGTERM ends a process (with its group when asked); one that
+    ignores it is killed after the timeout."""
+    import signal
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(sleeper, start_new_session=True)
+    measure.stop_process(proc, 10, group=True)
+    assert proc.returncode == -signal.SIGTERM
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('ready', flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"  # its handler is set
+    measure.stop_process(stubborn, 0.5)
+    assert stubborn.returncode == -signal.SIGKILL
+    measure.stop_process(stubborn)  # an ended process: nothing to do
+
+
+def test_update_benchmarks_share_their_arguments_and_split():
+    parser = measure.update_arguments("d")
+    args = parser.parse_args(["--data", "d", "--config", "c.yaml", "padim.n_features=10"])
+    assert (args.split, args.json, args.overrides) == (0.5, None, ["padim.n_features=10"])
+    assert measure.split_training(list(range(5)), 0.5) == ([0, 1, 2], [3, 4])
+    assert measure.split_training(["a"], 0.0) == (["a"], [])  # one image first at least
+
+
 def test_measure_imports_no_torch():
     """The ONNX engines are timed in processes whose peak memory must not include torch."""
     code = ("import sys; sys.path.insert(0, '.'); import benchmarks.measure, "
