@@ -459,6 +459,9 @@ def test_statistics_over_boxes_read_only_the_images_part(device):
     for i, (h, w) in enumerate(boxes):
         crop = input_statistics(imgs[i:i + 1, :, :h, :w].numpy(), mean, std)[0]
         _assert_input_statistics_close(got[i], crop, pixels=h * w)
+    sliver = input_statistics(imgs[:1].numpy(), mean, std, [(32, 1)])  # 3 columns read
+    _assert_input_statistics_close(sliver[0], input_statistics(imgs[:1, :, :, :3].numpy(),
+                                                                mean, std)[0], pixels=32 * 3)
     blocks = block_statistics({"layer": feats}, imgs, mean, std, boxes=np.array(boxes))
     np.testing.assert_allclose(blocks["layer"], want, rtol=0, atol=tol)
     with pytest.raises(ValueError, match=r"boxes must be \[B, 2\]"):

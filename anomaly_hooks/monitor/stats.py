@@ -39,8 +39,11 @@ def input_statistics(images: Any, mean: Sequence[float], std: Sequence[float],
     Cost: about 20 passes over one grey plane (separable second differences shared by the
     Laplacian and Immerkaer's noise estimate)."""
     if boxes is not None:
-        parts = image_boxes(boxes, images.shape[0], tuple(images.shape[-2:]))
-        if any(part != tuple(images.shape[-2:]) for part in parts):  # else: as one batch
+        frame = (int(images.shape[-2]), int(images.shape[-1]))
+        # a sliver of an image (an extreme aspect) is read 3 x 3 at least, as the filters need
+        parts = [(min(max(h, 3), frame[0]), min(max(w, 3), frame[1]))
+                 for h, w in image_boxes(boxes, images.shape[0], frame)]
+        if any(part != frame for part in parts):  # else: as one batch
             return np.concatenate([input_statistics(images[i:i + 1, :, :h, :w], mean, std)
                                    for i, (h, w) in enumerate(parts)])
     torch_like = hasattr(images, "detach") and images.device.type != "cpu"  # GPU: stay there
