@@ -385,6 +385,10 @@ class Service:
                                     f"{STORE_CHECK_TIMEOUT_S:g} s") from None
         except StoreUnavailableError as exc:
             raise results_not_ready(exc) from None
+        # broad: whatever else fails the check (a disk error, a store plug-in's own error)
+        # would fail every prediction's record too
+        except Exception as exc:  # noqa: BLE001
+            raise results_not_ready(f"{type(exc).__name__}: {exc}") from None
 
     # -- model -----------------------------------------------------------------------------
     def require_engine(self, slot: Optional[ModelSlot] = None) -> ModelEngine:
