@@ -56,14 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import (
-    ROOT,
-    machine,
-    percentile,
-    stop_process,
-    wait_ready,
-    write_json,
-)
+from benchmarks.measure import ROOT, machine, percentile, stop_process, wait_ready, write_json
 
 HOST = "127.0.0.1"  # never anything else
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
