@@ -211,6 +211,39 @@ def test_projected_search_in_graph(tmp_path):
     assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
 
 
+def test_brute_search_in_query_blocks(tmp_path, monkeypatch):
+    """The brute-force search runs in static blocks of each image's patches (three here, the
+    last one short): the graph has one bank GEMM per block and predicts as the eager model."""
+    import onnx
+
+    from anomaly_hooks.scorers.patchcore import export as pc_export
+
+    det = Detector.from_config(config(method="patchcore", patchcore={"k": 2}))
+    det.fit(textured_images(16), progress=False)
+    patches = det.scorer_.grid[0] * det.scorer_.grid[1]
+    rows = det.scorer_.bank.shape[0]
+    per_block = -(-patches // 3)  # three blocks, the last one shorter where P % 3 != 0
+    monkeypatch.setattr(pc_export, "BLOCK_ELEMENTS", per_block * rows)
+    path = det.export_onnx(tmp_path / "m.onnx", search="brute")
+    gemms = [n for n in onnx.load(str(path)).graph.node
+             if n.op_type == "Gemm" and "scorer.knn.bank" in n.input]
+    assert len(gemms) == 3
+    assert_parity(det.predict(probe_images()), OnnxDetector.load(path).predict(probe_images()))
+
+
+def test_query_block_sizes():
+    """Blocks of ``elements // bank rows`` patches, at least one and at most all of them, at
+    most MAX_BLOCKS blocks."""
+    from anomaly_hooks.scorers.patchcore.export import MAX_BLOCKS, query_block
+
+    assert query_block(784, 16386, 1 << 20) == 63
+    assert query_block(80, 100, 1 << 20) == 80  # one block: all patches
+    assert query_block(784, 10**7, 1 << 20) == -(-784 // MAX_BLOCKS)  # the block cap
+    assert query_block(3, 10**7, 1) == 1
+    with pytest.raises(ValueError, match=r"all must be >= 1"):
+        query_block(0, 100)
+
+
 # -- failure paths ---------------------------------------------------------------------------
 def test_unfitted_model_is_refused(tmp_path):
     det = Detector.from_config(config(method="padim", padim={"n_features": 40}))
