@@ -169,15 +169,18 @@ class PatchCoreGraph(ScorerGraph):
         """``[B, P, D]`` -> patch scores ``[B, P]`` and each patch's nearest bank row (the
         brute-force search in static blocks of patches, see the module docstring)."""
         b, p, d = rows.shape
-        step = p
+        # a model's patch count is fixed: Python ints, so that a trace holds constant slices
+        # (a traced shape would turn the block arithmetic into graph ops)
+        p_int = int(p)
+        step = p_int
         if isinstance(self.knn, BruteKnn):
-            step = query_block(p, self.knn.bank.shape[0], self.block_elements)
+            step = query_block(p_int, int(self.knn.bank.shape[0]), self.block_elements)
         scores, nearest = [], []
-        for lo in range(0, p, step):
-            part = rows[:, lo:lo + step]
-            dist, idx = self.knn(part.reshape(-1, d))
-            scores.append(dist.mean(dim=1).reshape(b, part.shape[1]))
-            nearest.append(idx[:, 0].reshape(b, part.shape[1]))
+        for lo in range(0, p_int, step):
+            hi = min(lo + step, p_int)
+            dist, idx = self.knn(rows[:, lo:hi].reshape(-1, d))
+            scores.append(dist.mean(dim=1).reshape(b, hi - lo))
+            nearest.append(idx[:, 0].reshape(b, hi - lo))
         if len(scores) == 1:
             return scores[0], nearest[0]
         return torch.cat(scores, dim=1), torch.cat(nearest, dim=1)
