@@ -211,12 +211,14 @@ def test_projected_search_in_graph(tmp_path):
     assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
 
 
-@pytest.mark.parametrize("blocks", ["three", "capped"])
-def test_brute_search_in_query_blocks(tmp_path, monkeypatch, blocks):
-    """The brute-force search runs in static blocks of each image's patches: three (the last
+@pytest.mark.parametrize("search,blocks", [("brute", "three"), ("brute", "capped"),
+                                           ("projected", "three")])
+def test_search_in_query_blocks(tmp_path, monkeypatch, search, blocks):
+    """The exported search runs in static blocks of each image's patches: three (the last
     one short), or one patch's distances per block, where MAX_BLOCKS caps the count (the
     blocks' sizes are constants of the graph, not traced shape arithmetic). The graph has one
-    bank GEMM per block and predicts as the eager model at batch sizes 1 and 3."""
+    GEMM on the bank (the projected search: on its projected bank) per block and predicts as
+    the eager model at batch sizes 1 and 3."""
     import onnx
 
     from anomaly_hooks.scorers.patchcore import export as pc_export
@@ -227,9 +229,10 @@ def test_brute_search_in_query_blocks(tmp_path, monkeypatch, blocks):
     rows = det.scorer_.bank.shape[0]
     per_block = -(-patches // 3) if blocks == "three" else -(-patches // pc_export.MAX_BLOCKS)
     monkeypatch.setattr(pc_export, "BLOCK_ELEMENTS", per_block * rows if blocks == "three" else 1)
-    path = det.export_onnx(tmp_path / "m.onnx", search="brute")
+    path = det.export_onnx(tmp_path / "m.onnx", search=search)
+    searched = "scorer.knn.bank" if search == "brute" else "scorer.knn.pts"
     gemms = [n for n in onnx.load(str(path)).graph.node
-             if n.op_type == "Gemm" and "scorer.knn.bank" in n.input]
+             if n.op_type == "Gemm" and searched in n.input]
     assert len(gemms) == -(-patches // per_block) > 1
     for batch in (1, 3):
         assert_parity(det.predict(probe_images()),

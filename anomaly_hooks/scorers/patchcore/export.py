@@ -5,15 +5,16 @@ Two exact searches, with the eager search's answers:
 * ``brute``: one GEMM against the whole bank + TopK, the k distances recomputed on the
   differences. The GEMM computes ``|b|^2 - 2 q.b`` itself (``Gemm`` with ``alpha=-2`` and the
   squared norms as its bias, as the eager search's ``addmm``: no separate passes over the
-  ``[n, M]`` block), and the queries go in static blocks of an image's patches
-  (:data:`BLOCK_ELEMENTS` distances per image per block), so ONNX Runtime never holds the whole
-  ``[B x P, M]`` distance matrix and each block is read back by TopK while it is still in
-  cache. The exporter's transposed copy of the bank is folded back into a
+  ``[n, M]`` block). The exporter's transposed copy of the bank is folded back into a
   ``Gemm(transB=1)`` by :func:`anomaly_hooks.export.onnx.gemm_transposed_initializers`, so the
   bank is stored once;
 * ``projected``: :class:`~anomaly_hooks.scorers.patchcore.knn.ProjectedSearch` in graph (the
-  PCA lower-bound candidates, exact distances only where a bound can beat the k-th, a full
-  search for the few uncertified queries).
+  PCA lower-bound candidates, their bounds by the same one-GEMM form, exact distances only
+  where a bound can beat the k-th, a full search for the few uncertified queries).
+
+Both run on static blocks of each image's patches (:data:`BLOCK_ELEMENTS` distances per image
+per block, :func:`query_block`), so ONNX Runtime never holds the whole ``[B x P, M]`` distance
+(or bound) matrix and each block is read back by TopK while it is still in cache.
 
 The eq. 7 reweighting (``patchcore.reweight``) uses each bank row's ``reweight_neighbors``
 nearest bank rows, precomputed at export.
@@ -23,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anomaly_hooks.errors import ExportError
@@ -31,7 +31,7 @@ from anomaly_hooks.scorers.base import ScorerGraph
 from anomaly_hooks.scorers.patchcore.knn import PROJECTED_CANDIDATES, principal_basis
 
 SEARCHES = ("auto", "projected", "brute")
-# distances per image in one block of the exported brute-force search (4 MB of float32 per
+# distances (or bounds) per image in one block of the exported search (4 MB of float32 per
 # image: a service batch of a few images stays within the last-level cache, as the eager
 # search's blocks do), and at most this many blocks (graph size)
 BLOCK_ELEMENTS = 1 << 20
@@ -106,8 +106,10 @@ class ProjectedKnn(nn.Module):
         k, c, n = self.k, self.c, q.shape[0]
         qa = self._augment(q)  # [n, r + 1]
         qsq = (qa * qa).sum(dim=1, keepdim=True)
-        lb2 = self.psq - 2.0 * F.linear(qa, self.pts) + qsq  # [n, M] squared lower bounds
+        # [n, M] squared lower bounds less |qa|^2 (one Gemm), which is added to the c kept
+        lb2 = torch.addmm(self.psq, qa, self.pts.t(), alpha=-2.0)
         lb2, cand = torch.topk(lb2, c, dim=1, largest=False)  # ascending
+        lb2 = lb2 + qsq
         tol = 1e-4 * (qsq.squeeze(1) + self.sq_max)  # float32 rounding of the bounds
         first = exact_distances(q, self.bank, cand[:, :k])  # [n, k]
         kth2 = first.amax(dim=1) ** 2
@@ -132,7 +134,7 @@ class ProjectedKnn(nn.Module):
 
 
 def query_block(patches: int, bank_rows: int, elements: int = BLOCK_ELEMENTS) -> int:
-    """Patches of one image per block of the brute-force search: ``elements`` distances per
+    """Patches of one image per block of the exported search: ``elements`` distances per
     image (at least one patch, at most all), at most :data:`MAX_BLOCKS` blocks.
 
     Raises:
@@ -146,9 +148,8 @@ class PatchCoreGraph(ScorerGraph):
     """Patch scores (mean of the k exact distances) and the eq. 7 image-score weight.
 
     Args:
-        block_elements: distances per image in one query block of the brute-force search
-            (:func:`query_block`; default :data:`BLOCK_ELEMENTS`); the projected search runs
-            on all queries at once.
+        block_elements: distances per image in one query block of the search
+            (:func:`query_block`; default :data:`BLOCK_ELEMENTS`).
     """
 
     def __init__(self, scorer: Any, search: str, block_elements: Optional[int] = None) -> None:
@@ -167,14 +168,12 @@ class PatchCoreGraph(ScorerGraph):
 
     def forward(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``[B, P, D]`` -> patch scores ``[B, P]`` and each patch's nearest bank row (the
-        brute-force search in static blocks of patches, see the module docstring)."""
+        search in static blocks of patches, see the module docstring)."""
         b, p, d = rows.shape
         # a model's patch count is fixed: Python ints, so that a trace holds constant slices
         # (a traced shape would turn the block arithmetic into graph ops)
         p_int = int(p)
-        step = p_int
-        if isinstance(self.knn, BruteKnn):
-            step = query_block(p_int, int(self.knn.bank.shape[0]), self.block_elements)
+        step = query_block(p_int, int(self.knn.bank.shape[0]), self.block_elements)
         scores, nearest = [], []
         for lo in range(0, p_int, step):
             hi = min(lo + step, p_int)
