@@ -213,7 +213,7 @@ def test_projected_search_in_graph(tmp_path):
 
 @pytest.mark.parametrize("search,blocks", [
     ("brute", "three"), ("brute", "capped"),
-    pytest.param("projected", "three", marks=pytest.mark.slow)])  # as projected_search_in_graph
+    pytest.param("projected", "three", marks=pytest.mark.slow)])  # ~10 s: a third export
 def test_search_in_query_blocks(tmp_path, monkeypatch, search, blocks):
     """The exported search runs in static blocks of each image's patches: three (the last
     one short), or one patch's distances per block, where MAX_BLOCKS caps the count (the
