@@ -211,6 +211,48 @@ def test_projected_search_in_graph(tmp_path):
     assert_parity(det.predict(probe_images()), odet.predict(probe_images()))
 
 
+@pytest.mark.parametrize("search,blocks", [
+    ("brute", "three"), ("brute", "capped"),
+    pytest.param("projected", "three", marks=pytest.mark.slow)])  # ~10 s: a third export
+def test_search_in_query_blocks(tmp_path, monkeypatch, search, blocks):
+    """The exported search runs in static blocks of each image's patches: three (the last
+    one short), or one patch's distances per block, where MAX_BLOCKS caps the count (the
+    blocks' sizes are constants of the graph, not traced shape arithmetic). The graph has one
+    GEMM on the bank (the projected search: on its projected bank) per block and predicts as
+    the eager model at batch sizes 1 and 3."""
+    import onnx
+
+    from anomaly_hooks.scorers.patchcore import export as pc_export
+
+    det = Detector.from_config(config(method="patchcore", patchcore={"k": 2}))
+    det.fit(textured_images(16), progress=False)
+    patches = det.scorer_.grid[0] * det.scorer_.grid[1]
+    rows = det.scorer_.bank.shape[0]
+    per_block = -(-patches // 3) if blocks == "three" else -(-patches // pc_export.MAX_BLOCKS)
+    monkeypatch.setattr(pc_export, "BLOCK_ELEMENTS", per_block * rows if blocks == "three" else 1)
+    path = det.export_onnx(tmp_path / "m.onnx", search=search)
+    searched = "scorer.knn.bank" if search == "brute" else "scorer.knn.pts"
+    gemms = [n for n in onnx.load(str(path)).graph.node
+             if n.op_type == "Gemm" and searched in n.input]
+    assert len(gemms) == -(-patches // per_block) > 1
+    for batch in (1, 3):
+        assert_parity(det.predict(probe_images()),
+                      OnnxDetector.load(path, batch_size=batch).predict(probe_images()))
+
+
+def test_query_block_sizes():
+    """Blocks of ``elements // bank rows`` patches, at least one and at most all of them, at
+    most MAX_BLOCKS blocks."""
+    from anomaly_hooks.scorers.patchcore.export import MAX_BLOCKS, query_block
+
+    assert query_block(784, 16386, 1 << 20) == 63
+    assert query_block(80, 100, 1 << 20) == 80  # one block: all patches
+    assert query_block(784, 10**7, 1 << 20) == -(-784 // MAX_BLOCKS)  # the block cap
+    assert query_block(3, 10**7, 1) == 1
+    with pytest.raises(ValueError, match=r"all must be >= 1"):
+        query_block(0, 100)
+
+
 # -- failure paths ---------------------------------------------------------------------------
 def test_unfitted_model_is_refused(tmp_path):
     det = Detector.from_config(config(method="padim", padim={"n_features": 40}))

@@ -91,9 +91,16 @@ def resize_bilinear(maps: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
     m = maps.astype(F32, copy=False)
     # torch: h0l * (w0l * x00 + w1l * x01) + h1l * (w0l * x10 + w1l * x11). The horizontal
     # step of every source row first ([H, w], small), then the rows each output row needs:
-    # the same float32 operations in the same order, with two full-size gathers instead of four
+    # the same float32 operations in the same order, with two full-size gathers instead of
+    # four, the products and the sum computed in place (two full-size arrays, not five: a
+    # heatmap back at a large upload's resolution is mostly memory traffic)
     rows = b0 * m[:, w0] + b1 * m[:, w1]
-    return (a0[:, None] * rows[h0] + a1[:, None] * rows[h1]).astype(F32, copy=False)
+    out = np.take(rows, h0, axis=0)
+    out *= a0[:, None]
+    lower = np.take(rows, h1, axis=0)
+    lower *= a1[:, None]
+    out += lower
+    return out
 
 
 @dataclass(frozen=True)

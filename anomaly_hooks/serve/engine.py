@@ -259,7 +259,6 @@ class ModelEngine:
         # the full-resolution map, as predict computes it, only for the pixel count
         full = self.heat_to_frame(heat, (item.height, item.width), fill)
         anomalous_pixels = int((full > thr.value).sum())
-        del full
         out = Outcome(thr.verdict(score, anomalous_pixels))
         anomalous = out.verdict.is_anomalous
         prev = item.preview
@@ -269,11 +268,14 @@ class ModelEngine:
 
             vmax = max(2 * thr.value, float(heat.max()))
             if overlay or (keep_anomalous and anomalous):
-                small = self.heat_to_frame(heat, prev.shape[:2], fill)
+                # a preview at the upload's own size (the usual case) reuses the full map
+                small = full if prev.shape[:2] == full.shape else \
+                    self.heat_to_frame(heat, prev.shape[:2], fill)
                 mask = small > thr.value
                 picture = blend(prev, colorize(small, 0.0, vmax), mask=mask)
                 out.overlay_png = pictures.png_bytes(picture)
                 out.mask_png = pictures.png_bytes(mask)
+            del full
             if thumb_side:
                 th, tw = pictures.fit_size(prev.shape[0], prev.shape[1], thumb_side)
                 small = self.heat_to_frame(heat, (th, tw), fill)

@@ -28,7 +28,12 @@ def preview(image: np.ndarray, max_side: int) -> np.ndarray:
         x = resize_aa(np.asarray(image, dtype=np.float32), (h, w), "pillow").transpose(1, 2, 0)
     else:
         x = np.asarray(image, dtype=np.float32)
-    return np.ascontiguousarray(np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8)
+    # clip, scale and round in one new array (an upload's preview is full size: each
+    # temporary is a copy of the whole image)
+    out = np.clip(x, 0, 1)
+    out *= np.float32(255)
+    out += np.float32(0.5)
+    return np.ascontiguousarray(out).astype(np.uint8)
 
 
 def png_bytes(array: np.ndarray) -> bytes:

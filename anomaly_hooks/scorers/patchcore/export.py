@@ -3,12 +3,18 @@
 Two exact searches, with the eager search's answers:
 
 * ``brute``: one GEMM against the whole bank + TopK, the k distances recomputed on the
-  differences (the exporter's transposed copy of the bank is folded back into a
+  differences. The GEMM computes ``|b|^2 - 2 q.b`` itself (``Gemm`` with ``alpha=-2`` and the
+  squared norms as its bias, as the eager search's ``addmm``: no separate passes over the
+  ``[n, M]`` block). The exporter's transposed copy of the bank is folded back into a
   ``Gemm(transB=1)`` by :func:`anomaly_hooks.export.onnx.gemm_transposed_initializers`, so the
-  bank is stored once);
+  bank is stored once;
 * ``projected``: :class:`~anomaly_hooks.scorers.patchcore.knn.ProjectedSearch` in graph (the
-  PCA lower-bound candidates, exact distances only where a bound can beat the k-th, a full
-  search for the few uncertified queries).
+  PCA lower-bound candidates, their bounds by the same one-GEMM form, exact distances only
+  where a bound can beat the k-th, a full search for the few uncertified queries).
+
+Both run on static blocks of each image's patches (:data:`BLOCK_ELEMENTS` distances per image
+per block, :func:`query_block`), so ONNX Runtime never holds the whole ``[B x P, M]`` distance
+(or bound) matrix and each block is read back by TopK while it is still in cache.
 
 The eq. 7 reweighting (``patchcore.reweight``) uses each bank row's ``reweight_neighbors``
 nearest bank rows, precomputed at export.
@@ -18,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anomaly_hooks.errors import ExportError
@@ -26,6 +31,11 @@ from anomaly_hooks.scorers.base import ScorerGraph
 from anomaly_hooks.scorers.patchcore.knn import PROJECTED_CANDIDATES, principal_basis
 
 SEARCHES = ("auto", "projected", "brute")
+# distances (or bounds) per image in one block of the exported search (4 MB of float32 per
+# image: a service batch of a few images stays within the last-level cache, as the eager
+# search's blocks do), and at most this many blocks (graph size)
+BLOCK_ELEMENTS = 1 << 20
+MAX_BLOCKS = 32
 
 
 def exact_distances(q: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -38,7 +48,8 @@ def exact_distances(q: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor) -> t
 def _brute(q: torch.Tensor, bank: torch.Tensor, sq: torch.Tensor, k: int
            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact distances ``[n, k]`` (unsorted) and rows of the k nearest by one GEMM + TopK."""
-    d2 = sq - 2.0 * F.linear(q, bank)  # |b|^2 - 2 q.b; |q|^2 does not change the order
+    # |b|^2 - 2 q.b in one Gemm (bias, alpha); |q|^2 does not change the order
+    d2 = torch.addmm(sq, q, bank.t(), alpha=-2.0)
     _, idx = torch.topk(d2, k, dim=1, largest=False)
     return exact_distances(q, bank, idx), idx
 
@@ -95,8 +106,10 @@ class ProjectedKnn(nn.Module):
         k, c, n = self.k, self.c, q.shape[0]
         qa = self._augment(q)  # [n, r + 1]
         qsq = (qa * qa).sum(dim=1, keepdim=True)
-        lb2 = self.psq - 2.0 * F.linear(qa, self.pts) + qsq  # [n, M] squared lower bounds
+        # [n, M] squared lower bounds less |qa|^2 (one Gemm), which is added to the c kept
+        lb2 = torch.addmm(self.psq, qa, self.pts.t(), alpha=-2.0)
         lb2, cand = torch.topk(lb2, c, dim=1, largest=False)  # ascending
+        lb2 = lb2 + qsq
         tol = 1e-4 * (qsq.squeeze(1) + self.sq_max)  # float32 rounding of the bounds
         first = exact_distances(q, self.bank, cand[:, :k])  # [n, k]
         kth2 = first.amax(dim=1) ** 2
@@ -120,14 +133,31 @@ class ProjectedKnn(nn.Module):
         return dist, torch.gather(idx, 1, order)
 
 
-class PatchCoreGraph(ScorerGraph):
-    """Patch scores (mean of the k exact distances) and the eq. 7 image-score weight."""
+def query_block(patches: int, bank_rows: int, elements: int = BLOCK_ELEMENTS) -> int:
+    """Patches of one image per block of the exported search: ``elements`` distances per
+    image (at least one patch, at most all), at most :data:`MAX_BLOCKS` blocks.
 
-    def __init__(self, scorer: Any, search: str) -> None:
+    Raises:
+        ValueError: a count below 1."""
+    if patches < 1 or bank_rows < 1 or elements < 1:
+        raise ValueError(f"query_block({patches}, {bank_rows}, {elements}): all must be >= 1")
+    return max(min(patches, elements // bank_rows), -(-patches // MAX_BLOCKS), 1)
+
+
+class PatchCoreGraph(ScorerGraph):
+    """Patch scores (mean of the k exact distances) and the eq. 7 image-score weight.
+
+    Args:
+        block_elements: distances per image in one query block of the search
+            (:func:`query_block`; default :data:`BLOCK_ELEMENTS`).
+    """
+
+    def __init__(self, scorer: Any, search: str, block_elements: Optional[int] = None) -> None:
         super().__init__()
         bank = scorer.bank.float().contiguous()
         k = int(scorer.cfg.k)
         self.form = search
+        self.block_elements = int(BLOCK_ELEMENTS if block_elements is None else block_elements)
         self.knn = ProjectedKnn(bank, k) if search == "projected" else BruteKnn(bank, k)
         self.reweight = bool(scorer.cfg.reweight)
         if self.reweight:
@@ -137,10 +167,22 @@ class PatchCoreGraph(ScorerGraph):
             self.register_buffer("support", torch.cat(support).cpu())  # [M, n_b]
 
     def forward(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``[B, P, D]`` -> patch scores ``[B, P]`` and each patch's nearest bank row."""
+        """``[B, P, D]`` -> patch scores ``[B, P]`` and each patch's nearest bank row (the
+        search in static blocks of patches, see the module docstring)."""
         b, p, d = rows.shape
-        dist, idx = self.knn(rows.reshape(b * p, d))
-        return dist.mean(dim=1).reshape(b, p), idx[:, 0].reshape(b, p)
+        # a model's patch count is fixed: Python ints, so that a trace holds constant slices
+        # (a traced shape would turn the block arithmetic into graph ops)
+        p_int = int(p)
+        step = query_block(p_int, int(self.knn.bank.shape[0]), self.block_elements)
+        scores, nearest = [], []
+        for lo in range(0, p_int, step):
+            hi = min(lo + step, p_int)
+            dist, idx = self.knn(rows[:, lo:hi].reshape(-1, d))
+            scores.append(dist.mean(dim=1).reshape(b, hi - lo))
+            nearest.append(idx[:, 0].reshape(b, hi - lo))
+        if len(scores) == 1:
+            return scores[0], nearest[0]
+        return torch.cat(scores, dim=1), torch.cat(nearest, dim=1)
 
     def image_scores(self, rows: torch.Tensor, scores: torch.Tensor, aux: torch.Tensor,
                      peak: torch.Tensor) -> torch.Tensor:
@@ -157,12 +199,14 @@ class PatchCoreGraph(ScorerGraph):
         return peak * weight
 
 
-def patchcore_graph(scorer: Any, search: Optional[str] = "auto") -> PatchCoreGraph:
+def patchcore_graph(scorer: Any, search: Optional[str] = "auto",
+                    block_elements: Optional[int] = None) -> PatchCoreGraph:
     """The graph module of a fitted PatchCore scorer; ``search``: ``auto`` (the projected
-    search where the eager model uses it, else brute force), ``projected`` or ``brute``."""
+    search where the eager model uses it, else brute force), ``projected`` or ``brute``;
+    ``block_elements``: see :class:`PatchCoreGraph`."""
     search = search or "auto"
     if search not in SEARCHES:
         raise ExportError(f"search={search!r}: one of {', '.join(SEARCHES)}")
     if search == "auto":
         search = "projected" if scorer.index.projected is not None else "brute"
-    return PatchCoreGraph(scorer, search)
+    return PatchCoreGraph(scorer, search, block_elements)
