@@ -231,12 +231,15 @@ def half_chunk(dim: int, device: torch.device) -> int:
 
 class DenseGaussians:
     """Means ``[P, D]`` float32 and lower Cholesky factors ``[P, D, D]`` (float32 or float16) of
-    ``Sigma + eps I``."""
+    ``Sigma + eps I``; optionally the training embeddings ``samples`` ``[P, n, D]`` float32
+    (``padim.keep_embeddings``: unused by scoring, kept for exact updates)."""
 
     kind = "dense"
 
-    def __init__(self, mean: torch.Tensor, chol: torch.Tensor) -> None:
-        self.mean, self.chol = mean, chol
+    def __init__(self, mean: torch.Tensor, chol: torch.Tensor,
+                 samples: Optional[torch.Tensor] = None) -> None:
+        self.mean, self.chol, self.samples = mean, chol, samples
+        self.loo: Optional[torch.Tensor] = None  # [P, n] LOO distances, when made from samples
 
     @classmethod
     @torch.inference_mode()  # the accumulator's state lives in inference mode
@@ -291,18 +294,31 @@ class DenseGaussians:
         return z.square_().sum(dim=1)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        return {"padim.mean": self.mean, "padim.chol": self.chol}
+        out = {"padim.mean": self.mean, "padim.chol": self.chol}
+        if self.samples is not None:
+            out["padim.dense_samples"] = self.samples
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: Dict[str, torch.Tensor], p: int, d: int,
-                     device: torch.device) -> "DenseGaussians":
+                     device: torch.device, n: Optional[int] = None) -> "DenseGaussians":
+        """From a model file's tensors; ``n``: the training image count, which the kept
+        embeddings (when there) must match."""
         mean, chol = _get(tensors, "padim.mean", "padim.chol")
         if tuple(mean.shape) != (p, d) or tuple(chol.shape) != (p, d, d):
             raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(chol.shape)} do not fit "
                              f"{p} positions and {d} channels")
         _check_dtype("mean", mean, (torch.float32,))
         _check_dtype("chol", chol, (torch.float32, torch.float16))
-        return cls(mean.to(device), chol.to(device))
+        samples = tensors.get("padim.dense_samples")
+        if samples is not None:
+            if samples.ndim != 3 or tuple(samples.shape[::2]) != (p, d) or (
+                    n is not None and samples.shape[1] != n):
+                raise ValueError(f"padim.dense_samples {tuple(samples.shape)} do not fit {p} "
+                                 f"positions, {n} training images and {d} channels")
+            _check_dtype("dense_samples", samples, (torch.float32,))
+            samples = samples.to(device)
+        return cls(mean.to(device), chol.to(device), samples)
 
 
 # -- low-rank ------------------------------------------------------------------------------
