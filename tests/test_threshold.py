@@ -71,7 +71,8 @@ def samples(p: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
 
 
 # -- PaDiM: exact leave-one-out ----------------------------------------------------------
-@pytest.mark.parametrize("n, d", [(6, 20), (12, 40), (30, 12)])  # n < D and n > D
+@pytest.mark.parametrize("n, d", [(6, 20), (12, 40), (30, 12), (100, 24)])  # n < D and n > D;
+# n = 100 > BLOCK_BASE64: the blocked float64 factor
 def test_loo_formulas_equal_a_float64_refit(n, d, device):
     """Both forms' formulas, fed float64 statistics, equal the brute-force refit."""
     x = samples(3, n, d).double().to(device)

@@ -31,6 +31,7 @@ import torch
 
 from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
+    blocked_inverse_cholesky,
     dense_group_out_squared,
     dense_loo_squared,
     dense_terms,
@@ -42,6 +43,7 @@ SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)
 HALF_WIDEN_BYTES = 256 << 20  # on a GPU: float32 bytes widened at a time (few, large launches)
 BUFFER_SAMPLES = 128  # samples per position collected before their products are added
+BLOCK_BASE32 = 32  # float32 blocked inverse Cholesky: LAPACK below this size
 LOWRANK_MAX_FRACTION = 0.4  # auto: low-rank for n <= 0.4 D training images
 
 
@@ -78,31 +80,13 @@ def inverse_cholesky(mat: torch.Tensor, what: str = "Gram matrix") -> torch.Tens
     ``S = M22 - C21 C21^T`` the same way, and ``(C^-1)21 = -C22^-1 C21 C11^-1``. Float32, with
     the whole computation redone in float64 for any matrix where a float32 factorisation fails.
     """
-    inv, info = _inverse_cholesky(mat)
+    inv, info = blocked_inverse_cholesky(mat, BLOCK_BASE32)
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
         eye = torch.eye(mat.shape[-1], dtype=torch.float64, device=mat.device)
         chol = _cholesky64(mat[bad], what)
         inv[bad] = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False).float()
     return inv
-
-
-def _inverse_cholesky(mat: torch.Tensor, base: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    m = mat.shape[-1]
-    if m <= base:
-        chol, info = torch.linalg.cholesky_ex(mat)
-        eye = torch.eye(m, dtype=mat.dtype, device=mat.device).expand_as(chol)
-        return torch.linalg.solve_triangular(chol, eye, upper=False), info
-    h = m // 2
-    inv11, info1 = _inverse_cholesky(mat[:, :h, :h], base)
-    c21 = torch.bmm(mat[:, h:, :h], inv11.transpose(1, 2))
-    inv22, info2 = _inverse_cholesky(torch.baddbmm(mat[:, h:, h:], c21, c21.transpose(1, 2),
-                                                   alpha=-1.0), base)
-    out = torch.zeros_like(mat)
-    out[:, :h, :h] = inv11
-    out[:, h:, h:] = inv22
-    out[:, h:, :h] = torch.bmm(inv22, torch.bmm(c21, inv11)).neg_()
-    return out, torch.maximum(info1, info2)
 
 
 # -- dense ---------------------------------------------------------------------------------
