@@ -31,6 +31,7 @@ import torch
 
 from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
+    blocked_cholesky,
     blocked_inverse_cholesky,
     dense_group_out_squared,
     dense_loo_squared,
@@ -44,6 +45,7 @@ HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on t
 HALF_WIDEN_BYTES = 256 << 20  # on a GPU: float32 bytes widened at a time (few, large launches)
 BUFFER_SAMPLES = 128  # samples per position collected before their products are added
 BLOCK_BASE32 = 32  # float32 blocked inverse Cholesky: LAPACK below this size
+BLOCK_BASE_CHOL = 64  # float32 blocked dense Cholesky on the CPU (measured best at D = 176)
 LOWRANK_MAX_FRACTION = 0.4  # auto: low-rank for n <= 0.4 D training images
 
 
@@ -191,12 +193,18 @@ class GaussianAccumulator:
 def cholesky_factor_(cov: torch.Tensor, epsilon: float, work: torch.Tensor) -> torch.Tensor:
     """Lower ``L`` with ``L L^T = cov + epsilon I``, ``cov`` ``[c, D, D]`` float32, written over
     ``cov`` (which is returned). Factorised in float32 (``epsilon I`` bounds the condition
-    number), falling back to float64 for any matrix where float32 fails. ``work``: a float32
-    buffer of at least ``cov``'s shape, reused for every chunk."""
+    number; on the CPU by recursive blocking, :func:`loo.blocked_cholesky`), falling back to
+    float64 for any matrix where float32 fails. ``work``: a float32 buffer of at least
+    ``cov``'s shape, reused for every chunk."""
     cov.diagonal(dim1=1, dim2=2).add_(epsilon)
     out = work[:cov.shape[0]]
-    info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
-    torch.linalg.cholesky_ex(cov, out=(out, info))
+    if cov.device.type == "cpu":
+        factor, info = blocked_cholesky(cov, BLOCK_BASE_CHOL)
+        out.copy_(factor)
+        del factor
+    else:  # one batched library call
+        info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
+        torch.linalg.cholesky_ex(cov, out=(out, info))
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
         out[bad] = _cholesky64(cov[bad], "covariance").float()

@@ -82,6 +82,28 @@ def blocked_inverse_cholesky(mat: torch.Tensor, base: int) -> tuple[torch.Tensor
     return out, torch.maximum(info1, info2)
 
 
+def blocked_cholesky(mat: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L, info)``: the lower Cholesky factor ``[c, m, m]`` of ``mat`` ``[c, m, m]`` and
+    LAPACK's ``info`` ``[c]``, by the same recursive blocking as
+    :func:`blocked_inverse_cholesky`: ``L21 = M21 L11^-T`` (a batched triangular solve) and the
+    trailing block's ``M22 - L21 L21^T`` factorised the same way; LAPACK for blocks of at most
+    ``base`` (on the CPU, 4 times faster than one LAPACK call per matrix at ``m = 176``)."""
+    m = mat.shape[-1]
+    if m <= base:
+        return torch.linalg.cholesky_ex(mat)
+    h = m // 2
+    l11, info1 = blocked_cholesky(mat[:, :h, :h], base)
+    l21 = torch.linalg.solve_triangular(l11, mat[:, h:, :h].transpose(1, 2),
+                                        upper=False).transpose(1, 2)
+    l22, info2 = blocked_cholesky(
+        torch.baddbmm(mat[:, h:, h:], l21, l21.transpose(1, 2), alpha=-1.0), base)
+    out = torch.zeros_like(mat)
+    out[:, :h, :h] = l11
+    out[:, h:, :h] = l21
+    out[:, h:, h:] = l22
+    return out, torch.maximum(info1, info2)
+
+
 def inverse_cholesky64(mat: torch.Tensor) -> torch.Tensor:
     """``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat``, ``mat`` float64 positive definite
     (:func:`blocked_inverse_cholesky`)."""
