@@ -395,14 +395,19 @@ def test_memory_estimate_counts_the_samples_kept_for_leave_one_out(small_cfg):
 
     det = Detector.from_config(small_cfg)
     part = "training samples kept for leave-one-out"
-    sizes = {}
-    for mode in ("all-images", "holdout"):
-        cfg = load_config({**small_cfg, "padim": {"n_features": 40, "covariance": "dense"},
+    sizes, models = {}, {}
+    for mode, keep in (("all-images", True), ("all-images", False), ("holdout", True)):
+        cfg = load_config({**small_cfg, "padim": {"n_features": 40, "covariance": "dense",
+                                                  "keep_embeddings": keep},
                            "threshold": {"mode": mode}})
-        sizes[mode] = PadimScorer.estimate_memory(cfg, det.layer_info,
-                                                  det.preprocessor.input_size, 50)[part]
-    positions = sizes["all-images"] // (50 * 40 * 4)
-    assert sizes["holdout"] == 0 and sizes["all-images"] == positions * 50 * 40 * 4 > 0
+        est = PadimScorer.estimate_memory(cfg, det.layer_info, det.preprocessor.input_size, 50)
+        sizes[mode, keep], models[mode, keep] = est[part], est["model"]
+    positions = sizes["all-images", True] // (50 * 40 * 4)
+    kept = positions * 50 * 40 * 4
+    assert sizes["holdout", True] == 0 and sizes["all-images", True] == kept > 0
+    # the model keeps them too (padim.keep_embeddings), unless told not to
+    assert models["all-images", True] - models["all-images", False] == kept
+    assert models["holdout", True] == models["all-images", False]
 
 
 def test_a_fit_never_writes_a_threshold_a_model_file_refuses():

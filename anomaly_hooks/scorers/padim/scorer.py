@@ -108,7 +108,8 @@ class PadimScorer(Scorer):
                  "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch,
                  "training samples kept for leave-one-out":
                      positions * n_train * d * 4 if loo else 0},
-                positions * d * d * factor_bytes + positions * d * 4)
+                positions * d * d * factor_bytes + positions * d * 4
+                + (positions * n_train * d * 4 if loo and pad.keep_embeddings else 0))
 
     @classmethod
     def create(cls, cfg: Any, layers: Sequence[LayerInfo], backbone_name: str,
