@@ -13,10 +13,12 @@ scorer by ``finalize_merged``:
 
 * **PaDiM**: exact. The low-rank form keeps its centred samples, the dense form its mean, the
   factor of the regularised covariance and the image count ``n_train``, from which the sums
-  ``S1``, ``S2`` come back (``epsilon I`` taken off again); the merge is the sharded fit's exact
-  re-shift. The updated model equals a fit on all the images up to float32 rounding
-  (``tests/test_updating.py``: image scores within 1e-4 relative), in the form that fit would
-  choose (``covariance: auto`` crossing its limit turns the low-rank samples into sums).
+  ``S1``, ``S2`` come back (``epsilon I`` taken off again), and, with an all-images threshold
+  and at most ``2 D`` images, its training embeddings (``padim.keep_embeddings``); the merge is
+  the sharded fit's exact re-shift. The updated model equals a fit on all the images up to
+  float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
+  form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
+  samples into sums).
 * **PatchCore**: merge-reduce. The new bank is the greedy k-center coreset of the current bank
   and every patch of the new images, of the size a fit on all the images' patches keeps
   (``coreset_ratio`` of them, or ``coreset_count``): the bank never exceeds the configured size.
@@ -29,8 +31,11 @@ stored out-of-sample scores of the images already in the model (the threshold ke
 the new images scored by the updated model as if unseen (PaDiM: exact leave-one(-group)-out;
 PatchCore: cross-fitted folds of the new images, each scored by the bank selected without its
 fold; the images already in the model form one more fold, never scored). The stored scores came
-from the model of their time, fitted on fewer images: a little higher than a refit would give
-them, so the threshold leans to fewer false alarms. ``holdout``: the new images are split by the
+from the model of their time, fitted on fewer images: higher than a refit would give them, so
+the threshold leans to fewer false alarms. Where the model keeps every image's embeddings
+(PaDiM low-rank, PaDiM dense with ``padim.keep_embeddings``), every image is grouped and scored
+afresh instead, from those embeddings (the model's images are not read again): the threshold
+is then a refit's. ``holdout``: the new images are split by the
 same rule, their held part scored by the updated model and added to the stored held-out scores;
 ``threshold.folder``: that folder scored again. The labelled defects given to the update
 (``defects``: the results an operator labelled defect, :mod:`anomaly_hooks.learning`) or else
@@ -194,6 +199,8 @@ class UpdateRun:
         drift collector), the held-out ones decoded in the same pass; the merged state."""
         det, train, held = self.det, self.train, self.held
         scorer = self.fresh_scorer()
+        if self.out_of_sample:  # a shard of an out-of-sample fit (PaDiM dense: keeps samples)
+            scorer.request_out_of_sample()
         scorer.begin_update(self.n_old, len(train))
         bar = tqdm(total=len(train) + len(held), desc=f"update {self.cfg.method}", unit="img",
                    disable=not self.progress, dynamic_ncols=True)

@@ -64,7 +64,8 @@ def brute_group_out(x: torch.Tensor, groups: torch.Tensor, eps: float = EPS) -> 
 
 
 # -- PaDiM: exact leave-one-group-out --------------------------------------------------------
-@pytest.mark.parametrize("n, d", [(10, 20), (12, 40), (30, 12)])  # n < D and n > D
+@pytest.mark.parametrize("n, d", [(10, 20), (12, 40), (30, 12), (100, 24)])  # n < D and n > D;
+# n = 100 > BLOCK_BASE64: the blocked float64 factor
 def test_group_formulas_equal_a_float64_refit(n, d):
     """Formula (4) from the Gram matrix and the series (3) from the dense factor equal a
     refit without the group; singletons equal the leave-one-out formula exactly."""

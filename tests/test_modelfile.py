@@ -413,6 +413,39 @@ def test_forged_file_with_valid_checksum_is_refused_on_load(case, padim_file, tm
     assert str(forged) in str(err.value)
 
 
+@pytest.fixture(scope="module")
+def kept_dense_file(small_cfg, tmp_path_factory) -> Path:
+    """A dense PaDiM with an all-images threshold: it keeps its training embeddings."""
+    det = Detector.from_config(small_cfg, padim__covariance="dense",
+                               threshold__mode="all-images")
+    det.fit(textured_images(8), progress=False)
+    return det.save(tmp_path_factory.mktemp("kept") / "padim.safetensors")
+
+
+def test_dense_file_keeps_its_embeddings_in_format_2(kept_dense_file):
+    """The kept embeddings [P, n, D] come back as saved; the file is format 2 (a format-1
+    reader would not know them)."""
+    assert safetensors_header(kept_dense_file)[1]["__metadata__"]["format_version"] == "2"
+    tensors, meta = load_model(kept_dense_file)
+    det = Detector.load(kept_dense_file)
+    samples = det.scorer_.gaussians.samples
+    p, d = tensors["padim.mean"].shape
+    assert tuple(samples.shape) == (p, 8, d)
+    assert torch.equal(samples, tensors["padim.dense_samples"])
+    assert det.scorer_.summary()["keeps_embeddings"] is True
+
+
+@pytest.mark.parametrize("case", ["wrong_count", "float16"])
+def test_forged_kept_embeddings_are_refused_on_load(case, kept_dense_file, tmp_path):
+    tensors, meta = load_model(kept_dense_file)
+    x = tensors["padim.dense_samples"]
+    tensors["padim.dense_samples"] = x[:, :5].clone() if case == "wrong_count" else x.half()
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError) as err:
+        Detector.load(forged).predict(textured_images(1)[0])
+    assert "dense_samples" in str(err.value)
+
+
 @pytest.mark.parametrize("case", ["chol_wrong_shape", "chol_int", "mean_float64",
                                   "lowrank_meta_on_dense_tensors"])
 def test_forged_dense_file_with_valid_checksum_is_refused_on_load(case, dense_padim_file,

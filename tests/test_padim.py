@@ -15,6 +15,7 @@ from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.padim.gaussians import (
     GaussianAccumulator,
     SampleStore,
+    cholesky_factor_,
     choose_covariance,
     inverse_cholesky,
     lowrank_capacity,
@@ -234,6 +235,21 @@ def test_inverse_cholesky_equals_float64_lapack(m, device):
     lam = torch.linalg.eigvalsh(gram.double())
     kappa = lam[:, -1] / lam[:, 0]
     atol = float((f32_tol(2 * m) * kappa ** 1.5 / lam[:, 0].sqrt()).max())
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("m", [40, 150])
+def test_dense_factor_equals_float64_lapack(m, device):
+    """The dense form's factor (blocked on the CPU above 64) against float64 LAPACK."""
+    y = torch.randn(4, 3 * m, m, generator=torch.Generator().manual_seed(m)) * 0.3
+    cov = torch.bmm(y.transpose(1, 2), y) / (3 * m)
+    work = torch.empty(4, m, m, device=device)
+    got = cholesky_factor_(cov.clone().to(device), 0.01, work).cpu()
+    ref = torch.linalg.cholesky(cov.double() + 0.01 * torch.eye(m, dtype=torch.float64))
+    assert bool((got.triu(1) == 0).all())
+    # normwise (Sun): |dL| / |L| <= kappa(A) (m + 1) eps, |L| = sqrt(lambda_max) (2-norms)
+    lam = torch.linalg.eigvalsh(ref @ ref.transpose(1, 2))
+    atol = float((f32_tol(m + 1) * lam[:, -1] / lam[:, 0] * lam[:, -1].sqrt()).max())
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=atol)
 
 

@@ -71,7 +71,8 @@ def samples(p: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
 
 
 # -- PaDiM: exact leave-one-out ----------------------------------------------------------
-@pytest.mark.parametrize("n, d", [(6, 20), (12, 40), (30, 12)])  # n < D and n > D
+@pytest.mark.parametrize("n, d", [(6, 20), (12, 40), (30, 12), (100, 24)])  # n < D and n > D;
+# n = 100 > BLOCK_BASE64: the blocked float64 factor
 def test_loo_formulas_equal_a_float64_refit(n, d, device):
     """Both forms' formulas, fed float64 statistics, equal the brute-force refit."""
     x = samples(3, n, d).double().to(device)
@@ -394,14 +395,19 @@ def test_memory_estimate_counts_the_samples_kept_for_leave_one_out(small_cfg):
 
     det = Detector.from_config(small_cfg)
     part = "training samples kept for leave-one-out"
-    sizes = {}
-    for mode in ("all-images", "holdout"):
-        cfg = load_config({**small_cfg, "padim": {"n_features": 40, "covariance": "dense"},
+    sizes, models = {}, {}
+    for mode, keep in (("all-images", True), ("all-images", False), ("holdout", True)):
+        cfg = load_config({**small_cfg, "padim": {"n_features": 40, "covariance": "dense",
+                                                  "keep_embeddings": keep},
                            "threshold": {"mode": mode}})
-        sizes[mode] = PadimScorer.estimate_memory(cfg, det.layer_info,
-                                                  det.preprocessor.input_size, 50)[part]
-    positions = sizes["all-images"] // (50 * 40 * 4)
-    assert sizes["holdout"] == 0 and sizes["all-images"] == positions * 50 * 40 * 4 > 0
+        est = PadimScorer.estimate_memory(cfg, det.layer_info, det.preprocessor.input_size, 50)
+        sizes[mode, keep], models[mode, keep] = est[part], est["model"]
+    positions = sizes["all-images", True] // (50 * 40 * 4)
+    kept = positions * 50 * 40 * 4
+    assert sizes["holdout", True] == 0 and sizes["all-images", True] == kept > 0
+    # the model keeps them too (padim.keep_embeddings), unless told not to
+    assert models["all-images", True] - models["all-images", False] == kept
+    assert models["holdout", True] == models["all-images", False]
 
 
 def test_a_fit_never_writes_a_threshold_a_model_file_refuses():

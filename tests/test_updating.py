@@ -60,14 +60,15 @@ def max_relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # -- PaDiM: exact ------------------------------------------------------------------------------
-@pytest.mark.parametrize("n_features, covariance, form", [
-    (40, "dense", "dense"), (40, "lowrank", "lowrank"),
+@pytest.mark.parametrize("n_features, covariance, form, keep", [
+    (40, "dense", "dense", True), (40, "dense", "dense", False),
+    (40, "lowrank", "lowrank", True),
     # auto: 12 old images are low-rank (<= 0.4 * 50 = 20), all 24 dense: the update crosses
-    (50, "auto", "dense")], ids=["dense", "lowrank", "auto-crossing"])
+    (50, "auto", "dense", True)], ids=["dense", "dense-sums-only", "lowrank", "auto-crossing"])
 def test_padim_update_equals_a_fit_on_all_the_images(halves, test_images, n_features,
-                                                     covariance, form):
+                                                     covariance, form, keep):
     old, new, both = halves
-    cfg = cfg_for("padim", n_features=n_features, covariance=covariance)
+    cfg = cfg_for("padim", n_features=n_features, covariance=covariance, keep_embeddings=keep)
     det = Detector(cfg).fit(old, progress=False)
     before = det.threshold_.value
     assert det.update(new) is det  # scikit-learn style: in place, returns self
@@ -80,20 +81,23 @@ def test_padim_update_equals_a_fit_on_all_the_images(halves, test_images, n_feat
     thr = det.threshold_
     assert thr.n_images == N_OLD + N_NEW and thr.provenance["set_by"] == "update"
     assert thr.value != before
-    if covariance != "dense":
-        # the low-rank model keeps its samples: every image grouped and scored out of sample
-        # afresh, as the fit on all of them does: the same scores, the same threshold
+    if keep:
+        # the model keeps its samples (low-rank: Y; dense: padim.keep_embeddings): every image
+        # grouped and scored out of sample afresh, as the fit on all of them does: the same
+        # scores, the same threshold
         assert thr.provenance["good"]["stored"] == 0
         np.testing.assert_allclose(thr.scores, full.threshold_.scores, rtol=REL_TOL)
         assert thr.value == pytest.approx(full.threshold_.value, rel=REL_TOL)
     else:  # the model's images keep their stored scores, the new ones leave-one-out
+        assert det.scorer_.gaussians.samples is None
         assert thr.provenance["good"]["stored"] == N_OLD
         np.testing.assert_allclose(thr.scores[N_OLD:], full.threshold_.scores[N_OLD:],
                                    rtol=REL_TOL)
 
 
 def test_padim_dense_update_after_save_and_load(halves, tmp_path):
-    """The dense sums come back from the saved mean, factors and n (epsilon taken off)."""
+    """The dense model's kept embeddings come back from the file: the update is the fit on
+    every image, threshold included."""
     old, new, both = halves
     cfg = cfg_for("padim", n_features=40, covariance="dense")
     path = Detector(cfg).fit(old, progress=False).save(tmp_path / "m.safetensors")
@@ -102,6 +106,9 @@ def test_padim_dense_update_after_save_and_load(halves, tmp_path):
     images = sorted(map(str, both.glob("*.png")))
     assert max_relative(det.decision_function(images),
                         full.decision_function(images)) <= REL_TOL
+    np.testing.assert_allclose(det.threshold_.scores, full.threshold_.scores, rtol=REL_TOL)
+    torch.testing.assert_close(det.scorer_.gaussians.samples, full.scorer_.gaussians.samples,
+                               rtol=0, atol=0)  # the images' own embeddings, in fit order
     # a second update on top: still the fit on every image
     det.update(textured_images(4, size=(72, 72)))
     assert det.scorer_.n_train == N_OLD + N_NEW + 4 and len(det.lineage_) == 2

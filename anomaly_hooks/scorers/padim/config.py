@@ -22,6 +22,11 @@ class PadimConfig:
     # a tiled model's Gaussians: one per position of the stitched grid (aligned parts), or
     # shared by tile position, every tile of every image a sample (textures; needs tiling)
     positions: Positions = Positions["frame"]
+    # dense form with an all-images threshold and n <= 2 D training images: keep their
+    # embeddings [P, n, D] in the model (the leave-one-out scores are made from them) so that
+    # an update scores every image out of sample exactly, as a refit does; false: a smaller
+    # model whose updates keep the stored out-of-sample scores of its images
+    keep_embeddings: bool = True
 
 
 def validate(pad: Any) -> None:

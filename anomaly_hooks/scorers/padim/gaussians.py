@@ -31,6 +31,8 @@ import torch
 
 from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
+    blocked_cholesky,
+    blocked_inverse_cholesky,
     dense_group_out_squared,
     dense_loo_squared,
     dense_terms,
@@ -42,6 +44,8 @@ SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
 HALF_CHUNK = 8  # positions of float16 factors widened to float32 at a time on the CPU (cache-sized)
 HALF_WIDEN_BYTES = 256 << 20  # on a GPU: float32 bytes widened at a time (few, large launches)
 BUFFER_SAMPLES = 128  # samples per position collected before their products are added
+BLOCK_BASE32 = 32  # float32 blocked inverse Cholesky: LAPACK below this size
+BLOCK_BASE_CHOL = 64  # float32 blocked dense Cholesky on the CPU (measured best at D = 176)
 LOWRANK_MAX_FRACTION = 0.4  # auto: low-rank for n <= 0.4 D training images
 
 
@@ -78,31 +82,13 @@ def inverse_cholesky(mat: torch.Tensor, what: str = "Gram matrix") -> torch.Tens
     ``S = M22 - C21 C21^T`` the same way, and ``(C^-1)21 = -C22^-1 C21 C11^-1``. Float32, with
     the whole computation redone in float64 for any matrix where a float32 factorisation fails.
     """
-    inv, info = _inverse_cholesky(mat)
+    inv, info = blocked_inverse_cholesky(mat, BLOCK_BASE32)
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
         eye = torch.eye(mat.shape[-1], dtype=torch.float64, device=mat.device)
         chol = _cholesky64(mat[bad], what)
         inv[bad] = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False).float()
     return inv
-
-
-def _inverse_cholesky(mat: torch.Tensor, base: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    m = mat.shape[-1]
-    if m <= base:
-        chol, info = torch.linalg.cholesky_ex(mat)
-        eye = torch.eye(m, dtype=mat.dtype, device=mat.device).expand_as(chol)
-        return torch.linalg.solve_triangular(chol, eye, upper=False), info
-    h = m // 2
-    inv11, info1 = _inverse_cholesky(mat[:, :h, :h], base)
-    c21 = torch.bmm(mat[:, h:, :h], inv11.transpose(1, 2))
-    inv22, info2 = _inverse_cholesky(torch.baddbmm(mat[:, h:, h:], c21, c21.transpose(1, 2),
-                                                   alpha=-1.0), base)
-    out = torch.zeros_like(mat)
-    out[:, :h, :h] = inv11
-    out[:, h:, h:] = inv22
-    out[:, h:, :h] = torch.bmm(inv22, torch.bmm(c21, inv11)).neg_()
-    return out, torch.maximum(info1, info2)
 
 
 # -- dense ---------------------------------------------------------------------------------
@@ -207,12 +193,18 @@ class GaussianAccumulator:
 def cholesky_factor_(cov: torch.Tensor, epsilon: float, work: torch.Tensor) -> torch.Tensor:
     """Lower ``L`` with ``L L^T = cov + epsilon I``, ``cov`` ``[c, D, D]`` float32, written over
     ``cov`` (which is returned). Factorised in float32 (``epsilon I`` bounds the condition
-    number), falling back to float64 for any matrix where float32 fails. ``work``: a float32
-    buffer of at least ``cov``'s shape, reused for every chunk."""
+    number; on the CPU by recursive blocking, :func:`loo.blocked_cholesky`), falling back to
+    float64 for any matrix where float32 fails. ``work``: a float32 buffer of at least
+    ``cov``'s shape, reused for every chunk."""
     cov.diagonal(dim1=1, dim2=2).add_(epsilon)
     out = work[:cov.shape[0]]
-    info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
-    torch.linalg.cholesky_ex(cov, out=(out, info))
+    if cov.device.type == "cpu":
+        factor, info = blocked_cholesky(cov, BLOCK_BASE_CHOL)
+        out.copy_(factor)
+        del factor
+    else:  # one batched library call
+        info = torch.empty(cov.shape[0], dtype=torch.int32, device=cov.device)
+        torch.linalg.cholesky_ex(cov, out=(out, info))
     bad = torch.nonzero(info > 0).flatten()
     if bad.numel():
         out[bad] = _cholesky64(cov[bad], "covariance").float()
@@ -231,12 +223,15 @@ def half_chunk(dim: int, device: torch.device) -> int:
 
 class DenseGaussians:
     """Means ``[P, D]`` float32 and lower Cholesky factors ``[P, D, D]`` (float32 or float16) of
-    ``Sigma + eps I``."""
+    ``Sigma + eps I``; optionally the training embeddings ``samples`` ``[P, n, D]`` float32
+    (``padim.keep_embeddings``: unused by scoring, kept for exact updates)."""
 
     kind = "dense"
 
-    def __init__(self, mean: torch.Tensor, chol: torch.Tensor) -> None:
-        self.mean, self.chol = mean, chol
+    def __init__(self, mean: torch.Tensor, chol: torch.Tensor,
+                 samples: Optional[torch.Tensor] = None) -> None:
+        self.mean, self.chol, self.samples = mean, chol, samples
+        self.loo: Optional[torch.Tensor] = None  # [P, n] LOO distances, when made from samples
 
     @classmethod
     @torch.inference_mode()  # the accumulator's state lives in inference mode
@@ -291,18 +286,31 @@ class DenseGaussians:
         return z.square_().sum(dim=1)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        return {"padim.mean": self.mean, "padim.chol": self.chol}
+        out = {"padim.mean": self.mean, "padim.chol": self.chol}
+        if self.samples is not None:
+            out["padim.dense_samples"] = self.samples
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: Dict[str, torch.Tensor], p: int, d: int,
-                     device: torch.device) -> "DenseGaussians":
+                     device: torch.device, n: Optional[int] = None) -> "DenseGaussians":
+        """From a model file's tensors; ``n``: the training image count, which the kept
+        embeddings (when there) must match."""
         mean, chol = _get(tensors, "padim.mean", "padim.chol")
         if tuple(mean.shape) != (p, d) or tuple(chol.shape) != (p, d, d):
             raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(chol.shape)} do not fit "
                              f"{p} positions and {d} channels")
         _check_dtype("mean", mean, (torch.float32,))
         _check_dtype("chol", chol, (torch.float32, torch.float16))
-        return cls(mean.to(device), chol.to(device))
+        samples = tensors.get("padim.dense_samples")
+        if samples is not None:
+            if samples.ndim != 3 or tuple(samples.shape[::2]) != (p, d) or (
+                    n is not None and samples.shape[1] != n):
+                raise ValueError(f"padim.dense_samples {tuple(samples.shape)} do not fit {p} "
+                                 f"positions, {n} training images and {d} channels")
+            _check_dtype("dense_samples", samples, (torch.float32,))
+            samples = samples.to(device)
+        return cls(mean.to(device), chol.to(device), samples)
 
 
 # -- low-rank ------------------------------------------------------------------------------

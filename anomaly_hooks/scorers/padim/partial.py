@@ -21,8 +21,13 @@ samples ``Y`` and mean, so ``X = sqrt(n - 1) Y + mu`` (float32 rounding); the de
 the mean and the factor ``L`` of the *regularised* covariance ``Sigma + eps I`` and the image
 count ``n`` (``n_train``, in the model file), which give ``S1 = 0`` about ``K = mu`` and
 ``S2 = (n - 1) (L L^T - eps I)`` (``L L^T`` in float64): the exact sums again, up to the float32
-rounding of ``L``. A merge of a low-rank and a dense state (an update that crosses ``auto``'s
-limit) turns the low-rank samples into sums first.
+rounding of ``L``; where the dense model keeps its training embeddings
+(``padim.keep_embeddings``), the state is their exact sums and the samples themselves. A dense
+state may carry its images' samples ``[P, n_s, D]`` (``samples``): a merge keeps them, in order,
+where every state has them, and the merged fit then makes every image's exact
+leave-one-(group-)out distances from them, as a fit that keeps its samples does. A merge of a
+low-rank and a dense state (an update that crosses ``auto``'s limit) turns the low-rank samples
+into sums first (keeping the samples).
 
 States are plain dicts of numpy arrays and ints / strings (see ``Scorer.partial_state``).
 """
@@ -43,6 +48,10 @@ from anomaly_hooks.scorers.padim.gaussians import (
     LowRankGaussians,
     SampleStore,
 )
+from anomaly_hooks.scorers.padim.loo import (
+    group_out_distances_from_samples,
+    loo_distances_from_samples,
+)
 
 State = Dict[str, Any]
 
@@ -51,11 +60,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
-def dense_state(acc: GaussianAccumulator, grid: tuple) -> State:
-    """The state of a shard's streaming sums (flushed first)."""
+def dense_state(acc: GaussianAccumulator, grid: tuple,
+                samples: Optional[torch.Tensor] = None) -> State:
+    """The state of a shard's streaming sums (flushed first), with its samples ``[P, n_s, D]``
+    where they were kept (an update's exact out-of-sample scores need every image's)."""
     acc.finish()
-    return {"form": "dense", "n": int(acc.n), "grid": tuple(grid), "shift": _np(acc.shift),
-            "s1": _np(acc.s1), "s2": _np(acc.s2)}
+    state = {"form": "dense", "n": int(acc.n), "grid": tuple(grid), "shift": _np(acc.shift),
+             "s1": _np(acc.s1), "s2": _np(acc.s2)}
+    if samples is not None:
+        state["samples"] = _np(samples)
+    return state
 
 
 def lowrank_state(store: SampleStore, grid: tuple) -> State:
@@ -73,6 +87,10 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
         samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
         return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
                 "samples": samples.float().contiguous().numpy()}
+    if gauss.samples is not None:  # the kept embeddings: the exact sums, and the samples
+        acc = GaussianAccumulator()
+        acc.update(gauss.samples.detach().cpu())
+        return dense_state(acc, grid, gauss.samples.detach().cpu())
     if gauss.chol.dtype != torch.float32:
         raise FitError("this PaDiM model keeps its covariance factors in float16 "
                        "(padim.factor_dtype=float16): they hold the covariances to about 3 "
@@ -95,9 +113,10 @@ def to_dense(state: State) -> State:
     """A low-rank state's samples as dense sums (a dense state unchanged)."""
     if state["form"] == "dense":
         return state
+    samples = _readable(state["samples"])
     acc = GaussianAccumulator()
-    acc.update(_readable(state["samples"]))
-    return dense_state(acc, state["grid"])
+    acc.update(samples)
+    return dense_state(acc, state["grid"], samples)
 
 
 def merge(states: Sequence[State]) -> State:
@@ -152,16 +171,20 @@ def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
             out.baddbmm_(half.unsqueeze(2), df.unsqueeze(1))
             out.baddbmm_(df.unsqueeze(2), half.unsqueeze(1))
             s1[lo:hi] += (b1 + s["n"] * delta).numpy()
-    return {"form": "dense", "n": sum(int(s["n"]) for s in states), "grid": first["grid"],
-            "shift": shift, "s1": s1, "s2": s2}
+    out = {"form": "dense", "n": sum(int(s["n"]) for s in states), "grid": first["grid"],
+           "shift": shift, "s1": s1, "s2": s2}
+    if all("samples" in s for s in states):  # every image's samples: kept, in order
+        out["samples"] = np.concatenate([s["samples"] for s in states], axis=1)
+    return out
 
 
 def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
               device: Optional[torch.device] = None, loo: bool = False,
-              groups: Optional[torch.Tensor] = None):
+              groups: Optional[torch.Tensor] = None, keep_samples: bool = False):
     """Dense or low-rank Gaussians (on ``device``, default the CPU) of a merged state; ``loo``:
-    the low-rank form also makes its training samples' leave-one-out distances (``.loo``),
-    leave-one-group-out with ``groups``.
+    the low-rank form, and the dense form where the state has every image's samples, also
+    make the training samples' leave-one-out distances (``.loo``), leave-one-group-out with
+    ``groups``; ``keep_samples``: the dense form keeps those samples (``.samples``).
     The arrays are copied where they are read-only (the object store hands out read-only
     buffers; the fit works in place)."""
     device = torch.device("cpu") if device is None else device
@@ -176,7 +199,14 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
     acc.s1 = _tensor(state["s1"], device)
     acc.s2 = _tensor(state["s2"], device)  # factorised in place
     dtype = torch.float16 if factor_dtype == "float16" else torch.float32
-    return DenseGaussians.from_accumulator(acc, epsilon, dtype)
+    out = DenseGaussians.from_accumulator(acc, epsilon, dtype)
+    samples = _readable(state["samples"]).to(device) if "samples" in state else None
+    if loo and samples is not None:
+        out.loo = (loo_distances_from_samples(samples, epsilon) if groups is None
+                   else group_out_distances_from_samples(samples, groups, epsilon))
+    if keep_samples and samples is not None:
+        out.samples = samples  # only ever read: a view of the state's array will do
+    return out
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

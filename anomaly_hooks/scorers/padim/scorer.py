@@ -74,11 +74,13 @@ class PadimScorer(Scorer):
         return section.positions == "tile"
 
     def __init__(self, embedder: PatchEmbedder, epsilon: float,
-                 factor_dtype: str = "float32", covariance: str = "auto") -> None:
+                 factor_dtype: str = "float32", covariance: str = "auto",
+                 keep_embeddings: bool = True) -> None:
         super().__init__(embedder)
         self.epsilon = epsilon
         self.factor_dtype = factor_dtype
         self.covariance = covariance  # as asked for; the fitted form is gaussians.kind
+        self.keep_embeddings = keep_embeddings  # dense form: see keeps_samples
         self._expected: Optional[int] = None
         self._acc: Optional[GaussianAccumulator] = None
         self._store: Optional[SampleStore] = None
@@ -106,7 +108,8 @@ class PadimScorer(Scorer):
                  "sample buffer": positions * BUFFER_SAMPLES * d * 4, "batch": batch,
                  "training samples kept for leave-one-out":
                      positions * n_train * d * 4 if loo else 0},
-                positions * d * d * factor_bytes + positions * d * 4)
+                positions * d * d * factor_bytes + positions * d * 4
+                + (positions * n_train * d * 4 if loo and pad.keep_embeddings else 0))
 
     @classmethod
     def create(cls, cfg: Any, layers: Sequence[LayerInfo], backbone_name: str,
@@ -119,7 +122,7 @@ class PadimScorer(Scorer):
                              f"layers {[i.name for i in layers]} give: choose 1..{total}")
         idx = random_channel_subset(total, n, seed)
         return cls(PatchEmbedder(layers, upsample="nearest", channel_idx=idx), cfg.epsilon,
-                   cfg.factor_dtype, cfg.covariance)
+                   cfg.factor_dtype, cfg.covariance, bool(cfg.keep_embeddings))
 
     # -- fitting --------------------------------------------------------------------------
     def begin(self, n_images: int) -> None:
@@ -188,6 +191,8 @@ class PadimScorer(Scorer):
             else:
                 loo = group_out_distances_from_samples(self._oos_store.samples(), groups,
                                                        self.epsilon)
+            if self._oos_store is not None and self.keeps_samples(n):
+                self.gaussians.samples = self._oos_store.samples().contiguous()
         if loo is not None:  # [P, n] -> [n, h, w]
             self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self.n_train = n
@@ -205,9 +210,10 @@ class PadimScorer(Scorer):
     def partial_state(self) -> Dict[str, Any]:
         if self._store is None and self._acc is None:
             raise FitError("this PaDiM shard got no training image")
+        kept = None if self._oos_store is None else self._oos_store.samples()
         state = (partial.lowrank_state(self._store, self.grid) if self._store is not None
-                 else partial.dense_state(self._acc, self.grid))
-        self._acc = self._store = None
+                 else partial.dense_state(self._acc, self.grid, kept))
+        self._acc = self._store = self._oos_store = None
         return state
 
     @classmethod
@@ -222,10 +228,11 @@ class PadimScorer(Scorer):
                            f"for a covariance; got {n}")
         self.gaussians = partial.gaussians(
             state, self.epsilon, self.factor_dtype, device, loo=self.want_out_of_sample,
-            groups=self._groups(n) if self.want_out_of_sample else None)
+            groups=self._groups(n) if self.want_out_of_sample else None,
+            keep_samples=self.keeps_samples(n))
         self.grid, self.n_train = tuple(state["grid"]), n
-        loo = getattr(self.gaussians, "loo", None)
-        if loo is not None:  # the low-rank form's exact LOO: [P, n] -> [n, h, w]
+        loo = self.gaussians.loo
+        if loo is not None:  # exact LOO from the samples: [P, n] -> [n, h, w]
             self.gaussians.loo = None
             self._oos_patch_scores = loo.t().reshape(n, *self.grid)
         self._acc = self._store = None
@@ -240,13 +247,25 @@ class PadimScorer(Scorer):
 
     def training_embeddings(self) -> Optional[torch.Tensor]:
         """The low-rank form's samples as embeddings ``[n, D, h, w]`` (``sqrt(n - 1) Y + mu``,
-        float32 rounding); None for the dense form, which keeps only their sums."""
+        float32 rounding), or the dense form's kept ones; None for a dense model that keeps
+        only their sums."""
         self.check_fitted()
         g = self.gaussians
         if g.kind != "lowrank":
-            return None
-        x = g.y.float() * math.sqrt(self.n_train - 1) + g.mean.float().unsqueeze(1)  # [P, n, D]
-        return x.permute(1, 2, 0).reshape(self.n_train, -1, *self.grid)
+            x = g.samples
+            if x is None:
+                return None
+        else:
+            x = g.y.float() * math.sqrt(self.n_train - 1) + g.mean.float().unsqueeze(1)
+        return x.permute(1, 2, 0).reshape(self.n_train, -1, *self.grid)  # from [P, n, D]
+
+    def keeps_samples(self, n: int) -> bool:
+        """Whether a dense model of ``n`` training images keeps their embeddings
+        ``[P, n, D]`` (``padim.keep_embeddings``, an all-images threshold, ``n <= 2 D``: where
+        the fit keeps them anyway for the exact leave-one-out scores, at most twice the
+        factors' size): an update then scores every image out of sample exactly, as a refit."""
+        return (self.keep_embeddings and self.want_out_of_sample
+                and n <= DENSE_KEEP_SAMPLES * self.embedder.out_channels)
 
     # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
     def out_of_sample_unsupported(self) -> Optional[str]:
@@ -319,10 +338,14 @@ class PadimScorer(Scorer):
 
     # -- persistence ----------------------------------------------------------------------
     def format_version(self) -> int:
-        return 2 if self.gaussians is not None and self.gaussians.kind == "lowrank" else 1
+        g = self.gaussians
+        return 2 if g is not None and (g.kind == "lowrank" or g.samples is not None) else 1
 
     def summary(self) -> Dict[str, Any]:
-        return {"covariance": self.gaussians.kind, "n_train": self.n_train}
+        out = {"covariance": self.gaussians.kind, "n_train": self.n_train}
+        if self.gaussians.kind == "dense":
+            out["keeps_embeddings"] = self.gaussians.samples is not None
+        return out
 
     def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         return self.gaussians.tensors(), {"epsilon": self.epsilon,
@@ -338,11 +361,13 @@ class PadimScorer(Scorer):
         kind = meta.get("covariance", "dense")  # format 1 files are dense
         if kind not in ("dense", "lowrank"):
             raise ValueError(f"unknown PaDiM covariance form {kind!r}")
-        scorer = cls(embedder, float(meta["epsilon"]), cfg.factor_dtype, cfg.covariance)
+        scorer = cls(embedder, float(meta["epsilon"]), cfg.factor_dtype, cfg.covariance,
+                     bool(cfg.keep_embeddings))
         p = int(meta["grid"][0]) * int(meta["grid"][1])
         d = int(embedder.out_channels)
         if kind == "dense":
-            scorer.gaussians = DenseGaussians.from_tensors(tensors, p, d, device)
+            scorer.gaussians = DenseGaussians.from_tensors(tensors, p, d, device,
+                                                           int(meta["n_train"]))
         else:
             scorer.gaussians = LowRankGaussians.from_tensors(tensors, p, d, scorer.epsilon,
                                                              device)
