@@ -7,6 +7,9 @@ Run from the repository root::
     python benchmarks/bench_padim_align.py ../shared/data/visa_macaroni1 --tag s384 \\
         'backbone.layers=[_blocks.4,_blocks.10]' padim.n_features=152 \\
         'preprocess.resize=[384,576]' preprocess.crop=null       # a working scale, stride 8
+    python benchmarks/bench_padim_align.py DATA [OVERRIDES] --epsilons 0.01 1 --neighbourhoods 0 1
+
+(``--epsilons`` and ``--neighbourhoods`` take several values: give them after the overrides.)
 
 The embeddings of the training and test images (``CONFIG`` with the overrides) are cached under
 ``--cache`` (outside the repository). Each variant ``epsilon × neighbourhood`` is a fit of the
