@@ -9,8 +9,6 @@ Run from the repository root::
         'preprocess.resize=[384,576]' preprocess.crop=null       # a working scale, stride 8
     python benchmarks/bench_padim_align.py DATA [OVERRIDES] --epsilons 0.01 1 --neighbourhoods 0 1
 
-(``--epsilons`` and ``--neighbourhoods`` take several values: give them after the overrides.)
-
 The embeddings of the training and test images (``CONFIG`` with the overrides) are cached under
 ``--cache`` (outside the repository). Each variant ``epsilon × neighbourhood`` is a fit of the
 PaDiM scorer itself on the cached training embeddings, then the test images' heatmaps (the
@@ -113,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--epsilons", type=float, nargs="+", default=[0.01, 1.0])
     ap.add_argument("--neighbourhoods", type=int, nargs="+", default=[0, 1, 2])
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options between the overrides too
     from anomaly_hooks.detector import Detector
     from anomaly_hooks.evaluation.datasets import open_dataset
 
