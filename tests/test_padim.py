@@ -11,6 +11,7 @@ from scipy.spatial.distance import mahalanobis
 
 from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
+from anomaly_hooks.errors import ExportError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.padim.gaussians import (
     GaussianAccumulator,
@@ -369,3 +370,63 @@ def test_float16_factors_are_widened_in_large_chunks_on_a_gpu(device):
     whole = _chunked_distances(x, g.mean, 16, g._squared)  # all 16 positions at once
     torch.testing.assert_close(whole, by_one)
     torch.testing.assert_close(g.distances(x), by_one)
+
+
+@pytest.mark.parametrize("covariance", ["dense", "lowrank"])
+@pytest.mark.parametrize("radius", [1, 2])
+def test_neighbourhood_scores_the_least_distance_of_the_nearby_gaussians(covariance, radius):
+    """padim.neighbourhood: each patch's least distance to the Gaussians within ``radius``
+    cells inside the grid, against scipy distances of every (patch, nearby position) pair."""
+    emb = _embeddings(h=4, w=3)
+    scorer = _fit(emb, covariance)
+    test = _embeddings(n=3, h=4, w=3, seed=1)
+    scorer.neighbourhood = radius
+    got = scorer.score(test.float()).numpy()  # [T, h, w]
+    lo = np.full(got.shape, np.inf)
+    hi = np.full(got.shape, np.inf)
+    h, w = 4, 3
+    for dy in range(-radius, radius + 1):
+        for dx in range(-radius, radius + 1):
+            # moved[:, :, q] = test[:, :, q - o] where q - o lies inside the grid
+            moved = test.clone()
+            for qy in range(h):
+                for qx in range(w):
+                    py, px = qy - dy, qx - dx
+                    if 0 <= py < h and 0 <= px < w:
+                        moved[:, :, qy, qx] = test[:, :, py, px]
+            ref = _reference(emb, moved)  # [T, h * w]: d(x_{q-o}, G_q) at q
+            tol = _distance_rtol(emb, moved, (12,), ref) * ref
+            for qy in range(h):
+                for qx in range(w):
+                    py, px = qy - dy, qx - dx
+                    if 0 <= py < h and 0 <= px < w:
+                        q = qy * w + qx
+                        lo[:, py, px] = np.minimum(lo[:, py, px], ref[:, q] - tol[:, q])
+                        hi[:, py, px] = np.minimum(hi[:, py, px], ref[:, q] + tol[:, q])
+    assert np.all((lo <= got) & (got <= hi))
+    own = _reference(emb, test).reshape(got.shape)
+    assert np.all(got <= own * (1 + _distance_rtol(emb, test, (12,), own.reshape(3, -1))
+                                .reshape(got.shape)))
+    assert np.any(got < 0.9 * own)  # the neighbours do lower some scores
+
+
+def test_neighbourhood_is_checked_saved_and_not_exported(tmp_path):
+    with pytest.raises(ConfigError, match="padim.neighbourhood"):
+        load_config(None, padim__neighbourhood=-1)
+    with pytest.raises(ConfigError, match="padim.neighbourhood"):
+        load_config(None, padim__neighbourhood=5)
+    cfg = load_config(None, padim__neighbourhood=1)
+    layers = [LayerInfo("a", 6, 4)]
+    scorer = PadimScorer.create(cfg.padim, layers, "resnet18", 0)
+    assert scorer.neighbourhood == 1
+    emb = _embeddings()
+    scorer.begin(emb.shape[0])
+    scorer.partial_fit(emb.float())
+    scorer.finalize()
+    assert scorer.summary()["neighbourhood"] == 1
+    tensors, meta = scorer.state()
+    again = PadimScorer.from_state(cfg.padim, layers, tensors, meta, torch.device("cpu"))
+    test = _embeddings(n=2, seed=4).float()
+    assert torch.equal(again.score(test), scorer.score(test))
+    with pytest.raises(ExportError, match="padim.neighbourhood=1 has no ONNX export"):
+        scorer.export_module()

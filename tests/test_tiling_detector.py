@@ -95,6 +95,22 @@ def test_tiled_model_saves_and_loads_the_same_predictions(tiled, tmp_path):
     np.testing.assert_array_equal(a.heatmap, b.heatmap)
 
 
+def test_padim_neighbourhood_scores_a_tiled_model_no_higher(tiled):
+    """``padim.neighbourhood`` on the stitched grid (frame) or a tile window's (tile): the
+    fit is the same, every patch score can only fall (its own Gaussian is one of the
+    neighbourhood's), so the image scores (max of a positively weighted blur) fall or stay."""
+    if tiled.cfg.method != "padim":
+        pytest.skip("a PaDiM setting")
+    images = [with_defect(img) for img in textured_images(3, size=SIZE, seed=9)]
+    own = tiled.decision_function(images)
+    tiled.scorer_.neighbourhood = 1
+    try:
+        near = tiled.decision_function(images)
+    finally:
+        tiled.scorer_.neighbourhood = 0
+    assert np.all(near <= own) and np.any(near < own)
+
+
 def test_a_failed_fit_keeps_the_previous_frame(tiled):
     before = (tiled.preprocessor, tiled.tiling.frame, tiled.threshold_)
     with pytest.raises(FitError):

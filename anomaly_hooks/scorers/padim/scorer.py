@@ -6,14 +6,19 @@ independent of the number of images), or ``lowrank``: the centred training embed
 ``[P, n, D]`` and a small ``[P, n, n]`` factor, for fits on fewer images than dimensions (the
 usual case: MVTec AD has 60-390 training images per category, WRN50 PaDiM keeps 550 channels),
 where it is several times cheaper to fit, smaller, and faster to score. ``auto`` picks low-rank
-for ``n <= 0.4 D`` training images. The patch score is the Mahalanobis distance (not squared).
+for ``n <= 0.4 D`` training images. The patch score is the Mahalanobis distance (not squared);
+with ``padim.neighbourhood`` r > 0, the least one to the Gaussians of the positions within r grid
+cells (parts placed a little differently in each image: an edge one cell off its place is
+still typical of the neighbouring position).
 """
 from __future__ import annotations
 
 import math
+from itertools import product
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
 from anomaly_hooks.errors import ConfigError, ExportError, FitError
@@ -75,9 +80,10 @@ class PadimScorer(Scorer):
 
     def __init__(self, embedder: PatchEmbedder, epsilon: float,
                  factor_dtype: str = "float32", covariance: str = "auto",
-                 keep_embeddings: bool = True) -> None:
+                 keep_embeddings: bool = True, neighbourhood: int = 0) -> None:
         super().__init__(embedder)
         self.epsilon = epsilon
+        self.neighbourhood = int(neighbourhood)  # grid cells of alignment tolerance
         self.factor_dtype = factor_dtype
         self.covariance = covariance  # as asked for; the fitted form is gaussians.kind
         self.keep_embeddings = keep_embeddings  # dense form: see keeps_samples
@@ -122,7 +128,8 @@ class PadimScorer(Scorer):
                              f"layers {[i.name for i in layers]} give: choose 1..{total}")
         idx = random_channel_subset(total, n, seed)
         return cls(PatchEmbedder(layers, upsample="nearest", channel_idx=idx), cfg.epsilon,
-                   cfg.factor_dtype, cfg.covariance, bool(cfg.keep_embeddings))
+                   cfg.factor_dtype, cfg.covariance, bool(cfg.keep_embeddings),
+                   cfg.neighbourhood)
 
     # -- fitting --------------------------------------------------------------------------
     def begin(self, n_images: int) -> None:
@@ -268,6 +275,9 @@ class PadimScorer(Scorer):
                 and n <= DENSE_KEEP_SAMPLES * self.embedder.out_channels)
 
     # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
+    # With padim.neighbourhood > 0 these are the own position's leave-one-out distances: an
+    # upper bound of the neighbourhood's least one (the own position is one of its Gaussians),
+    # so the threshold they give errs towards fewer false alarms, never more.
     def out_of_sample_unsupported(self) -> Optional[str]:
         return None
 
@@ -325,8 +335,35 @@ class PadimScorer(Scorer):
         if (h, w) != self.grid or d != dim:
             raise ValueError(f"embeddings {tuple(embeddings.shape)} do not match the fitted grid "
                              f"{self.grid} and dimension {dim}")
+        if self.neighbourhood:
+            return self._neighbourhood_distances(embeddings)
         x = embeddings.flatten(2).permute(2, 0, 1)  # [P, B, D]
         return self.gaussians.distances(x).t().reshape(b, h, w)
+
+    def _neighbourhood_distances(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``[B, h, w]``: each patch's least distance to the Gaussians of the positions within
+        ``neighbourhood`` cells (Chebyshev) inside the grid, of embeddings ``[B, D, h, w]``.
+
+        One full scoring per offset ``o``: the patches shifted by ``o`` (edge-replicated, the
+        replicas discarded) against every position's own Gaussian give ``d(x_p, G_{p+o})`` at
+        ``p + o``, so the Gaussians are never copied or gathered."""
+        b, _, h, w = embeddings.shape
+        r = self.neighbourhood
+        padded = F.pad(embeddings.float(), (r, r, r, r), mode="replicate")
+        best = None
+        for dy, dx in product(range(-r, r + 1), repeat=2):
+            if abs(dy) >= h or abs(dx) >= w:
+                continue  # no position of the grid has a neighbour at this offset
+            shifted = padded[:, :, r - dy:r - dy + h, r - dx:r - dx + w]  # [:, :, q] = x[q - o]
+            dist = self.gaussians.distances(shifted.flatten(2).permute(2, 0, 1))
+            dist = dist.t().reshape(b, h, w)
+            if best is None:  # offsets start at (-r, -r): fill with +inf, then take minima
+                best = torch.full_like(dist, math.inf)
+            # p = q - o for the q inside the grid
+            ys, xs = slice(max(0, -dy), h - max(0, dy)), slice(max(0, -dx), w - max(0, dx))
+            yq, xq = slice(ys.start + dy, ys.stop + dy), slice(xs.start + dx, xs.stop + dx)
+            torch.minimum(best[:, ys, xs], dist[:, yq, xq], out=best[:, ys, xs])
+        return best
 
     # -- export -------------------------------------------------------------------------
     def export_module(self, **options: Any) -> ScorerGraph:
@@ -334,6 +371,10 @@ class PadimScorer(Scorer):
         self.check_fitted()
         if options:
             raise ExportError(f"PaDiM takes no export options, got {sorted(options)}")
+        if self.neighbourhood:
+            raise ExportError(f"padim.neighbourhood={self.neighbourhood} has no ONNX export: "
+                              "export a model fitted with padim.neighbourhood=0, or serve the "
+                              ".safetensors model")
         return padim_graph(self.gaussians)
 
     # -- persistence ----------------------------------------------------------------------
@@ -342,7 +383,8 @@ class PadimScorer(Scorer):
         return 2 if g is not None and (g.kind == "lowrank" or g.samples is not None) else 1
 
     def summary(self) -> Dict[str, Any]:
-        out = {"covariance": self.gaussians.kind, "n_train": self.n_train}
+        out = {"covariance": self.gaussians.kind, "n_train": self.n_train,
+               "neighbourhood": self.neighbourhood}
         if self.gaussians.kind == "dense":
             out["keeps_embeddings"] = self.gaussians.samples is not None
         return out
@@ -362,7 +404,7 @@ class PadimScorer(Scorer):
         if kind not in ("dense", "lowrank"):
             raise ValueError(f"unknown PaDiM covariance form {kind!r}")
         scorer = cls(embedder, float(meta["epsilon"]), cfg.factor_dtype, cfg.covariance,
-                     bool(cfg.keep_embeddings))
+                     bool(cfg.keep_embeddings), cfg.neighbourhood)
         p = int(meta["grid"][0]) * int(meta["grid"][1])
         d = int(embedder.out_channels)
         if kind == "dense":
