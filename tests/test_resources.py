@@ -62,20 +62,22 @@ def test_padim_estimate_matches_the_formula_and_the_model(fitted):
 
 def test_wrn50_memory_estimates_match_the_tensor_sizes():
     """WRN50 at 224, d = 550 (3136 positions): dense keeps one float32 [P, D, D] tensor (sums,
-    then covariances, then factors, in place); float16 factors halve the model; bottle's 167
-    training images keep the low-rank form, less than half the dense fit."""
+    then covariances, then factors, in place) and, with n <= 2 D images and the all-images
+    threshold, their float32 embeddings [P, n, D] (padim.keep_embeddings); float16 factors halve
+    the factors; bottle's 167 training images keep the low-rank form, less than half the dense
+    fit."""
     cfg = load_config(None, padim__n_features=550)
     layers = [LayerInfo("layer1", 256, 4), LayerInfo("layer2", 512, 8),
               LayerInfo("layer3", 1024, 16)]
     est = estimate_fit_memory(PadimScorer, cfg, layers, (224, 224), 250)  # > 220: dense
-    assert est["model"] == 3136 * 550 * 550 * 4 + 3136 * 550 * 4
+    assert est["model"] == 3136 * 550 * 550 * 4 + 3136 * 550 * 4 + 3136 * 250 * 550 * 4
     assert est["statistics (float32 sums, factorised in place)"] == 3136 * 550 * 550 * 4
     assert est["float16 factors"] == 0
     half = estimate_fit_memory(PadimScorer, load_config(None, padim__n_features=550,
                                            padim__factor_dtype="float16"),
                                layers, (224, 224), 200)  # float16: dense whatever n
     assert half["float16 factors"] == 3136 * 550 * 550 * 2
-    assert half["model"] == 3136 * 550 * 550 * 2 + 3136 * 550 * 4
+    assert half["model"] == 3136 * 550 * 550 * 2 + 3136 * 550 * 4 + 3136 * 200 * 550 * 4
     low = estimate_fit_memory(PadimScorer, cfg, layers, (224, 224), 167)
     assert low["model"] == 3136 * (167 * 550 + 167 * 167 + 550) * 4
     assert low["total"] < est["total"] / 2
