@@ -1,47 +1,57 @@
 #!/usr/bin/env bash
-# The CUDA checks in one call on a GPU machine with no network (../shared/gpu/README.md):
-# the device-parametrised tests on cuda, the operating points per objective on battery_weld
-# (bench_threshold) and the model updates against a full refit (bench_update), both with the
-# pretrained EfficientNet-Lite0 on cuda. Everything lands under $OUT (seven files: the device tool brings back eight).
-#   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256), copy battery_weld
-#                 (2.3 MB) into .gpu-data/; the faiss wheel is not needed on cuda
-#   run there:    OUT=/some/dir bash benchmarks/gpu_run.sh [tests-seconds]
+# The CUDA checks in one call on a GPU machine with no network (../shared/gpu/README.md).
+# Sections (all by default, or those named in SECTIONS):
+#   tests      every test that takes the device fixture, on cuda
+#   pipeline   bench_pipeline on cuda, WRN50 PaDiM and PatchCore (bottle at 256 x 256)
+#   float16    bench_float16 on cuda, PatchCore EfficientNet-Lite0
+#   threshold  bench_threshold on cuda: operating points per objective on battery_weld and bottle
+#   update     bench_update on cuda: PaDiM dense and low-rank, PatchCore, against a refit
+# Each writes one text file under $OUT (the device tool brings back at most eight files).
+#   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
+#                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB)
+#   run there:    OUT=/some/dir [SECTIONS="tests update"] bash benchmarks/gpu_run.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+SECTIONS=" ${SECTIONS:-tests pipeline float16 threshold update} "
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__,
   torch.cuda.get_device_name())" 2>&1 | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/device.txt" 2>&1
-nproc >> "$OUT/device.txt"
-data=.gpu-data/battery_weld
-# 1. every test that takes the device fixture, on cuda
-start=$(date +%s)
-timeout "${1:-130}" python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
-  -m "not slow" -k cuda tests > "$OUT/tests_cuda.txt" 2>&1
-echo "tests rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/tests_cuda.txt"
-grep -E "passed|failed|FAILED|rc=" "$OUT/tests_cuda.txt" | tail -15
-# 2. operating points per objective (far, f1, recall with 10 labelled defects), both methods
-start=$(date +%s)
-timeout 150 python3 benchmarks/bench_threshold.py --data "$data" --device cuda \
-  --out /tmp/bench_threshold > "$OUT/threshold.txt" 2>&1
-echo "threshold rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/threshold.txt"
-cp /tmp/bench_threshold/results.json "$OUT/threshold.json" 2>/dev/null
-tail -30 "$OUT/threshold.txt"
-# 3. updates against a full refit: PaDiM dense and low-rank, PatchCore
-for run in "padim_effnet_lite0 dense" "padim_effnet_lite0 lowrank" "patchcore_effnet_lite0 -"; do
-  set -- $run
-  extra=(); [ "$2" != "-" ] && extra=(padim.covariance=$2)
-  start=$(date +%s)
-  timeout 70 python3 benchmarks/bench_update.py --data "$data" --config configs/$1.yaml \
-    device=cuda data.num_workers=4 "${extra[@]}" > /tmp/update.txt 2>&1
-  rc=$?; { echo "## update $1 $2 rc=$rc in $(( $(date +%s) - start )) s"; cat /tmp/update.txt; } \
-    | tee -a "$OUT/update.txt" | tail -22
-done
-# 4. operating points on bottle (shrunk to 256 x 256: the configs resize to 256 anyway)
-start=$(date +%s)
-timeout 170 python3 benchmarks/bench_threshold.py --data .gpu-data/mvtec_bottle --device cuda \
-  --objectives far f1 --out /tmp/bench_threshold_bottle > "$OUT/threshold_bottle.txt" 2>&1
-echo "threshold bottle rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/threshold_bottle.txt"
-cp /tmp/bench_threshold_bottle/results.json "$OUT/threshold_bottle.json" 2>/dev/null
-tail -8 "$OUT/threshold_bottle.txt"
+bottle=.gpu-data/mvtec_bottle battery=.gpu-data/battery_weld
+has() { [[ "$SECTIONS" == *" $1 "* ]]; }
+# run NAME SECONDS COMMAND...: the command's output appended to $OUT/NAME.txt, its end shown
+run() {
+  local name=$1 limit=$2 start; shift 2; start=$(date +%s)
+  { echo "## $*"; timeout "$limit" "$@" 2>&1; echo "## rc=$? in $(( $(date +%s) - start )) s"; } \
+    >> "$OUT/$name.txt"
+  tail -12 "$OUT/$name.txt"
+}
+if has tests; then
+  run tests 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
+    -m "not slow" -k cuda tests
+fi
+if has pipeline; then  # random-init WRN50 times like the pretrained one
+  for cfg in padim patchcore; do
+    run pipeline 120 python3 benchmarks/bench_pipeline.py --config configs/$cfg.yaml \
+      --data "$bottle" --device cuda --repeats 30
+  done
+fi
+if has float16; then
+  run float16 90 python3 benchmarks/bench_float16.py --config configs/patchcore_effnet_lite0.yaml \
+    --data "$bottle" device=cuda
+fi
+if has threshold; then  # far, f1 and recall with 10 labelled defects; bottle: far and f1
+  run threshold 150 python3 benchmarks/bench_threshold.py --data "$battery" --device cuda \
+    --out /tmp/thr_battery
+  run threshold 170 python3 benchmarks/bench_threshold.py --data "$bottle" --device cuda \
+    --objectives far f1 --out /tmp/thr_bottle
+fi
+if has update; then
+  for cov in dense lowrank; do
+    run update 70 python3 benchmarks/bench_update.py --data "$battery" \
+      --config configs/padim_effnet_lite0.yaml device=cuda data.num_workers=4 padim.covariance=$cov
+  done
+  run update 70 python3 benchmarks/bench_update.py --data "$battery" \
+    --config configs/patchcore_effnet_lite0.yaml device=cuda data.num_workers=4
+fi
