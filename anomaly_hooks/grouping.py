@@ -141,14 +141,21 @@ def name_pairs(names: Sequence[str], pattern: str) -> List[tuple]:
 def median_pair_distance(x: np.ndarray, seed: int) -> float:
     """The median Euclidean distance between two different rows of ``x`` ``[n, F]``: exact up
     to ``MEDIAN_PAIRS`` pairs, else over that many pairs drawn with ``seed``."""
+    from scipy.spatial.distance import pdist
+
     n = x.shape[0]
+    x = np.asarray(x, dtype=np.float64)
     if n * (n - 1) // 2 <= MEDIAN_PAIRS:
-        i, j = np.triu_indices(n, 1)
-    else:
-        rng = np.random.default_rng(seed)
-        i = rng.integers(0, n, MEDIAN_PAIRS)
-        j = (i + rng.integers(1, n, MEDIAN_PAIRS)) % n  # never i itself
-    d = np.linalg.norm(x[i].astype(np.float64) - x[j], axis=1)
+        # every pair, differences formed pair by pair in C: no [pairs, F] temporaries (0.9 GB
+        # for 200 images of 2816 features, 10 times the time)
+        return float(np.median(pdist(x)))
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, n, MEDIAN_PAIRS)
+    j = (i + rng.integers(1, n, MEDIAN_PAIRS)) % n  # never i itself
+    d = np.empty(MEDIAN_PAIRS)
+    step = max(1, (16 << 20) // (8 * x.shape[1]))  # pairs per chunk: 16 MB of differences
+    for lo in range(0, MEDIAN_PAIRS, step):
+        d[lo:lo + step] = np.linalg.norm(x[i[lo:lo + step]] - x[j[lo:lo + step]], axis=1)
     return float(np.median(d))
 
 

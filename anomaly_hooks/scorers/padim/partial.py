@@ -72,6 +72,24 @@ def dense_state(acc: GaussianAccumulator, grid: tuple,
     return state
 
 
+def samples_state(store: SampleStore, grid: tuple) -> State:
+    """The dense state of a shard that kept every sample ``[P, n_s, D]`` and no sums: the
+    Gaussians are made from the samples (:meth:`DenseGaussians.from_samples`); the sums only
+    where a merge meets a state without samples (:func:`with_sums`)."""
+    return {"form": "dense", "n": int(store.n), "grid": tuple(grid),
+            "samples": _np(store.samples())}
+
+
+def with_sums(state: State) -> State:
+    """A dense state with its streaming sums (made from its samples where it has none)."""
+    if state["form"] != "dense" or "s2" in state:
+        return state
+    samples = _readable(state["samples"])
+    acc = GaussianAccumulator()
+    acc.update(samples)
+    return dense_state(acc, state["grid"], samples)
+
+
 def lowrank_state(store: SampleStore, grid: tuple) -> State:
     """The state of a shard's stored samples ``[P, n_s, D]``."""
     return {"form": "lowrank", "n": int(store.n), "grid": tuple(grid),
@@ -87,10 +105,9 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
         samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
         return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
                 "samples": samples.float().contiguous().numpy()}
-    if gauss.samples is not None:  # the kept embeddings: the exact sums, and the samples
-        acc = GaussianAccumulator()
-        acc.update(gauss.samples.detach().cpu())
-        return dense_state(acc, grid, gauss.samples.detach().cpu())
+    if gauss.samples is not None:  # the kept embeddings: the Gaussians come from them
+        return {"form": "dense", "n": int(n), "grid": tuple(grid),
+                "samples": _np(gauss.samples)}
     if gauss.chol.dtype != torch.float32:
         raise FitError("this PaDiM model keeps its covariance factors in float16 "
                        "(padim.factor_dtype=float16): they hold the covariances to about 3 "
@@ -133,7 +150,10 @@ def merge(states: Sequence[State]) -> State:
     if len(states) == 1:
         return states[0]
     if states[0]["form"] == "dense":
-        return merge_dense(states)
+        if all("s2" not in s for s in states):  # samples only: concatenated, in order
+            return {**states[0], "n": sum(s["n"] for s in states),
+                    "samples": np.concatenate([s["samples"] for s in states], axis=1)}
+        return merge_dense([with_sums(s) for s in states])
     return {**states[0], "n": sum(s["n"] for s in states),
             "samples": np.concatenate([s["samples"] for s in states], axis=1)}
 
@@ -195,9 +215,9 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
         return LowRankGaussians.from_samples(store, epsilon, loo=loo, groups=groups)
     dtype = torch.float16 if factor_dtype == "float16" else torch.float32
     samples = _readable(state["samples"]).to(device) if "samples" in state else None
-    if samples is not None:  # every image's samples: the exact covariances, as a fit makes
-        out = DenseGaussians.from_samples(samples, epsilon, dtype,
-                                          out=_tensor(state["s2"], device))
+    if samples is not None:  # every image's samples: the Gaussians come from them
+        out = DenseGaussians.from_samples(
+            samples, epsilon, dtype, out=_tensor(state["s2"], device) if "s2" in state else None)
     else:
         acc = GaussianAccumulator()
         acc.n = int(state["n"])

@@ -160,25 +160,33 @@ class PadimScorer(Scorer):
         if (self._store is not None and self.covariance == "auto"
                 and self._store.n + b > lowrank_capacity(d)):
             self._to_dense()  # more images than auto keeps in low-rank form
-        (self._store if self._store is not None else self._acc).update(x)
-        if self._oos_store is not None:
-            if self._oos_store.n + b > DENSE_KEEP_SAMPLES * d:  # too many: a second pass instead
-                self._oos_store = None
-            else:
-                self._oos_store.update(x)
+        if self._oos_store is not None and self._oos_store.n + b > DENSE_KEEP_SAMPLES * d:
+            self._drop_samples()  # too many to keep: sums, and a second pass for LOO
+        if self._oos_store is not None:  # every sample kept: the Gaussians come from them
+            self._oos_store.update(x)
+        else:
+            (self._store if self._store is not None else self._acc).update(x)
 
     def _to_dense(self) -> None:
-        """Move the stored samples into streaming sums and go on with those."""
+        """Go on in the dense form: the stored samples stay kept where leave-one-out is wanted
+        (the dense Gaussians are then made from them), else they move into streaming sums."""
         acc = GaussianAccumulator()
-        if self._store.n:
-            acc.update(self._store.samples())
-        if self.want_out_of_sample:  # the samples are already kept: go on keeping them
+        if self.want_out_of_sample:
             self._oos_store = self._store
+        elif self._store.n:
+            acc.update(self._store.samples())
         self._store, self._acc = None, acc
+
+    def _drop_samples(self) -> None:
+        """Move the kept samples into the streaming sums and keep no more."""
+        if self._oos_store.n:
+            self._acc.update(self._oos_store.samples())
+        self._oos_store = None
 
     @torch.inference_mode()  # state is only ever touched in inference mode
     def finalize(self, progress: bool = False) -> None:
-        source = self._store if self._store is not None else self._acc
+        source = next((s for s in (self._store, self._oos_store, self._acc) if s is not None),
+                      None)
         n = 0 if source is None else source.n
         if n < self.min_train_images:
             raise FitError(f"PaDiM needs at least {self.min_train_images} training images "
@@ -190,10 +198,9 @@ class PadimScorer(Scorer):
             loo, self.gaussians.loo = self.gaussians.loo, None
         else:
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
-            if self._oos_store is not None:  # every image's samples: the exact covariances
-                self._acc.finish()
-                self.gaussians = DenseGaussians.from_samples(
-                    self._oos_store.samples(), self.epsilon, dtype, out=self._acc.release())
+            if self._oos_store is not None:  # every image's samples: made from them
+                self.gaussians = DenseGaussians.from_samples(self._oos_store.samples(),
+                                                             self.epsilon, dtype)
             else:
                 self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
             if self._oos_store is None:
@@ -222,9 +229,9 @@ class PadimScorer(Scorer):
     def partial_state(self) -> Dict[str, Any]:
         if self._store is None and self._acc is None:
             raise FitError("this PaDiM shard got no training image")
-        kept = None if self._oos_store is None else self._oos_store.samples()
         state = (partial.lowrank_state(self._store, self.grid) if self._store is not None
-                 else partial.dense_state(self._acc, self.grid, kept))
+                 else partial.samples_state(self._oos_store, self.grid)
+                 if self._oos_store is not None else partial.dense_state(self._acc, self.grid))
         self._acc = self._store = self._oos_store = None
         return state
 
