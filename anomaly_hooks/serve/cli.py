@@ -232,7 +232,7 @@ def preflight(settings: ServeSettings) -> None:
         open_store(settings.results_db).close()  # reachable, schema created or upgraded
     elif settings.results_dir:
         # a log locked by another program is no reason to refuse (the service starts not
-        # ready): the service's own open waits the busy timeout, the preflight need not too
+        # ready); the service's own open waits the busy timeout, so this one waits briefly
         SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE,
                           busy_timeout_s=CHECK_TIMEOUT_S).close()
 

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError
 from anomaly_hooks.outputs import csv_cell
@@ -569,7 +569,7 @@ class SQLiteResultStore(ResultStore):
             self._write.close()
 
 
-def _columns(con: sqlite3.Connection) -> set:
+def _columns(con: sqlite3.Connection) -> Set[str]:
     """The names of the results table's columns (empty: no table)."""
     return {row[1] for row in con.execute("PRAGMA table_info(results)")}
 
