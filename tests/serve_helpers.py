@@ -210,6 +210,28 @@ def write_locked(path) -> Iterator[sqlite3.Connection]:
         other.close()
 
 
+@contextlib.contextmanager
+def locked_by_another_process(path) -> Iterator[subprocess.Popen]:
+    """Another process holds ``BEGIN EXCLUSIVE`` on the SQLite file at ``path`` (creating it
+    when missing, as any SQLite program does) for the block, as the sqlite3 shell or a second
+    service stuck in a transaction would; the lock is released when the block ends."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sqlite3, sys\n"
+         "con = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "con.execute('BEGIN EXCLUSIVE')\n"
+         "print('held', flush=True)\n"
+         "sys.stdin.read()\n"
+         "con.execute('ROLLBACK')\n", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", "the holder did not take the lock"
+        yield holder
+    finally:
+        holder.stdin.close()  # end of input: the holder rolls back and exits
+        holder.wait(30)
+
+
 # ---- the app in process ---------------------------------------------------------------------
 @contextlib.contextmanager
 def serving(model: Path, tmp_path: Path, monitor=None, wait: bool = True, store=None, **kw

@@ -489,6 +489,38 @@ def test_tiled_export_predicts_as_the_eager_tiled_detector(tiled_export):
                                rtol=backbone_rtol())
 
 
+@pytest.mark.slow
+def test_tiled_dynamo_export_predicts_as_the_eager_tiled_detector(tiled_export, tmp_path):
+    """``--exporter dynamo`` on a tiled model: torch.export traces the same tiled graph
+    (frames and boxes in, the batch dynamic, every other size fixed); the runtime loads it
+    (its metadata's ``grid`` is the shape the graph declares for ``patch_scores``: the
+    frame's, also where the scorer's statistics are a tile's) and predicts as the eager tiled
+    Detector at any images per run; two frames in one session run score as eager too."""
+    pytest.importorskip("onnxscript")
+    import onnxruntime as ort
+    from conftest import TILED_SIZE, backbone_rtol
+
+    from anomaly_hooks.runtime.metadata import BOXES
+
+    _, det, _ = tiled_export
+    path = export_onnx(det, tmp_path / "d.onnx", exporter="dynamo")
+    images = tiled_probes()
+    ref = det.predict(images)
+    for batch in (1, 3):
+        assert_tiled_parity(ref, OnnxDetector.load(path, batch_size=batch).predict(images))
+    sess = ort.InferenceSession(str(path))
+    grid = json.loads(sess.get_modelmeta().custom_metadata_map["grid"])
+    assert sess.get_outputs()[0].shape[1:] == grid == [TILED_SIZE[0] // det.tiling.grid_stride,
+                                                       TILED_SIZE[1] // det.tiling.grid_stride]
+    x = torch.stack([det.preprocessor(torch.from_numpy(i).permute(2, 0, 1).float() / 255)
+                     for i in textured_images(2, size=TILED_SIZE, seed=3)])
+    patch, _, image, *_ = sess.run(None, {INPUT: x.numpy(),
+                                          BOXES: np.array([TILED_SIZE] * 2, np.int64)})
+    scores, _ = det.infer(x, sizes=[TILED_SIZE] * 2)
+    assert patch.shape == (2, *grid)
+    np.testing.assert_allclose(image, scores.numpy(), rtol=backbone_rtol())
+
+
 def test_tiled_export_of_a_stretching_frame_predicts_as_eager(tmp_path):
     """``tiling.aspect: stretch``: every image fills the frame's box (no letterbox), in the
     runtime's numpy framing as in eager; the probes of other aspects are where it differs."""
@@ -526,6 +558,8 @@ def test_tiled_graph_masks_each_images_padding(tiled_export):
     np.testing.assert_allclose(image, scores.numpy(), rtol=backbone_rtol())
     cut = 64 // det.tiling.grid_stride  # the columns right of the box: the least inside it
     assert np.all(patch[1, :, cut:] == patch[1, :, :cut].min())
+    # the metadata's grid is the patch scores' (the frame's, whatever the scorer's grid)
+    assert list(patch.shape[1:]) == json.loads(sess.get_modelmeta().custom_metadata_map["grid"])
     full, _ = det.infer(x)  # without sizes the blotch is part of the image
     assert float(full[1]) > float(scores[1])
 

@@ -27,6 +27,7 @@ from serve_helpers import (  # noqa: E402
     defect_png,
     good_png,
     hostile_payloads,
+    locked_by_another_process,
     model_variants,
 )
 
@@ -329,6 +330,46 @@ def test_two_replicas_on_one_database_survive_a_kill9(model_files, tmp_path, pos
         assert {a["id"] for a in acked} <= _listed_ids(second.url)
     finally:
         second.stop()
+
+
+def test_a_results_log_locked_at_start_serves_once_the_other_program_lets_go(model_files,
+                                                                            tmp_path):
+    """``anomaly-hooks serve --results-dir`` while another process holds the (new) log
+    locked: the command does not refuse (nothing is wrong with the file), the server comes up
+    with /readyz 503 ``results_unavailable`` saying who may hold the log and what to do, its
+    log says so once; when the other process lets go it turns ready without a restart and
+    records."""
+    results = tmp_path / "results"
+    results.mkdir()
+    with locked_by_another_process(results / "results.sqlite") as holder:
+        server = ServerProcess(model_files["good"], tmp_path, "--results-dir", str(results))
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                assert server.proc.poll() is None, server.log()
+                assert time.monotonic() < deadline, server.log()
+                try:
+                    body = httpx.get(server.url + "/readyz", timeout=5).json()
+                    if body.get("code") == "results_unavailable":
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            assert "locked by another program" in body["message"], body
+            assert "Stop that program or wait" in body["message"], body
+            r = httpx.post(server.url + "/v1/predict", content=good_png(), timeout=60)
+            assert r.status_code == 503 and r.json()["code"] == "results_unavailable"
+        except BaseException:
+            server.stop()
+            raise
+        holder.stdin.close()  # the other program lets go
+        holder.wait(30)
+    with server:
+        server.wait_ready()
+        r = httpx.post(server.url + "/v1/predict", content=good_png(), timeout=60)
+        assert r.status_code == 200 and r.json()["id"] == 1
+        log = server.log()
+    assert log.count("at start, not ready") == 1 and "error:" not in log, log
 
 
 def test_sighup_reload_under_load(model_files, tmp_path):

@@ -13,8 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serve_helpers import write_locked
+from serve_helpers import locked_by_another_process, write_locked
 
+from anomaly_hooks.errors import ConfigError
 from anomaly_hooks.prediction import VERDICT_FIELDS, Verdict
 from anomaly_hooks.serve.results import (
     BUSY_TIMEOUT_S,
@@ -226,6 +227,107 @@ def test_the_check_takes_the_write_lock_without_waiting_out_the_busy_timeout(tmp
         assert store.query(limit=1) == []
     store.check()
     store.close()
+
+
+def _version_3_wal_log(path) -> None:
+    """A log as a service of schema version 3 left it (WAL mode, one record): opening it with
+    the current store needs the write lock (it adds a column)."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.executescript(SCHEMA.replace("    original_path TEXT,\n", ""))
+    con.execute("INSERT INTO results (time, request_id, score, normalized_score, is_anomalous, "
+                "threshold, model_id, model_checksum) VALUES (1000.0, 'old', 2.5, 0.7, 1, 2.0, "
+                "'m', 'c')")
+    con.execute("PRAGMA user_version=3")
+    con.close()
+
+
+@pytest.mark.parametrize("log", ["new", "version 3"])
+def test_a_log_another_process_holds_locked_at_open_opens_and_serves_once_released(
+        tmp_path, log):
+    """Another process holds the log locked while the store opens it, its tables still to be
+    created or upgraded: the open waits the busy timeout, then opens all the same (nothing is
+    wrong with the file: no ConfigError); every use, the readiness check included, is
+    StoreUnavailableError naming the file, who probably holds it and what to do, never the
+    advice to move it away. Once the lock is gone the first use creates the tables and the
+    store records, reads and labels as if opened then."""
+    path = tmp_path / "results.sqlite"
+    old = 0
+    if log == "version 3":
+        _version_3_wal_log(path)
+        old = 1
+    with locked_by_another_process(path):
+        start = time.monotonic()
+        store = SQLiteResultStore(path, busy_timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - start < 5.0  # waited its busy timeout, no longer
+        uses = {"check": store.check, "add": lambda: store.add([_record(1, 1001.0)]),
+                "count": store.count, "query": store.query, "get": lambda: store.get(1),
+                "label": lambda: store.set_label(1, "good"),
+                "prune": lambda: store.prune(max_count=0)}
+        for name, use in uses.items():
+            with pytest.raises(StoreUnavailableError) as info:
+                use()
+            message = str(info.value)
+            assert str(path) in message and "locked by another program" in message, name
+            assert "second service" in message and "Stop that program or wait" in message
+            assert "move it away" not in message and "without a restart" in message
+    store.check()
+    assert store.add([_record(1, 1001.0)]) == [old + 1] and store.count() == old + 1
+    assert store.set_label(old + 1, "defect").label == "defect"
+    assert [r.request_id for r in store.query()] == ["r1", "old"][:old + 1]
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+    store.close()
+
+
+def test_a_current_log_locked_at_open_opens_at_once_and_reads(tmp_path):
+    """A current log (nothing to create) that another process holds locked opens without
+    waiting and reads on (WAL readers need no lock); writes wait out the busy timeout as on
+    a lock taken after the open; once the lock is gone it writes."""
+    path = tmp_path / "results.sqlite"
+    SQLiteResultStore(path).add([_record(0, 1000.0)])
+    with locked_by_another_process(path):
+        start = time.monotonic()
+        store = SQLiteResultStore(path, busy_timeout_s=30)
+        assert time.monotonic() - start < 5.0  # not the 30 s busy timeout
+        assert store.count() == 1 and store.get(1).request_id == "r0"
+        with pytest.raises(StoreUnavailableError, match="readiness check"):
+            store.check()
+    assert store.add([_record(1, 1001.0)]) == [2]
+    store.close()
+
+
+def test_a_log_of_a_newer_version_found_once_the_lock_is_gone_keeps_its_advice(tmp_path):
+    """A log whose version shows only after the lock that hid it is gone (a rollback-journal
+    file locked exclusively cannot even be read): each use refuses it with the open's advice,
+    as the open would have (it cannot turn usable by itself)."""
+    path = tmp_path / "results.sqlite"
+    con = sqlite3.connect(path)
+    con.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    con.close()
+    with locked_by_another_process(path):
+        store = SQLiteResultStore(path, busy_timeout_s=0.3)
+    for use in (store.check, store.count):
+        with pytest.raises(StoreUnavailableError, match=r"results\.sqlite: a results log of a "
+                           r"newer version \(5\); move it away or give another --results-dir"):
+            use()
+    store.close()
+
+
+def test_a_file_that_is_no_results_log_is_a_config_error_saying_move_it_away(tmp_path):
+    """A file that is not a SQLite database, or a folder in the log's place: ConfigError
+    naming it and saying to move it away (these do not pass by themselves)."""
+    bad = tmp_path / "results.sqlite"
+    bad.write_bytes(b"no SQLite database here\n" * 200)
+    with pytest.raises(ConfigError, match=r"results\.sqlite: file is not a database; move it "
+                       r"away or give another --results-dir"):
+        SQLiteResultStore(bad)
+    folder = tmp_path / "a_folder.sqlite"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="a_folder.sqlite: .*; move it away"):
+        SQLiteResultStore(folder)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "5"])

@@ -1,6 +1,8 @@
 """The probes and the metrics (routes/health.py): ``/healthz``, ``/readyz``, ``/metrics``."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import time
 
@@ -13,6 +15,7 @@ from serve_helpers import (  # noqa: E402
     StandInMonitor,
     assert_error,
     good_png,
+    locked_by_another_process,
     serving,
     write_locked,
 )
@@ -53,6 +56,37 @@ def test_readiness_reports_a_locked_sqlite_log(models, tmp_path):
             assert str(store.path) in body["message"] and int(r.headers["Retry-After"]) >= 1
             assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 200
+
+
+def test_a_log_locked_by_another_process_at_start_starts_not_ready_until_released(
+        models, tmp_path, caplog):
+    """Another process holds the SQLite log locked from before the service opens it (its
+    tables not yet created): the service starts all the same, says so in one warning, and
+    answers /readyz and predictions 503 ``results_unavailable`` naming the file, who probably
+    holds it and what to do (not "move it away": nothing is wrong with the file); /healthz is
+    200. Once the lock is gone it turns ready by itself (no restart) and records."""
+    path = tmp_path / "results" / RESULTS_FILE
+    path.parent.mkdir()
+    with contextlib.ExitStack() as lock, caplog.at_level(logging.WARNING, "anomaly_hooks.serve"):
+        lock.enter_context(locked_by_another_process(path))
+        store = SQLiteResultStore(path, busy_timeout_s=0.3)
+        with serving(models["good"], tmp_path, store=store, wait=False) as (client, _):
+            deadline = time.monotonic() + 120
+            while client.get("/readyz").json().get("code") == "not_ready":  # the model loads
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            warnings = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+            assert len(warnings) == 1 and "locked by another program" in warnings[0]
+            for r in (client.get("/readyz"), client.post("/v1/predict", content=good_png())):
+                message = assert_error(r, 503, "results_unavailable")["message"]
+                assert str(path) in message and "locked by another program" in message
+                assert "second service" in message and "Stop that program or wait" in message
+                assert "move it away" not in message and int(r.headers["Retry-After"]) >= 1
+            assert client.get("/healthz").status_code == 200
+            lock.close()  # the other program lets go; the same service goes on
+            assert client.get("/readyz").status_code == 200
+            r = client.post("/v1/predict", content=good_png())
+            assert r.status_code == 200 and r.json()["id"] == 1 and store.count() == 1
 
 
 def test_readiness_reports_a_database_server_that_is_down(models, tmp_path,

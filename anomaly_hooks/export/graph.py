@@ -187,6 +187,12 @@ class PredictGraph(nn.Module):
         _plain_buffers(self)
 
     @property
+    def patch_grid(self) -> Tuple[int, int]:
+        """``(h, w)`` of the ``patch_scores`` output (the metadata's ``grid``): the scorer's
+        grid."""
+        return self.grid
+
+    @property
     def output_names(self) -> List[str]:
         """The graph's outputs in order: :data:`~anomaly_hooks.runtime.metadata.OUTPUTS`,
         then ``layer_means/<layer>`` of each drift layer."""
@@ -262,6 +268,12 @@ class TiledPredictGraph(PredictGraph):
         self.grid_stride = int(tiling.grid_stride)
         self.tile_units = bool(tiling.tile_units)
         self.frame_grid = (self.size[0] // self.grid_stride, self.size[1] // self.grid_stride)
+
+    @property
+    def patch_grid(self) -> Tuple[int, int]:
+        """The frame's grid ``(gh, gw)``: the patch scores are stitched back into it even when
+        the scorer's own grid is a tile's (statistics per tile position)."""
+        return self.frame_grid
 
     def cut(self, frames: torch.Tensor) -> torch.Tensor:
         """``[B, 3, H, W]`` -> every frame's tiles ``[B * T, 3, th, tw]``, image-major."""

@@ -115,7 +115,7 @@ def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dic
         "backbone": json.dumps({"name": detector.backbone_name,
                                 "class": type(detector.extractor.model).__name__,
                                 "fingerprint": detector.backbone_fingerprint}),
-        "grid": json.dumps(list(graph.grid)),
+        "grid": json.dumps(list(graph.patch_grid)),
         "input": json.dumps({"name": INPUT, "size": list(graph.size)}),
         "outputs": json.dumps(list(OUTPUTS)),
         "max_pixels": str(int(cfg.data.max_pixels)),

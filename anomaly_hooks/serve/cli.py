@@ -221,7 +221,7 @@ def preflight(settings: ServeSettings) -> None:
     Raises the library's errors (the CLI prints one ``error:`` line and exits 2)."""
     from anomaly_hooks.serve.modelpaths import check_model_file
     from anomaly_hooks.serve.monitoring import load_factory, monitor_enabled
-    from anomaly_hooks.serve.results import SQLiteResultStore
+    from anomaly_hooks.serve.results import CHECK_TIMEOUT_S, SQLiteResultStore
     from anomaly_hooks.serve.stores import open_store
 
     for path in (settings.models or {}).values():
@@ -231,7 +231,10 @@ def preflight(settings: ServeSettings) -> None:
     if settings.results_db:
         open_store(settings.results_db).close()  # reachable, schema created or upgraded
     elif settings.results_dir:
-        SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE).close()
+        # a log locked by another program is no reason to refuse (the service starts not
+        # ready); the service's own open waits the busy timeout, so this one waits briefly
+        SQLiteResultStore(Path(settings.results_dir) / RESULTS_FILE,
+                          busy_timeout_s=CHECK_TIMEOUT_S).close()
 
 
 def _logging(settings: ServeSettings, level: str) -> logging.Logger:

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from anomaly_hooks.errors import AnomalyHooksError, ConfigError
 from anomaly_hooks.outputs import csv_cell
@@ -326,8 +326,11 @@ class SQLiteResultStore(ResultStore):
                  busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         """Open (or create) the log at ``path``; a path that cannot hold one (its folder is a
         file, the file is not a SQLite database, ...) is a :class:`ConfigError` saying so.
-        ``busy_timeout_s``: how long a statement waits for another connection's lock
-        (ValueError unless a finite number > 0)."""
+        A log that another program keeps locked past the busy timeout while its tables are
+        created or upgraded opens all the same: every use (:meth:`check` included) raises
+        :class:`StoreUnavailableError` saying so until the lock is gone, and the first one
+        after that creates them. ``busy_timeout_s``: how long a statement waits for another
+        connection's lock (ValueError unless a finite number > 0)."""
         if not (isinstance(busy_timeout_s, (int, float)) and math.isfinite(busy_timeout_s)
                 and busy_timeout_s > 0):
             raise ValueError(f"busy_timeout_s must be a finite number of seconds > 0, not "
@@ -342,13 +345,16 @@ class SQLiteResultStore(ResultStore):
         except OSError as exc:  # FileExistsError: a file where the folder should be, ...
             raise ConfigError(f"results folder {self.path.parent}: "
                               f"{_os_reason(exc)}") from None
+        # True once the log's tables are there and current (set once, under self._lock)
+        self._ready = False
         try:
             self._write = self._connect()
         except sqlite3.DatabaseError as exc:  # a folder of that name, no permission, ...
             raise self._unusable(exc) from None
         try:
-            with self._lock:
-                self._init_schema()
+            self._open_schema(self._write, self.busy_timeout_s)
+        except StoreUnavailableError:  # locked elsewhere: the first use after it tries again
+            pass
         except (sqlite3.DatabaseError, ConfigError) as exc:  # "file is not a database", ...
             self._write.close()
             raise self._unusable(exc) from None
@@ -357,20 +363,60 @@ class SQLiteResultStore(ResultStore):
         return ConfigError(f"results log {self.path}: {exc}; move it away or give another "
                            "--results-dir")
 
-    def _init_schema(self) -> None:
-        mode = self._write.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    def _open_schema(self, con: sqlite3.Connection, waited_s: float) -> None:
+        """Create or upgrade the log's tables on ``con`` unless that is done. A lock held
+        elsewhere past ``con``'s busy timeout (``waited_s``) is
+        :class:`StoreUnavailableError` saying who may hold it and what to do; a file that
+        cannot be a results log raises ``sqlite3.DatabaseError`` or :class:`ConfigError`."""
+        with self._lock:
+            if self._ready:
+                return
+            try:
+                self._init_schema(con)
+                # the writer's durability: a pragma that reads the schema, so it waits here
+                self._write.execute(f"PRAGMA synchronous={self._synchronous}")
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                raise StoreUnavailableError(
+                    f"the results log {self.path} is locked by another program (waited "
+                    f"{waited_s:g} s to open it: {exc}): probably a second service on the "
+                    "same log, or a tool holding a transaction open on it (the sqlite3 shell, "
+                    "a backup, a script). Stop that program or wait for it to finish: the log "
+                    "is used as soon as the lock is gone, without a restart; nothing is "
+                    "recorded until then") from None
+            self._ready = True
+
+    def _require_schema(self, waited_s: Optional[float] = None,
+                        con: Optional[sqlite3.Connection] = None) -> None:
+        """Make sure the tables are there before a use (a no-op once they are): the open's
+        lock may have gone since (``con``: the connection to create them on, default the
+        writer's; ``waited_s``: its busy timeout). A file found unusable meanwhile is
+        :class:`StoreUnavailableError` with the open's advice (it cannot turn usable by
+        itself, but every use must refuse it the same way)."""
+        if self._ready:
+            return
+        try:
+            self._open_schema(self._write if con is None else con,
+                              self.busy_timeout_s if waited_s is None else waited_s)
+        except (sqlite3.DatabaseError, ConfigError) as exc:
+            raise StoreUnavailableError(str(self._unusable(exc))) from None
+
+    def _init_schema(self, con: sqlite3.Connection) -> None:
+        mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise ConfigError(f"SQLite refused WAL mode (got {mode}); put the results log on "
                               "a local file system")
-        version = self._write.execute("PRAGMA user_version").fetchone()[0]
+        version = con.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise ConfigError(f"a results log of a newer version ({version})")
-        con = self._write
+        if version == SCHEMA_VERSION and set(COLUMNS) <= _columns(con):
+            return  # current: nothing to write (no write lock needed, a reader's suffices)
         con.execute("BEGIN IMMEDIATE")  # one process migrates; another opening waits
         try:
             for statement in filter(str.strip, SCHEMA.split(";")):
                 con.execute(statement)
-            have = {row[1] for row in con.execute("PRAGMA table_info(results)")}
+            have = _columns(con)
             for name, kind in ADDED_COLUMNS.items():
                 if name not in have:
                     con.execute(f"ALTER TABLE results ADD COLUMN {name} {kind}")
@@ -383,11 +429,11 @@ class SQLiteResultStore(ResultStore):
             raise
 
     def _connect(self) -> sqlite3.Connection:
+        """A new connection (transactions explicit). It does not touch the file yet: even a
+        pragma reads the schema, which a lock held elsewhere may block."""
         # timeout: SQLite's busy handler, retrying a locked statement up to that long
-        con = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
-                              check_same_thread=False)
-        con.execute(f"PRAGMA synchronous={self._synchronous}")
-        return con
+        return sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
+                               check_same_thread=False)
 
     @contextlib.contextmanager
     def _unless_locked(self, during: str, waited_s: Optional[float] = None) -> Iterator[None]:
@@ -411,6 +457,7 @@ class SQLiteResultStore(ResultStore):
         with self._unless_locked("a readiness check", CHECK_TIMEOUT_S):
             con = sqlite3.connect(self.path, timeout=CHECK_TIMEOUT_S, isolation_level=None)
             try:
+                self._require_schema(CHECK_TIMEOUT_S, con)
                 con.execute("BEGIN IMMEDIATE")
                 con.execute("ROLLBACK")
             finally:
@@ -429,6 +476,7 @@ class SQLiteResultStore(ResultStore):
         """The writer connection inside one ``BEGIN IMMEDIATE`` transaction, committed when
         the block ends and rolled back when it raises; a lock held elsewhere past the busy
         timeout is :class:`StoreUnavailableError` (``during``: what was being done)."""
+        self._require_schema()
         with self._lock, self._unless_locked(during):
             con = self._write
             con.execute("BEGIN IMMEDIATE")
@@ -442,6 +490,7 @@ class SQLiteResultStore(ResultStore):
 
     def _read(self, sql: str, args: Sequence[Any]) -> List[Any]:
         """The rows of one query on this thread's read connection."""
+        self._require_schema()
         with self._unless_locked("a read"):
             return self._reader().execute(sql, list(args)).fetchall()
 
@@ -518,6 +567,11 @@ class SQLiteResultStore(ResultStore):
             except sqlite3.Error:
                 pass
             self._write.close()
+
+
+def _columns(con: sqlite3.Connection) -> Set[str]:
+    """The names of the results table's columns (empty: no table)."""
+    return {row[1] for row in con.execute("PRAGMA table_info(results)")}
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:

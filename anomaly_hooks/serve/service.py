@@ -195,6 +195,7 @@ class Service:
             self.store = self._store_given or self._open_store()
             self.files = ImageFiles(s.results_dir) if s.results_dir else None
             self.recorder = Recorder(self.store)
+            await self._warn_if_store_unavailable()
         wait_s = None if s.max_wait_ms is None else s.max_wait_ms / 1000.0
         for sl in self.slots.values():  # one batcher per model, one model thread for all
             sl.batcher = Batcher(max_batch=s.max_batch, max_wait_s=wait_s,
@@ -368,6 +369,16 @@ class Service:
         if removed:
             log.info("retention: removed %d result(s)", len(removed))
         return len(removed)
+
+    async def _warn_if_store_unavailable(self) -> None:
+        """Log one warning when the results log could not record at start (another program
+        holding the SQLite file locked, say): the service starts all the same, and ``/readyz``
+        answers 503 with the reason until the log is back."""
+        try:
+            await self.require_store()
+        except ServeError as exc:
+            log.warning("at start, %s (/readyz answers 503 until the log is back, then the "
+                        "service turns ready by itself)", exc.message)
 
     async def require_store(self) -> None:
         """503 ``results_unavailable`` (why, in its message) unless the results log could
