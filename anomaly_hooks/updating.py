@@ -121,9 +121,13 @@ def update(det: "Detector", source: Any, *, progress: bool = False,
     place of ``threshold.defects``. ``lineage_source``: where the images came from, recorded
     as the lineage entry's ``source`` (:func:`~anomaly_hooks.modelmeta.check_lineage`).
     Returns the lineage entry added. A failed update leaves ``det`` as it was."""
-    run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
-                    defects=defects, lineage_source=lineage_source)
-    return run.run()
+    check_updatable(det)
+    # the state a loaded model left in its file (PaDiM's kept embeddings), read from it once
+    # for the whole update (its state, its images' grouping, their out-of-sample scores)
+    with det.scorer_.holding_on_demand():
+        run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
+                        defects=defects, lineage_source=lineage_source)
+        return run.run()
 
 
 class UpdateRun:

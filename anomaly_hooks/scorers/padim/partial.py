@@ -87,10 +87,12 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
         samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
         return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
                 "samples": samples.float().contiguous().numpy()}
-    if gauss.samples is not None:  # the kept embeddings: the exact sums, and the samples
+    kept = gauss.samples  # read once (from the model file, when left there)
+    if kept is not None:  # the kept embeddings: the exact sums, and the samples
+        kept = kept.detach().cpu()
         acc = GaussianAccumulator()
-        acc.update(gauss.samples.detach().cpu())
-        return dense_state(acc, grid, gauss.samples.detach().cpu())
+        acc.update(kept)
+        return dense_state(acc, grid, kept)
     if gauss.chol.dtype != torch.float32:
         raise FitError("this PaDiM model keeps its covariance factors in float16 "
                        "(padim.factor_dtype=float16): they hold the covariances to about 3 "
