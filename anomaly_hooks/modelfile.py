@@ -7,6 +7,11 @@ threshold, ...) and ``checksum`` (SHA-256 over ``meta`` and every tensor's name,
 bytes). A file that fails any check is refused with :class:`ModelFileError`; so is one whose
 threshold, preprocessing, layers or image-size limit break the rules of
 :mod:`anomaly_hooks.modelmeta` (shared with the exported ``.onnx`` reader), checksum or not.
+
+A reader may leave tensors it does not need yet in the file (``load_model(defer=...)``): they
+are verified with the rest, streamed through the checksum in bounded chunks, and come back as
+:class:`StoredTensor`, which reads one on demand after verifying the file is still the one
+loaded.
 """
 from __future__ import annotations
 

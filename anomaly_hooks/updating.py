@@ -15,7 +15,8 @@ scorer by ``finalize_merged``:
   factor of the regularised covariance and the image count ``n_train``, from which the sums
   ``S1``, ``S2`` come back (``epsilon I`` taken off again), and, with an all-images threshold
   and at most ``2 D`` images, its training embeddings (``padim.keep_embeddings``); the merge is
-  the sharded fit's exact re-shift. The updated model equals a fit on all the images up to
+  the sharded fit's exact re-shift (a loaded model's kept embeddings are read from its file
+  once, ``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
   float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
   form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
   samples into sums).

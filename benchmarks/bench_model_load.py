@@ -60,9 +60,10 @@ if stored is not None:
     out["embeddings_mb"] = x.nbytes / 2**20
     del x
 if args["update"]:
+    from pathlib import Path
     from anomaly_hooks.data import list_images
     skip = args["update_skip"]
-    images = [str(p) for p in list_images(args["update"])][skip:skip + args["update_count"]]
+    images = [str(p) for p in list_images(Path(args["update"]))][skip:skip + args["update_count"]]
     start = time.perf_counter()
     det.update(images)
     out["update_s"] = time.perf_counter() - start
