@@ -127,6 +127,37 @@ def test_dense_merge_reshifts_exactly():
     assert bool(((covariance(g) - cov).abs() <= cov_tol).all())
 
 
+def test_dense_states_with_samples_give_the_same_factors_however_split():
+    """States that carry every image's samples (a dense update of a model that keeps its
+    embeddings) make their Gaussians from the samples alone: any split merges to the one-state
+    factors bit for bit, and both are the float64 reference's within float32 rounding."""
+    from anomaly_hooks.scorers.padim import partial
+    from anomaly_hooks.scorers.padim.gaussians import GaussianAccumulator
+
+    gen = torch.Generator().manual_seed(1)
+    n, d, eps = 24, 40, 0.01  # n < D: singular but for eps I, where rounding is amplified
+    x = torch.randn(5, n, d, generator=gen) @ torch.randn(d, d, generator=gen) + 3.0
+
+    def state(lo: int, hi: int) -> dict:
+        acc = GaussianAccumulator(buffer_samples=7)  # flushes at other places per split
+        acc.update(x[:, lo:hi])
+        return partial.dense_state(acc, (5, 1), x[:, lo:hi])
+
+    whole = partial.gaussians(state(0, n), eps)
+    for cuts in ((0, 9, n), (0, 5, 17, n)):
+        split = partial.gaussians(partial.merge([state(a, b) for a, b in zip(cuts, cuts[1:])]),
+                                  eps)
+        assert torch.equal(split.mean, whole.mean) and torch.equal(split.chol, whole.chol)
+    x64 = x.double()
+    xc = x64 - x64.mean(dim=1, keepdim=True)
+    cov = xc.transpose(1, 2) @ xc / (n - 1)
+    # float32: centring (2 roundings), a dot product of n terms, the division; then L L^T of
+    # the factor, whose backward error is (D + 1) roundings of |L| |L|^T <= the largest
+    # diagonal: all bounded by the sums of |x - mean| products
+    scale = (xc.abs().transpose(1, 2) @ xc.abs() / (n - 1)).max() + eps
+    assert bool(((covariance(whole) - cov).abs() <= f32_tol(n + d + 4, float(scale))).all())
+
+
 def test_patchcore_one_shard_is_the_single_fit_and_shards_follow_the_rule(tmp_path):
     cfg = small_cfg(tmp_path, "patchcore", coreset_ratio=0.1)
     det = Detector(cfg)

@@ -91,8 +91,8 @@ def _magnitude_bounds(net: _LocalNet, x: torch.Tensor) -> dict:
     for name in ("stem", "block1", "block2"):
         conv = getattr(net, name)
         conv = conv if isinstance(conv, nn.Conv2d) else conv[1]
-        x = F.conv2d(x, conv.weight.detach().abs(), conv.bias.detach().abs(), conv.stride,
-                     conv.padding)
+        weight, bias = conv.weight.detach().abs().cpu(), conv.bias.detach().abs().cpu()
+        x = F.conv2d(x, weight, bias, conv.stride, conv.padding)  # on x's device, the CPU
         out[name] = float(x.max())
     return out
 

@@ -195,14 +195,18 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
         store.buf = _tensor(state["samples"], device)
         store.n = store.buf.shape[1]
         return LowRankGaussians.from_samples(store, epsilon, loo=loo, groups=groups)
-    acc = GaussianAccumulator()
-    acc.n = int(state["n"])
-    acc.shift = _tensor(state["shift"], device)
-    acc.s1 = _tensor(state["s1"], device)
-    acc.s2 = _tensor(state["s2"], device)  # factorised in place
     dtype = torch.float16 if factor_dtype == "float16" else torch.float32
-    out = DenseGaussians.from_accumulator(acc, epsilon, dtype)
     samples = _readable(state["samples"]).to(device) if "samples" in state else None
+    if samples is not None:  # every image's samples: the exact covariances, as a fit makes
+        out = DenseGaussians.from_samples(samples, epsilon, dtype,
+                                          out=_tensor(state["s2"], device))
+    else:
+        acc = GaussianAccumulator()
+        acc.n = int(state["n"])
+        acc.shift = _tensor(state["shift"], device)
+        acc.s1 = _tensor(state["s1"], device)
+        acc.s2 = _tensor(state["s2"], device)  # factorised in place
+        out = DenseGaussians.from_accumulator(acc, epsilon, dtype)
     if loo and samples is not None:
         out.loo = (loo_distances_from_samples(samples, epsilon) if groups is None
                    else group_out_distances_from_samples(samples, groups, epsilon))

@@ -194,7 +194,12 @@ class PadimScorer(Scorer):
             loo, self.gaussians.loo = self.gaussians.loo, None
         else:
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
-            self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
+            if self._oos_store is not None:  # every image's samples: the exact covariances
+                self._acc.finish()
+                self.gaussians = DenseGaussians.from_samples(
+                    self._oos_store.samples(), self.epsilon, dtype, out=self._acc.release())
+            else:
+                self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
             if self._oos_store is None:
                 loo = None
             elif groups is None:
