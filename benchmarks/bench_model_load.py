@@ -67,6 +67,7 @@ if args["update"]:
     start = time.perf_counter()
     det.update(images)
     out["update_s"] = time.perf_counter() - start
+    out["update_steps"] = det.update_timings_
     out["update_images"] = len(images)
     out["n_train_after"] = det.scorer_.n_train
     out["peak_after_update_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -97,7 +98,8 @@ def summary_line(r: Dict[str, Any]) -> str:
     if "read_embeddings_s" in r:
         parts.append(f"read {r['embeddings_mb']:.0f} MiB in {r['read_embeddings_s']:.2f} s")
     if "update_s" in r:
-        parts.append(f"update +{r['update_images']} images {r['update_s']:.1f} s, "
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in r["update_steps"].items())
+        parts.append(f"update +{r['update_images']} images {r['update_s']:.1f} s ({steps}), "
                      f"peak {r['peak_after_update_mb']:.0f} MiB")
     return "; ".join(parts)
 
