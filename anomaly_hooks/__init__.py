@@ -18,6 +18,7 @@ _EXPORTS = {
     "FitError": "anomaly_hooks.errors",
     "ImageReadError": "anomaly_hooks.errors",
     "ImageTooLargeError": "anomaly_hooks.errors",
+    "ModelFileChangedError": "anomaly_hooks.errors",
     "ModelFileError": "anomaly_hooks.errors",
     "NotFittedError": "anomaly_hooks.errors",
     "Prediction": "anomaly_hooks.prediction",

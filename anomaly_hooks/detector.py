@@ -35,7 +35,7 @@ from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.monitor.stats import layer_statistics
 from anomaly_hooks.prediction import Prediction
 from anomaly_hooks.preprocess import Preprocessor
-from anomaly_hooks.scorers import Scorer, get_scorer
+from anomaly_hooks.scorers import Scorer, get_scorer, on_demand_tensors
 from anomaly_hooks.threshold import Threshold
 from anomaly_hooks.tiling import detector as tiled
 from anomaly_hooks.tiling.pipeline import Tiling, outside_to, probe_size
@@ -473,11 +473,18 @@ class Detector:
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:
-        """Write the model atomically (safetensors + JSON metadata). Returns the path."""
+        """Write the model atomically (safetensors + JSON metadata). Returns the path.
+
+        The file is always complete: a loaded model's state left in its file (a dense PaDiM's
+        kept embeddings) is read from there for the save, and read from the new file after
+        it."""
         self._check_fitted()
         tensors, meta, version = self._saved_content()
         out = save_model(path, tensors, meta, version=version)
+        del tensors  # kept embeddings read from the loaded file for this save: freed now
         self.source_checksum = file_checksum(out)
+        # the new file is complete: what the model reads on demand comes from it from now on
+        self.scorer_.bind_model_file(out, self.source_checksum)
         return out
 
     def _saved_content(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
@@ -519,8 +526,15 @@ class Detector:
             backbone: the ``nn.Module`` for a model fitted with a custom backbone.
             method: the method the caller expects (``padim``, ``patchcore``); a file of
                 another method is refused.
+
+        Every tensor is verified against the file's checksum, but what scoring never reads (a
+        dense PaDiM's kept training embeddings, ``[P, n, D]``) is left in the file: an update
+        or a save reads it from there then, checking that the file is still the one loaded
+        (:class:`~anomaly_hooks.errors.ModelFileChangedError` if it was replaced, changed or
+        removed meanwhile: load the model again).
         """
-        tensors, meta = load_model(path)
+        # what scoring never reads stays in the file, verified (scorers' on_demand_tensors)
+        tensors, meta = load_model(path, defer=on_demand_tensors())
         if method is not None and meta.get("method") != method:
             raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
                                  "was expected: check the path")

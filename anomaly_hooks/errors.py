@@ -38,6 +38,12 @@ class ModelFileError(AnomalyHooksError, ValueError):
     """A model file is missing, damaged, of another format/version, or not what was expected."""
 
 
+class ModelFileChangedError(ModelFileError):
+    """A loaded model reads part of its state from its model file on demand (e.g. a dense
+    PaDiM's kept training embeddings), and that file was replaced, changed or removed since:
+    load the model again."""
+
+
 class FitError(AnomalyHooksError, ValueError):
     """Fitting could not proceed (bad images, too few images); the message says what to do."""
 
@@ -61,5 +67,5 @@ class NotFittedError(AnomalyHooksError, ValueError, AttributeError):
 
 
 __all__ = ["AnomalyHooksError", "BackboneError", "ConfigError", "DataError", "ExportError",
-           "FitError", "ImageReadError", "ImageTooLargeError", "ModelFileError", "NotFittedError",
-           "ResourceError", "ThresholdError"]
+           "FitError", "ImageReadError", "ImageTooLargeError", "ModelFileChangedError",
+           "ModelFileError", "NotFittedError", "ResourceError", "ThresholdError"]

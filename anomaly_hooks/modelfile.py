@@ -7,6 +7,11 @@ threshold, ...) and ``checksum`` (SHA-256 over ``meta`` and every tensor's name,
 bytes). A file that fails any check is refused with :class:`ModelFileError`; so is one whose
 threshold, preprocessing, layers or image-size limit break the rules of
 :mod:`anomaly_hooks.modelmeta` (shared with the exported ``.onnx`` reader), checksum or not.
+
+A reader may leave tensors it does not need yet in the file (``load_model(defer=...)``): they
+are verified with the rest, streamed through the checksum in bounded chunks, and come back as
+:class:`StoredTensor`, which reads one on demand after verifying the file is still the one
+loaded.
 """
 from __future__ import annotations
 
@@ -16,12 +21,13 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Collection, Dict, Optional, Tuple, Union
 
 import torch
 
-from anomaly_hooks.errors import ModelFileError
+from anomaly_hooks.errors import ModelFileChangedError, ModelFileError
 from anomaly_hooks.files import regular_file_problem
 from anomaly_hooks.images import display
 from anomaly_hooks.modelmeta import about, check_model_meta
@@ -31,6 +37,7 @@ FORMAT_VERSION = 2  # the newest format this version reads and writes
 # 1: the original format; 2: adds PaDiM's low-rank covariance form (a file is written with the
 # oldest version that holds its content, so older readers still open what they can read)
 HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
+HASH_CHUNK = 16 << 20  # bytes of a tensor left on disk read (and hashed) at a time
 
 
 def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
@@ -38,10 +45,73 @@ def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(meta_json.encode("utf-8"))
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"|{name}:{t.dtype}:{tuple(t.shape)}|".encode())
+        _hash_label(digest, name, t.dtype, tuple(t.shape))
         if t.numel():
             digest.update(t.view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def _hash_label(digest: Any, name: str, dtype: torch.dtype, shape: Tuple[int, ...]) -> None:
+    """What :func:`checksum` hashes before a tensor's bytes: its name, dtype and shape."""
+    digest.update(f"|{name}:{dtype}:{tuple(shape)}|".encode())
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor that :func:`load_model` verified but left in the model file (``defer``):
+    ``read()`` reads it back, checking first that the file is still the one loaded.
+
+    ``checksum``: the verified checksum of the file it was loaded from (or last saved to); a
+    read verifies the whole file against it again (every tensor streamed through the hash), so
+    a file replaced, changed or removed since is a :class:`ModelFileChangedError`, never
+    another model's tensor.
+    """
+
+    path: Path
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's size in bytes (what reading it allocates)."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self) -> torch.Tensor:
+        """The tensor (CPU, freshly allocated), from the file verified to be the one loaded."""
+        try:
+            with _open_model(self.path) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                header, base = _read_header(fh, self.path, size)
+                metadata = _check_metadata(header["__metadata__"], self.path)
+                if metadata.get("checksum") != self.checksum:
+                    raise self._changed("was replaced by another model file")
+                try:
+                    tensors, digest = _read_verified(fh, header, base, size,
+                                                     metadata.get("meta", ""), {self.name})
+                except (OSError, ValueError, RuntimeError) as exc:
+                    raise self._changed(f"was damaged or truncated ({exc})") from None
+        except ModelFileChangedError:
+            raise
+        except ModelFileError as exc:  # missing, not a model file any more
+            raise self._changed(f"cannot be read any more ({exc})") from None
+        except OSError as exc:
+            raise self._changed(f"cannot be read any more ({exc.strerror or exc})") from None
+        if digest != self.checksum or self.name not in tensors:
+            raise self._changed("was modified since it was loaded (checksum mismatch)")
+        return tensors[self.name]
+
+    def at(self, path: Union[str, os.PathLike], file_checksum: str) -> "StoredTensor":
+        """The same tensor in another file holding it (e.g. the one the model was saved to)."""
+        return replace(self, path=Path(path), checksum=file_checksum)
+
+    def _changed(self, what: str) -> ModelFileChangedError:
+        return ModelFileChangedError(
+            f"{self.path}: the model reads its {self.name} from the file it was loaded from, "
+            f"but that file {what}: load the model again from its file (Detector.load, or "
+            "reload the served model) and retry; to keep a model whose file may change, save "
+            "it to its own path first (a saved model file is always complete)")
 
 
 def dump_meta(meta: Dict[str, Any]) -> str:
@@ -188,32 +258,55 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _read_tensors(fh: Any, header: Dict[str, Any], base: int, size: int
-                  ) -> Dict[str, torch.Tensor]:
-    """The file's tensors as owned, freshly allocated CPU tensors, read straight into place
-    from the open file ``fh`` (the same open file as the header: a file replaced meanwhile
-    cannot mix two versions).
+def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_json: str,
+                   keep: Optional[Collection[str]] = None
+                   ) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The file's tensors named in ``keep`` (all when None) as owned, freshly allocated CPU
+    tensors, and the SHA-256 of :func:`checksum` over the metadata and *every* tensor: the
+    others are streamed through the hash ``HASH_CHUNK`` bytes at a time, never held whole.
+    Read from the open file ``fh`` (the same open file as the header: a file replaced
+    meanwhile cannot mix two versions).
 
-    Each tensor is allocated (aligned) and filled by ``readinto`` from the file: no
+    Each kept tensor is allocated (aligned) and filled by ``readinto`` from the file: no
     memory-mapped view (the file's data offsets are only 8-byte aligned, and BLAS kernels take
     differently rounded paths on unaligned memory; owned memory also survives the file being
     replaced while the model is in use) and no intermediate copy, so loading a 3.8 GB model
     needs 3.8 GB, not twice that. Shapes, offsets and sizes are checked against the file
     before anything is allocated.
     """
+    entries = {key: _entry(key, info, base, size) for key, info in header.items()
+               if key != "__metadata__"}
+    digest = hashlib.sha256(meta_json.encode("utf-8"))
     tensors: Dict[str, torch.Tensor] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
+    chunk: Optional[memoryview] = None
+    for key in sorted(entries):
+        dtype, shape, start, nbytes = entries[key]
+        _hash_label(digest, key, dtype, shape)
+        if keep is None or key in keep:
+            out = torch.empty(shape, dtype=dtype)
+            view = (memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes
+                    else memoryview(b""))
+            _read_into(fh, key, view, start, nbytes)
+            if nbytes:
+                digest.update(view)
+            tensors[key] = out
             continue
-        tensors[key] = _read_one(fh, key, info, base, size)
-    return tensors
+        if chunk is None:
+            chunk = memoryview(bytearray(HASH_CHUNK))
+        for lo in range(0, nbytes, HASH_CHUNK):  # streamed: at most HASH_CHUNK bytes held
+            part = chunk[:min(HASH_CHUNK, nbytes - lo)]
+            _read_into(fh, key, part, start + lo, len(part))
+            digest.update(part)
+    return tensors, digest.hexdigest()
 
 
-def _read_one(fh: Any, key: str, info: Any, base: int, size: int) -> torch.Tensor:
-    """One tensor described by its safetensors header entry ``info``."""
+def _entry(key: str, info: Any, base: int, size: int
+           ) -> Tuple[torch.dtype, Tuple[int, ...], int, int]:
+    """(dtype, shape, absolute start, byte count) of one tensor described by its safetensors
+    header entry ``info``, checked against the file's size."""
     try:
         dtype = _DTYPES[info["dtype"]]
-        shape = [_plain_int(s) for s in info["shape"]]
+        shape = tuple(_plain_int(s) for s in info["shape"])
         begin, end = (_plain_int(o) for o in info["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"tensor {key!r}: malformed header entry") from None
@@ -221,19 +314,22 @@ def _read_one(fh: Any, key: str, info: Any, base: int, size: int) -> torch.Tenso
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if min(shape, default=0) < 0 or len(shape) > 16 or not 0 <= begin <= end \
             or end - begin != nbytes:
-        raise ValueError(f"tensor {key!r}: offsets {begin}..{end} do not fit shape {shape}")
+        raise ValueError(f"tensor {key!r}: offsets {begin}..{end} do not fit shape "
+                         f"{list(shape)}")
     if base + end > size:
         raise ValueError(f"tensor {key!r} ends past the end of the file (truncated)")
-    out = torch.empty(shape, dtype=dtype)
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
-    fh.seek(base + begin)
+    return dtype, shape, base + begin, nbytes
+
+
+def _read_into(fh: Any, key: str, view: memoryview, start: int, nbytes: int) -> None:
+    """Fill ``view`` with the ``nbytes`` bytes of the file at ``start``."""
+    fh.seek(start)
     pos = 0
     while pos < nbytes:
         got = fh.readinto(view[pos:pos + (64 << 20)])
         if not got:
             raise ValueError(f"tensor {key!r}: the file ended early (truncated)")
         pos += got
-    return out
 
 
 def _plain_int(value: Any) -> int:
@@ -243,8 +339,13 @@ def _plain_int(value: Any) -> int:
     return value
 
 
-def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def load_model(path: str | os.PathLike, defer: Collection[str] = ()
+               ) -> Tuple[Dict[str, Union[torch.Tensor, StoredTensor]], Dict[str, Any]]:
     """Read and verify a model file.
+
+    ``defer``: names of tensors to leave in the file: they are verified (streamed through the
+    checksum in bounded chunks) but not kept; the result holds a :class:`StoredTensor` for each
+    instead, which reads it back on demand.
 
     Returns:
         (tensors on CPU, metadata dict).
@@ -258,18 +359,24 @@ def load_model(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[s
             size = os.fstat(fh.fileno()).st_size
             header, base = _read_header(fh, path, size)
             metadata = _check_metadata(header["__metadata__"], path)
+            meta_json = metadata.get("meta", "")
+            keep = [k for k in header if k != "__metadata__" and k not in defer]
             try:
-                tensors = _read_tensors(fh, header, base, size)
+                tensors, digest = _read_verified(fh, header, base, size, meta_json, keep)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
     except OSError as exc:  # read errors (an I/O error, a file that vanished)
         raise ModelFileError(f"{path}: cannot read the model file "
                              f"({exc.strerror or exc})") from None
-    meta_json = metadata.get("meta", "")
-    if checksum(meta_json, tensors) != metadata.get("checksum"):
+    if digest != metadata.get("checksum"):
         raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
                              "after it was written; refit or restore it from a backup")
-    return tensors, _checked_meta(meta_json, path)
+    out: Dict[str, Union[torch.Tensor, StoredTensor]] = dict(tensors)
+    for key in header:
+        if key != "__metadata__" and key not in tensors:
+            dtype, shape, _, _ = _entry(key, header[key], base, size)
+            out[key] = StoredTensor(path.absolute(), key, dtype, shape, digest)
+    return out, _checked_meta(meta_json, path)
 
 
 def read_header(path: Path) -> Dict[str, Any]:

@@ -15,7 +15,8 @@ scorer by ``finalize_merged``:
   factor of the regularised covariance and the image count ``n_train``, from which the sums
   ``S1``, ``S2`` come back (``epsilon I`` taken off again), and, with an all-images threshold
   and at most ``2 D`` images, its training embeddings (``padim.keep_embeddings``); the merge is
-  the sharded fit's exact re-shift. The updated model equals a fit on all the images up to
+  the sharded fit's exact re-shift (a loaded model's kept embeddings are read from its file
+  once, ``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
   float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
   form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
   samples into sums).
@@ -121,9 +122,13 @@ def update(det: "Detector", source: Any, *, progress: bool = False,
     place of ``threshold.defects``. ``lineage_source``: where the images came from, recorded
     as the lineage entry's ``source`` (:func:`~anomaly_hooks.modelmeta.check_lineage`).
     Returns the lineage entry added. A failed update leaves ``det`` as it was."""
-    run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
-                    defects=defects, lineage_source=lineage_source)
-    return run.run()
+    check_updatable(det)
+    # the state a loaded model left in its file (PaDiM's kept embeddings), read from it once
+    # for the whole update (its state, its images' grouping, their out-of-sample scores)
+    with det.scorer_.holding_on_demand():
+        run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
+                        defects=defects, lineage_source=lineage_source)
+        return run.run()
 
 
 class UpdateRun:

@@ -9,6 +9,7 @@ import builtins
 import os
 import pickle
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -36,6 +37,7 @@ from safetensors.torch import save_file
 
 from anomaly_hooks import Detector, modelfile
 from anomaly_hooks.cli import main
+from anomaly_hooks.errors import ModelFileChangedError
 from anomaly_hooks.modelfile import (
     FORMAT_VERSION,
     ModelFileError,
@@ -444,6 +446,125 @@ def test_forged_kept_embeddings_are_refused_on_load(case, kept_dense_file, tmp_p
     with pytest.raises(ModelFileError) as err:
         Detector.load(forged).predict(textured_images(1)[0])
     assert "dense_samples" in str(err.value)
+
+
+def _tensor_bytes(obj: object) -> int:
+    """Bytes of the tensors an object holds as attributes."""
+    return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+def test_loaded_model_leaves_its_kept_embeddings_in_the_file(kept_dense_file):
+    """Detector.load verifies the kept embeddings but holds only the means and factors: the
+    embeddings are read from the file when asked for, the same bytes as saved."""
+    full, _ = load_model(kept_dense_file)
+    det = Detector.load(kept_dense_file)
+    g = det.scorer_.gaussians
+    stored = g.stored_samples
+    assert g.keeps_samples and stored is not None
+    assert stored.path == kept_dense_file.absolute() and stored.name == "padim.dense_samples"
+    assert stored.checksum == modelfile.file_checksum(kept_dense_file)
+    assert stored.nbytes == full["padim.dense_samples"].nbytes
+    # what the scorer holds: the means and factors, none of the embeddings' bytes
+    assert _tensor_bytes(g) == g.mean.nbytes + g.chol.nbytes
+    assert _tensor_bytes(det.scorer_) < stored.nbytes
+    assert torch.equal(g.samples, full["padim.dense_samples"])
+    assert g.stored_samples is stored  # a read does not keep them
+    with g.hold_samples():  # held for a span of work, left in the file again after it
+        assert g.stored_samples is None and torch.equal(g.samples, full["padim.dense_samples"])
+    assert g.stored_samples is stored
+
+
+def test_streamed_checksum_equals_the_whole_tensor_checksum(kept_dense_file, monkeypatch):
+    """A deferred tensor streams through the hash in chunks (here many, and a partial last
+    one): the same checksum as hashing it whole, the same tensor read back."""
+    full, meta = load_model(kept_dense_file)
+    monkeypatch.setattr(modelfile, "HASH_CHUNK", 1000)  # not a divisor of the tensor's bytes
+    lazy, meta_lazy = load_model(kept_dense_file, defer={"padim.dense_samples", "no.such"})
+    stored = lazy["padim.dense_samples"]
+    assert isinstance(stored, modelfile.StoredTensor) and meta_lazy == meta
+    assert stored.nbytes % 1000 and stored.nbytes > 10_000
+    assert set(lazy) == set(full)
+    assert all(torch.equal(lazy[k], full[k]) for k in full if k != "padim.dense_samples")
+    assert torch.equal(stored.read(), full["padim.dense_samples"])
+
+
+def test_damaged_kept_embeddings_are_a_checksum_error_at_load(kept_dense_file, tmp_path):
+    """A flipped byte in the block left in the file is still caught by the load."""
+    n, header = safetensors_header(kept_dense_file)
+    begin, end = header["padim.dense_samples"]["data_offsets"]
+    raw = bytearray(kept_dense_file.read_bytes())
+    raw[8 + n + (begin + end) // 2] ^= 0x10
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ModelFileError, match="checksum mismatch"):
+        Detector.load(bad)
+
+
+@pytest.mark.parametrize("change", ["replaced", "modified", "removed"])
+def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
+        change, kept_dense_file, dense_padim_file, tmp_path):
+    """The embeddings are read from the file the model was loaded from only while it is still
+    that file: replaced (another model), modified in place or removed, reading them is a
+    ModelFileChangedError saying to load the model again; the model still scores, and the
+    file loaded again updates."""
+    path = tmp_path / "m.safetensors"
+    shutil.copy(kept_dense_file, path)
+    det = Detector.load(path)
+    image = textured_images(1)[0]
+    before = det.decision_function([image])
+    if change == "replaced":
+        shutil.copy(dense_padim_file, path)
+    elif change == "modified":  # the header (and its checksum) as it was, one byte changed
+        n, header = safetensors_header(path)
+        begin = header["padim.dense_samples"]["data_offsets"][0]
+        with open(path, "r+b") as fh:
+            fh.seek(8 + n + begin)
+            byte = fh.read(1)[0]
+            fh.seek(8 + n + begin)
+            fh.write(bytes([byte ^ 1]))
+    else:
+        path.unlink()
+    for attempt in (lambda: det.update(textured_images(2)),
+                    lambda: det.save(tmp_path / "copy.safetensors"),
+                    lambda: det.scorer_.training_embeddings()):
+        with pytest.raises(ModelFileChangedError, match="load the model again") as err:
+            attempt()
+        assert str(path.absolute()) in str(err.value)
+    assert not (tmp_path / "copy.safetensors").exists()  # nothing incomplete written
+    assert isinstance(err.value, ModelFileError)
+    np.testing.assert_array_equal(det.decision_function([image]), before)  # scoring unaffected
+    assert det.lineage_ == []  # the failed update left the model as it was
+
+
+def test_resave_holds_the_embeddings_and_reads_from_the_new_file(kept_dense_file, tmp_path):
+    """A loaded model saved again writes a complete file (the embeddings read from the loaded
+    one); from then on they are read from the saved file: saved over the file it came from
+    with another threshold, the model still reads them."""
+    full, _ = load_model(kept_dense_file)
+    path = tmp_path / "m.safetensors"
+    shutil.copy(kept_dense_file, path)
+    det = Detector.load(path)
+    det.recalibrate(false_alarm_rate=0.2)  # another threshold: another checksum
+    det.save(path)
+    resaved, _ = load_model(path)
+    assert torch.equal(resaved["padim.dense_samples"], full["padim.dense_samples"])
+    stored = det.scorer_.gaussians.stored_samples
+    assert stored.path == path.absolute() and stored.checksum == modelfile.file_checksum(path)
+    assert torch.equal(det.scorer_.gaussians.samples, full["padim.dense_samples"])
+    other = det.save(tmp_path / "other.safetensors")  # the same content elsewhere
+    assert modelfile.file_checksum(other) == modelfile.file_checksum(path)
+    assert det.scorer_.gaussians.stored_samples.path == other.absolute()
+
+
+def test_model_fitted_in_memory_keeps_its_embeddings_in_memory(small_cfg, tmp_path):
+    """Nothing to read back: a fitted model's embeddings stay in memory, saved or not."""
+    det = Detector.from_config(small_cfg, padim__covariance="dense",
+                               threshold__mode="all-images")
+    det.fit(textured_images(8), progress=False)
+    g = det.scorer_.gaussians
+    samples = g.samples
+    det.save(tmp_path / "m.safetensors")
+    assert g.stored_samples is None and g.samples is samples
 
 
 @pytest.mark.parametrize("case", ["chol_wrong_shape", "chol_int", "mean_float64",

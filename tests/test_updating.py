@@ -18,7 +18,7 @@ from anomaly_hooks.cli import main
 from anomaly_hooks.config import load_config
 from anomaly_hooks.detector import Detector
 from anomaly_hooks.errors import FitError, NotFittedError
-from anomaly_hooks.modelfile import file_checksum, read_meta
+from anomaly_hooks.modelfile import file_checksum, load_model, read_meta
 from anomaly_hooks.modelmeta import MetadataError, check_lineage
 from anomaly_hooks.scorers.patchcore.coreset import coreset_size, coverage_radius
 
@@ -100,13 +100,20 @@ def test_padim_dense_update_after_save_and_load(halves, tmp_path):
     every image, threshold included."""
     old, new, both = halves
     cfg = cfg_for("padim", n_features=40, covariance="dense")
-    path = Detector(cfg).fit(old, progress=False).save(tmp_path / "m.safetensors")
-    det = Detector.load(path).update(new)
+    in_memory = Detector(cfg).fit(old, progress=False)
+    path = in_memory.save(tmp_path / "m.safetensors")
+    det = Detector.load(path)
+    assert det.scorer_.gaussians.stored_samples is not None  # left in the file until needed
+    det.update(new)
     full = Detector(cfg).fit(both, progress=False)
     images = sorted(map(str, both.glob("*.png")))
-    assert max_relative(det.decision_function(images),
-                        full.decision_function(images)) <= REL_TOL
+    scores = det.decision_function(images)
+    assert max_relative(scores, full.decision_function(images)) <= REL_TOL
     np.testing.assert_allclose(det.threshold_.scores, full.threshold_.scores, rtol=REL_TOL)
+    # the embeddings read from the file are the in-memory model's: the same update, bit for bit
+    in_memory.update(new)
+    np.testing.assert_array_equal(scores, in_memory.decision_function(images))
+    assert det.threshold_.scores == in_memory.threshold_.scores
     torch.testing.assert_close(det.scorer_.gaussians.samples, full.scorer_.gaussians.samples,
                                rtol=0, atol=0)  # the images' own embeddings, in fit order
     # a second update on top: still the fit on every image
@@ -281,6 +288,41 @@ def test_refusals_say_what_to_do(small_cfg, fitted):
 
 
 # -- CLI ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~14 s on 2 busy cores: a fit, three CLI runs, a refit
+def test_cli_threshold_and_update_outputs_hold_the_embeddings(halves, tmp_path, capsys):
+    """A dense model's files written by ``threshold --out`` and ``update --out`` (from models
+    that left their embeddings in their files) hold every image's embeddings: an update of an
+    update of the re-thresholded model is still the fit on every image."""
+    old, new, both = halves
+    cfg = cfg_for("padim", n_features=40, covariance="dense")
+    fitted = Detector(cfg).fit(old, progress=False)
+    model = fitted.save(tmp_path / "m.safetensors")
+    parts = []
+    for i, files in enumerate((sorted(new.glob("*.png"))[:6], sorted(new.glob("*.png"))[6:])):
+        parts.append(tmp_path / f"new{i}")
+        parts[-1].mkdir()
+        for f in files:
+            shutil.copy(f, parts[-1] / f.name)
+    m2, m3, m4 = (tmp_path / f"m{i}.safetensors" for i in (2, 3, 4))
+    assert main(["threshold", "--model", str(model), "--false-alarm-rate", "0.2",
+                 "--out", str(m2)]) == 0
+    assert torch.equal(load_model(m2)[0]["padim.dense_samples"],
+                       fitted.scorer_.gaussians.samples)
+    for src, part, out in ((m2, parts[0], m3), (m3, parts[1], m4)):
+        assert main(["update", "--model", str(src), "--good", str(part), "--out", str(out),
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    assert tuple(load_model(m3)[0]["padim.dense_samples"].shape)[1] == N_OLD + 6
+    det = Detector.load(m4)
+    full = Detector(cfg).fit(both, progress=False)
+    torch.testing.assert_close(det.scorer_.gaussians.samples, full.scorer_.gaussians.samples,
+                               rtol=0, atol=0)  # every image's embeddings, in fit order
+    images = sorted(map(str, both.glob("*.png")))
+    assert max_relative(det.decision_function(images),
+                        full.decision_function(images)) <= REL_TOL
+    np.testing.assert_allclose(det.threshold_.scores, full.threshold_.scores, rtol=REL_TOL)
+
+
 def test_cli_update(halves, tmp_path, capsys):
     old, new, _ = halves
     model = tmp_path / "m.safetensors"

@@ -6,7 +6,9 @@ state. Scores are "higher = more anomalous" everywhere (unlike scikit-learn's ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
@@ -43,6 +45,9 @@ class Scorer(ABC):
     # (each group by itself); K: it cross-fits, one model per fold, and the fit cuts the groups
     # into K folds (threshold.folds overrides either)
     out_of_sample_folds: ClassVar[Optional[int]] = None
+    # model-file tensors that scoring never reads: Detector.load leaves them in the file
+    # (verified), and from_state gets a modelfile.StoredTensor for each, read on demand
+    on_demand_tensors: ClassVar[FrozenSet[str]] = frozenset()
 
     # -- what the method needs, before any scorer exists --------------------------------
     @classmethod
@@ -260,6 +265,16 @@ class Scorer(ABC):
         """The oldest model-file format that can hold this scorer's state."""
         return 1
 
+    def holding_on_demand(self) -> AbstractContextManager:
+        """A context within which the tensors left in the model file (``on_demand_tensors``)
+        are read once and held in memory, for work that reads them several times (an update);
+        nothing by default."""
+        return nullcontext()
+
+    def bind_model_file(self, path: Path, file_checksum: str) -> None:  # noqa: B027
+        """The model was just saved to ``path`` (recorded ``file_checksum``): tensors left in
+        a model file are read from this one from now on. Nothing by default."""
+
     def check_fitted(self) -> None:
         """Raise :class:`NotFittedError` unless fitted."""
         if not self.fitted:
@@ -313,3 +328,9 @@ def available_methods() -> List[str]:
 def registered() -> Dict[str, Type[Scorer]]:
     """Method name -> scorer class, in registration order."""
     return dict(_REGISTRY)
+
+
+def on_demand_tensors() -> FrozenSet[str]:
+    """Every registered method's ``on_demand_tensors`` (names are prefixed by method, so a
+    file of one method never holds another's)."""
+    return frozenset().union(*(cls.on_demand_tensors for cls in _REGISTRY.values()))

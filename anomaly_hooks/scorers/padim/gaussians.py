@@ -25,10 +25,13 @@ representations of the same Gaussians:
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterator, Optional
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional, Union
 
 import torch
 
+from anomaly_hooks.modelfile import StoredTensor
 from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
     blocked_cholesky,
@@ -225,14 +228,64 @@ def half_chunk(dim: int, device: torch.device) -> int:
 class DenseGaussians:
     """Means ``[P, D]`` float32 and lower Cholesky factors ``[P, D, D]`` (float32 or float16) of
     ``Sigma + eps I``; optionally the training embeddings ``samples`` ``[P, n, D]`` float32
-    (``padim.keep_embeddings``: unused by scoring, kept for exact updates)."""
+    (``padim.keep_embeddings``: unused by scoring, kept for exact updates).
+
+    The embeddings are held in memory when fitted here; Gaussians from a model file leave them
+    in the file (a :class:`~anomaly_hooks.modelfile.StoredTensor`, ``stored_samples``) and
+    every read of ``samples`` reads them from it, verified to be the file loaded
+    (``hold_samples`` reads them once for a span of work)."""
 
     kind = "dense"
 
     def __init__(self, mean: torch.Tensor, chol: torch.Tensor,
-                 samples: Optional[torch.Tensor] = None) -> None:
-        self.mean, self.chol, self.samples = mean, chol, samples
+                 samples: Union[torch.Tensor, StoredTensor, None] = None) -> None:
+        self.mean, self.chol = mean, chol
+        self._samples = samples
         self.loo: Optional[torch.Tensor] = None  # [P, n] LOO distances, when made from samples
+
+    @property
+    def samples(self) -> Optional[torch.Tensor]:
+        """The kept training embeddings ``[P, n, D]`` float32 on the means' device, or None;
+        read from the model file (whole, verified) at each access when left there: read it
+        once into a variable, or within :meth:`hold_samples`."""
+        if isinstance(self._samples, StoredTensor):
+            return self._samples.read().to(self.mean.device)
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: Optional[torch.Tensor]) -> None:
+        self._samples = value
+
+    @property
+    def keeps_samples(self) -> bool:
+        """Whether the model keeps its training embeddings (in memory or in its file)."""
+        return self._samples is not None
+
+    @property
+    def stored_samples(self) -> Optional[StoredTensor]:
+        """Where the kept embeddings are when they were left in the model file; None when
+        they are in memory or not kept."""
+        return self._samples if isinstance(self._samples, StoredTensor) else None
+
+    @contextmanager
+    def hold_samples(self) -> Iterator[None]:
+        """Within the block, embeddings left in the model file are read once and held in
+        memory (so several reads cost one); afterwards they are left in the file again."""
+        stored = self.stored_samples
+        if stored is None:
+            yield
+            return
+        self._samples = stored.read().to(self.mean.device)
+        try:
+            yield
+        finally:
+            self._samples = stored
+
+    def bind_file(self, path: Path, file_checksum: str) -> None:
+        """The model was saved to ``path`` (recorded ``file_checksum``): embeddings left in a
+        model file are read from this one from now on (the one loaded may be replaced)."""
+        if self.stored_samples is not None:
+            self._samples = self.stored_samples.at(path, file_checksum)
 
     @classmethod
     @torch.inference_mode()  # the accumulator's state lives in inference mode
@@ -321,16 +374,21 @@ class DenseGaussians:
         return z.square_().sum(dim=1)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
+        """The model file's tensors (the kept embeddings read from the loaded file if left
+        there: a saved file is always complete)."""
         out = {"padim.mean": self.mean, "padim.chol": self.chol}
-        if self.samples is not None:
-            out["padim.dense_samples"] = self.samples
+        samples = self.samples
+        if samples is not None:
+            out["padim.dense_samples"] = samples
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: Dict[str, torch.Tensor], p: int, d: int,
-                     device: torch.device, n: Optional[int] = None) -> "DenseGaussians":
+    def from_tensors(cls, tensors: Dict[str, Union[torch.Tensor, StoredTensor]], p: int,
+                     d: int, device: torch.device, n: Optional[int] = None
+                     ) -> "DenseGaussians":
         """From a model file's tensors; ``n``: the training image count, which the kept
-        embeddings (when there) must match."""
+        embeddings (when there) must match. Kept embeddings left in the file
+        (:class:`~anomaly_hooks.modelfile.StoredTensor`) stay there."""
         mean, chol = _get(tensors, "padim.mean", "padim.chol")
         if tuple(mean.shape) != (p, d) or tuple(chol.shape) != (p, d, d):
             raise ValueError(f"padim tensors {tuple(mean.shape)} / {tuple(chol.shape)} do not fit "
@@ -339,12 +397,13 @@ class DenseGaussians:
         _check_dtype("chol", chol, (torch.float32, torch.float16))
         samples = tensors.get("padim.dense_samples")
         if samples is not None:
-            if samples.ndim != 3 or tuple(samples.shape[::2]) != (p, d) or (
+            if len(samples.shape) != 3 or tuple(samples.shape[::2]) != (p, d) or (
                     n is not None and samples.shape[1] != n):
                 raise ValueError(f"padim.dense_samples {tuple(samples.shape)} do not fit {p} "
                                  f"positions, {n} training images and {d} channels")
             _check_dtype("dense_samples", samples, (torch.float32,))
-            samples = samples.to(device)
+            if not isinstance(samples, StoredTensor):
+                samples = samples.to(device)
         return cls(mean.to(device), chol.to(device), samples)
 
 

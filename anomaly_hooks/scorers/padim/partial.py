@@ -105,9 +105,9 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
         samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
         return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
                 "samples": samples.float().contiguous().numpy()}
-    if gauss.samples is not None:  # the kept embeddings: the Gaussians come from them
-        return {"form": "dense", "n": int(n), "grid": tuple(grid),
-                "samples": _np(gauss.samples)}
+    kept = gauss.samples  # read once (from the model file, when left there)
+    if kept is not None:  # the kept embeddings: the Gaussians come from them
+        return {"form": "dense", "n": int(n), "grid": tuple(grid), "samples": _np(kept)}
     if gauss.chol.dtype != torch.float32:
         raise FitError("this PaDiM model keeps its covariance factors in float16 "
                        "(padim.factor_dtype=float16): they hold the covariances to about 3 "

@@ -14,7 +14,9 @@ still typical of the neighbouring position).
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from itertools import product
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -72,6 +74,8 @@ class PadimScorer(Scorer):
                      "layers with a coarser grid")
     min_train_images = 2
     min_out_of_sample_images = 3  # a leave-one-out covariance needs two images
+    # the dense form's kept embeddings: read by updates and saves only, never by scoring
+    on_demand_tensors = frozenset({"padim.dense_samples"})
 
     @classmethod
     def shares_tile_positions(cls, section: Any) -> bool:
@@ -392,22 +396,35 @@ class PadimScorer(Scorer):
     # -- persistence ----------------------------------------------------------------------
     def format_version(self) -> int:
         g = self.gaussians
-        return 2 if g is not None and (g.kind == "lowrank" or g.samples is not None) else 1
+        return 2 if g is not None and (g.kind == "lowrank" or g.keeps_samples) else 1
 
     def summary(self) -> Dict[str, Any]:
         out = {"covariance": self.gaussians.kind, "n_train": self.n_train,
                "neighbourhood": self.neighbourhood}
         if self.gaussians.kind == "dense":
-            out["keeps_embeddings"] = self.gaussians.samples is not None
+            out["keeps_embeddings"] = self.gaussians.keeps_samples
         return out
+
+    def holding_on_demand(self) -> AbstractContextManager:
+        """The dense form's kept embeddings, when left in the model file, read once for the
+        block (:meth:`DenseGaussians.hold_samples`)."""
+        g = self.gaussians
+        return g.hold_samples() if g is not None and g.kind == "dense" else nullcontext()
+
+    def bind_model_file(self, path: Path, file_checksum: str) -> None:
+        g = self.gaussians
+        if g is not None and g.kind == "dense":
+            g.bind_file(path, file_checksum)
 
     def method_state(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         return self.gaussians.tensors(), {"epsilon": self.epsilon,
                                           "covariance": self.gaussians.kind}
 
     @classmethod
-    def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, torch.Tensor],
+    def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, Any],
                    meta: Dict[str, Any], device: torch.device) -> "PadimScorer":
+        """The fitted scorer from a model file's tensors (``padim.dense_samples`` may be a
+        :class:`~anomaly_hooks.modelfile.StoredTensor`, left in the file)."""
         if "embed.channel_idx" not in tensors:
             raise ValueError("not a PaDiM model: tensor embed.channel_idx is missing")
         embedder = PatchEmbedder(layers, upsample="nearest",
