@@ -152,10 +152,17 @@ def merge(states: Sequence[State]) -> State:
     if states[0]["form"] == "dense":
         if all("s2" not in s for s in states):  # samples only: concatenated, in order
             return {**states[0], "n": sum(s["n"] for s in states),
-                    "samples": np.concatenate([s["samples"] for s in states], axis=1)}
+                    "samples": _concat_samples(states)}
         return merge_dense([with_sums(s) for s in states])
     return {**states[0], "n": sum(s["n"] for s in states),
-            "samples": np.concatenate([s["samples"] for s in states], axis=1)}
+            "samples": _concat_samples(states)}
+
+
+def _concat_samples(states: Sequence[State]) -> np.ndarray:
+    """The states' samples ``[P, n_s, D]`` joined in order ``[P, n, D]``. ``torch.cat``: one
+    parallel pass (numpy's concatenate took 0.5-1 s instead of 0.1 for two [3136, 100, 176]
+    halves when the first was just read from a model file)."""
+    return torch.cat([_readable(s["samples"]) for s in states], dim=1).numpy()
 
 
 def _readable(array: np.ndarray) -> torch.Tensor:
@@ -194,7 +201,7 @@ def merge_dense(states: Sequence[State], chunk: int = CHUNK_POSITIONS) -> State:
     out = {"form": "dense", "n": sum(int(s["n"]) for s in states), "grid": first["grid"],
            "shift": shift, "s1": s1, "s2": s2}
     if all("samples" in s for s in states):  # every image's samples: kept, in order
-        out["samples"] = np.concatenate([s["samples"] for s in states], axis=1)
+        out["samples"] = _concat_samples(states)
     return out
 
 
