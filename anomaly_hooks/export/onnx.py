@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -126,6 +127,25 @@ def metadata(detector: Any, graph: PredictGraph, checksum: Optional[str]) -> Dic
     }
 
 
+# loggers whose handlers hold the terminal's stream from before any redirection: onnxscript's
+# version converter logs a full traceback when it cannot lower the opset (the model is kept)
+EXPORTER_LOGGERS = ("onnxscript", "torch.onnx")
+
+
+@contextlib.contextmanager
+def _quiet_loggers(names: Sequence[str]) -> Iterator[None]:
+    """Within the block, the named loggers pass on nothing below CRITICAL."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export_graph(graph: PredictGraph, probe: Sequence[torch.Tensor], path: Path,
                   exporter: str, opset: int) -> None:
     inputs = [INPUT, BOXES][:len(probe)]
@@ -133,7 +153,7 @@ def _export_graph(graph: PredictGraph, probe: Sequence[torch.Tensor], path: Path
     axes = {name: {0: "batch"} for name in [*inputs, *names]}
     chatter = io.StringIO()  # the exporters print graph dumps and progress lines
     with warnings.catch_warnings(), contextlib.redirect_stdout(chatter), \
-            contextlib.redirect_stderr(chatter):
+            contextlib.redirect_stderr(chatter), _quiet_loggers(EXPORTER_LOGGERS):
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             torch.onnx.export(graph, tuple(probe), str(path), dynamo=False, opset_version=opset,
