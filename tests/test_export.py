@@ -26,7 +26,7 @@ from anomaly_hooks.export import export_onnx  # noqa: E402
 # the parity export itself enforces before it writes a file (docs/edge-onnx.md): a
 # specification, not a rounding bound -- ONNX Runtime's kernels against torch's through a whole
 # backbone differ by ~1e-6 relative (docs/benchmarks.md), far inside it
-from anomaly_hooks.export.onnx import HEAT_TOL, INPUT, SCORE_RTOL  # noqa: E402
+from anomaly_hooks.export.onnx import HEAT_TOL, INPUT, SCORE_RTOL, check_opset  # noqa: E402
 from anomaly_hooks.runtime import OnnxDetector  # noqa: E402
 from anomaly_hooks.runtime.metadata import OUTPUTS  # noqa: E402
 
@@ -607,3 +607,25 @@ def test_tiled_layer_means_equal_the_eager_tiled_drift_taps(tiled_export):
         np.testing.assert_allclose(got, brute, rtol=0, atol=tol, err_msg=layer)
         whole = fmap.astype(np.float64).mean(axis=(2, 3))
         assert np.abs(whole[1:] - brute[1:]).max() > 10 * tol, layer  # the padding counts
+
+
+@pytest.mark.parametrize("written", [17, 18])
+def test_a_written_opset_other_than_the_one_asked_for_is_a_warning(tmp_path, written):
+    """The dynamo exporter keeps opset 18 where it cannot convert an operator down."""
+    import warnings
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", written)]), path)
+    if written == 17:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert check_opset(path, 17, "dynamo") == 17
+    else:
+        with pytest.warns(UserWarning, match="wrote ONNX opset 18, not the 17 asked for"):
+            assert check_opset(path, 17, "dynamo") == 18

@@ -407,11 +407,29 @@ def export_onnx(detector: Any, path: Union[str, os.PathLike], *,
             _export_graph(graph, probe, raw, exporter, opset)
         except Exception as exc:  # noqa: BLE001 (the exporters raise many types)
             raise explain(exc, graph, probe[0], opset, what) from None
+        check_opset(raw, opset, exporter)
         final = Path(tmpdir) / path.name
         side = _finish(raw, final, metadata(detector, graph, checksum), external_data)
         if verify is not False:
             verify_export(detector, final, None if verify is True else list(verify))
         return publish(final, side, path)
+
+
+def check_opset(path: Path, asked: int, exporter: str) -> int:
+    """The ONNX opset the exporter wrote to ``path``; a warning where it is not the one
+    ``asked`` (the dynamo exporter keeps its own, 18, where it cannot convert every operator
+    down: a runtime must then support that opset)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    written = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                   asked)
+    if written != asked:
+        warnings.warn(f"the {exporter} exporter wrote ONNX opset {written}, not the {asked} "
+                      f"asked for (it could not convert every operator to opset {asked}): the "
+                      f"runtime must support opset {written}; --exporter torchscript writes "
+                      f"opset {asked}", UserWarning, stacklevel=3)
+    return written
 
 
 def probe_sizes(detector: Any) -> List[Tuple[int, int]]:
