@@ -6,13 +6,16 @@
 #   float16    bench_float16 on cuda, PatchCore EfficientNet-Lite0
 #   threshold  bench_threshold on cuda: operating points per objective on battery_weld and bottle
 #   update     bench_update on cuda: PaDiM dense and low-rank, PatchCore, against a refit
+#   serve      bench_serve on cuda: the eager service under 8 clients (needs the [serve] wheels
+#              in .whl/: fastapi starlette uvicorn pydantic pydantic-core python-multipart
+#              fastapi-offline annotated-types annotated-doc typing-inspection opentelemetry-api)
 # Each writes one text file under $OUT (the device tool brings back at most eight files).
 #   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
 #                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB)
 #   run there:    OUT=/some/dir [SECTIONS="tests update"] bash benchmarks/gpu_run.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-SECTIONS=" ${SECTIONS:-tests pipeline float16 threshold update} "
+SECTIONS=" ${SECTIONS:-tests pipeline float16 threshold update serve} "
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__,
@@ -54,4 +57,12 @@ if has update; then
   done
   run update 70 python3 benchmarks/bench_update.py --data "$battery" \
     --config configs/patchcore_effnet_lite0.yaml device=cuda data.num_workers=4
+fi
+if has serve; then  # the server is a subprocess: the wheels go where it looks, not /tmp/site
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl
+  run serve 120 python3 -m anomaly_hooks.cli fit --config configs/patchcore_effnet_lite0.yaml \
+    --data "$bottle" output=/tmp/pc.safetensors device=cuda
+  run serve 200 python3 benchmarks/bench_serve.py --model /tmp/pc.safetensors \
+    --images "$bottle/test" --clients 8 --duration 40 --cycles 1 --reference-passes 1 \
+    --out /tmp/bench_serve.json
 fi
