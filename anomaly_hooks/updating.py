@@ -11,12 +11,14 @@ own state (``Scorer.fitted_state``) and a shard of the new images (``begin_updat
 ``partial_fit`` -> ``partial_state``), merged by ``Scorer.merge_states`` and fitted on a fresh
 scorer by ``finalize_merged``:
 
-* **PaDiM**: exact. The low-rank form keeps its centred samples, the dense form its mean, the
-  factor of the regularised covariance and the image count ``n_train``, from which the sums
-  ``S1``, ``S2`` come back (``epsilon I`` taken off again), and, with an all-images threshold
-  and at most ``2 D`` images, its training embeddings (``padim.keep_embeddings``); the merge is
-  the sharded fit's exact re-shift (a loaded model's kept embeddings are read from its file
-  once, ``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
+* **PaDiM**: exact. The low-rank form keeps its centred samples; the dense form, with an
+  all-images threshold and at most ``2 D`` images, its training embeddings
+  (``padim.keep_embeddings``: the merge joins them with the new images', and the Gaussians are
+  made from all of them, as the fit makes them: the refit's factors bit for bit), else its
+  mean, the factor of the regularised covariance and the image count ``n_train``, from which
+  the sums ``S1``, ``S2`` come back (``epsilon I`` taken off again) for the sharded fit's exact
+  re-shift. A loaded model's kept embeddings are read from its file once
+  (``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
   float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
   form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
   samples into sums).
