@@ -11,7 +11,7 @@ from scipy.spatial.distance import mahalanobis
 
 from anomaly_hooks.config import ConfigError, load_config
 from anomaly_hooks.embedding import PatchEmbedder, random_channel_subset
-from anomaly_hooks.errors import ExportError
+from anomaly_hooks.errors import ExportError, FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.padim.gaussians import (
     GaussianAccumulator,
@@ -430,3 +430,29 @@ def test_neighbourhood_is_checked_saved_and_not_exported(tmp_path):
     assert torch.equal(again.score(test), scorer.score(test))
     with pytest.raises(ExportError, match="padim.neighbourhood=1 has no ONNX export"):
         scorer.export_module()
+
+
+def test_position_chunks_on_threads_give_the_sequential_results_and_their_errors():
+    """The fit's per-position work on Python threads (one intra-op thread each) makes what
+    the chunks make one after the other, bit for bit; a chunk's error reaches the caller and
+    the thread setting comes back."""
+    from anomaly_hooks.scorers.padim.loo import loo_distances_from_samples, map_position_chunks
+
+    x = torch.randn(300, 30, 20, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the sequential path
+        seq = loo_distances_from_samples(x, 0.01)
+        torch.set_num_threads(2)  # the threaded path, whatever the machine's cores
+        par = loo_distances_from_samples(x, 0.01)
+        assert torch.equal(seq, par)
+
+        def fail(lo: int, hi: int) -> None:
+            if lo >= 128:
+                raise FitError(f"chunk {lo}")
+
+        with pytest.raises(FitError, match="chunk 128"):
+            map_position_chunks(fail, 300, 128, torch.device("cpu"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

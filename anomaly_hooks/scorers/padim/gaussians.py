@@ -41,6 +41,7 @@ from anomaly_hooks.scorers.padim.loo import (
     dense_terms,
     gram_group_out_squared,
     gram_loo_squared,
+    map_position_chunks,
 )
 
 SCORE_CHUNK = 256  # positions per chunk when scoring (operands stay in cache)
@@ -470,16 +471,19 @@ class LowRankGaussians:
         cinv = torch.empty(p, n, n, dtype=torch.float32, device=x.device)
         eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
         loo_sq = torch.empty(p, n, dtype=torch.float32, device=x.device) if loo else None
-        for lo in range(0, p, CHUNK_POSITIONS):
-            y = x[lo:lo + CHUNK_POSITIONS]
+
+        def chunk(lo: int, hi: int) -> None:
+            y = x[lo:hi]
             # a float32 mean (the stored one): Y is centred on exactly the mean the model keeps
-            torch.mean(y, dim=1, out=mean[lo:lo + y.shape[0]])
-            y.sub_(mean[lo:lo + y.shape[0]].unsqueeze(1)).mul_(1.0 / math.sqrt(n - 1))
+            torch.mean(y, dim=1, out=mean[lo:hi])
+            y.sub_(mean[lo:hi].unsqueeze(1)).mul_(1.0 / math.sqrt(n - 1))
             gram = torch.baddbmm(eps_eye, y, y.transpose(1, 2))
-            cinv[lo:lo + y.shape[0]] = inverse_cholesky(gram)
+            cinv[lo:hi] = inverse_cholesky(gram)
             if loo_sq is not None:
-                loo_sq[lo:lo + y.shape[0]] = (gram_loo_squared(gram, epsilon) if groups is None
-                                              else gram_group_out_squared(gram, groups, epsilon))
+                loo_sq[lo:hi] = (gram_loo_squared(gram, epsilon) if groups is None
+                                 else gram_group_out_squared(gram, groups, epsilon))
+
+        map_position_chunks(chunk, p, CHUNK_POSITIONS, x.device)
         out = cls(mean, x, cinv, epsilon)
         if loo_sq is not None:
             out.loo = loo_sq.clamp_min_(0).sqrt_()
