@@ -80,16 +80,6 @@ def samples_state(store: SampleStore, grid: tuple) -> State:
             "samples": _np(store.samples())}
 
 
-def with_sums(state: State) -> State:
-    """A dense state with its streaming sums (made from its samples where it has none)."""
-    if state["form"] != "dense" or "s2" in state:
-        return state
-    samples = _readable(state["samples"])
-    acc = GaussianAccumulator()
-    acc.update(samples)
-    return dense_state(acc, state["grid"], samples)
-
-
 def lowrank_state(store: SampleStore, grid: tuple) -> State:
     """The state of a shard's stored samples ``[P, n_s, D]``."""
     return {"form": "lowrank", "n": int(store.n), "grid": tuple(grid),
@@ -126,9 +116,10 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
             "s1": np.zeros((p, d), dtype=np.float64), "s2": s2}
 
 
-def to_dense(state: State) -> State:
-    """A low-rank state's samples as dense sums (a dense state unchanged)."""
-    if state["form"] == "dense":
+def with_sums(state: State) -> State:
+    """A dense state with streaming sums: a low-rank or a samples-only dense state's samples
+    turned into sums (and kept); a dense state with sums unchanged."""
+    if state["form"] == "dense" and "s2" in state:
         return state
     samples = _readable(state["samples"])
     acc = GaussianAccumulator()
@@ -137,25 +128,24 @@ def to_dense(state: State) -> State:
 
 
 def merge(states: Sequence[State]) -> State:
-    """One state from shard states given in training-list order (low-rank ones turned into
-    sums where another is dense)."""
+    """One state from shard states given in training-list order: the low-rank form's samples
+    joined; a dense merge's samples joined where every state has them (the Gaussians are then
+    made from them), else every state's sums re-shifted and added (low-rank samples turned
+    into sums first)."""
     states = [s for s in states if s is not None and s["n"] > 0]
     if not states:
         raise FitError("no shard gave any training image: nothing to merge")
-    if len({s["form"] for s in states}) > 1:
-        states = [to_dense(s) for s in states]
-    kinds = {(s["form"], tuple(s["grid"])) for s in states}
-    if len(kinds) != 1:
-        raise FitError(f"cannot merge PaDiM states of different forms or grids: {sorted(kinds)}")
+    grids = {tuple(s["grid"]) for s in states}
+    if len(grids) != 1:
+        raise FitError(f"cannot merge PaDiM states of different grids: {sorted(grids)}")
+    forms = {s["form"] for s in states}
     if len(states) == 1:
         return states[0]
-    if states[0]["form"] == "dense":
-        if all("s2" not in s for s in states):  # samples only: concatenated, in order
-            return {**states[0], "n": sum(s["n"] for s in states),
-                    "samples": _concat_samples(states)}
-        return merge_dense([with_sums(s) for s in states])
-    return {**states[0], "n": sum(s["n"] for s in states),
-            "samples": _concat_samples(states)}
+    if all("samples" in s for s in states):  # joined in order
+        return {"form": "dense" if "dense" in forms else "lowrank",
+                "n": sum(s["n"] for s in states), "grid": states[0]["grid"],
+                "samples": _concat_samples(states)}
+    return merge_dense([with_sums(s) for s in states])
 
 
 def _concat_samples(states: Sequence[State]) -> np.ndarray:
