@@ -90,29 +90,39 @@ def _check_n(n: int) -> None:
 BLOCK_BASE64 = 64  # float64 blocked inverse Cholesky: LAPACK below this size (measured best)
 
 
-def blocked_inverse_cholesky(mat: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+def blocked_inverse_cholesky(mat: torch.Tensor, base: int, overwrite: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C^-1, info)``: ``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat`` ``[c, m, m]`` (any
     float dtype), and LAPACK's ``info`` ``[c]`` (> 0 where a matrix is not positive definite).
 
     Recursive 2x2 blocking, so that the work is batched matrix products (for a batch of small
     matrices, LAPACK's per-matrix calls cost 2-5 times as much): ``C11^-1`` of the leading
     block, ``C21 = M21 C11^-T``, then the trailing block's ``S = M22 - C21 C21^T`` the same way,
-    and ``(C^-1)21 = -C22^-1 C21 C11^-1``; LAPACK for blocks of at most ``base``."""
+    and ``(C^-1)21 = -C22^-1 C21 C11^-1``; LAPACK for blocks of at most ``base``. Every block
+    is written into one output (and ``S`` over ``mat``'s trailing block): no per-level copies.
+    ``overwrite``: ``mat`` may be used as the work space (else it is copied first)."""
+    work = mat if overwrite else mat.clone()
+    out = torch.zeros_like(mat)
+    return out, _inverse_cholesky_into(work, out, base)
+
+
+def _inverse_cholesky_into(mat: torch.Tensor, out: torch.Tensor, base: int) -> torch.Tensor:
+    """:func:`blocked_inverse_cholesky` of ``mat`` (overwritten) into ``out``'s lower triangle
+    (its upper one left as it is); returns ``info``."""
     m = mat.shape[-1]
     if m <= base:
         chol, info = torch.linalg.cholesky_ex(mat)
         eye = torch.eye(m, dtype=mat.dtype, device=mat.device).expand_as(chol)
-        return torch.linalg.solve_triangular(chol, eye, upper=False), info
+        out.copy_(torch.linalg.solve_triangular(chol, eye, upper=False))
+        return info
     h = m // 2
-    inv11, info1 = blocked_inverse_cholesky(mat[:, :h, :h], base)
+    info1 = _inverse_cholesky_into(mat[:, :h, :h], out[:, :h, :h], base)
+    inv11 = out[:, :h, :h]
     c21 = torch.bmm(mat[:, h:, :h], inv11.transpose(1, 2))
-    inv22, info2 = blocked_inverse_cholesky(
-        torch.baddbmm(mat[:, h:, h:], c21, c21.transpose(1, 2), alpha=-1.0), base)
-    out = torch.zeros_like(mat)
-    out[:, :h, :h] = inv11
-    out[:, h:, h:] = inv22
-    out[:, h:, :h] = torch.bmm(inv22, torch.bmm(c21, inv11)).neg_()
-    return out, torch.maximum(info1, info2)
+    schur = mat[:, h:, h:].baddbmm_(c21, c21.transpose(1, 2), alpha=-1.0)
+    info2 = _inverse_cholesky_into(schur, out[:, h:, h:], base)
+    out[:, h:, :h] = torch.bmm(out[:, h:, h:], torch.bmm(c21, inv11)).neg_()
+    return torch.maximum(info1, info2)
 
 
 def blocked_cholesky(mat: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +148,9 @@ def blocked_cholesky(mat: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.
 
 
 def inverse_cholesky64(mat: torch.Tensor) -> torch.Tensor:
-    """``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat``, ``mat`` float64 positive definite
-    (:func:`blocked_inverse_cholesky`)."""
-    inv, info = blocked_inverse_cholesky(mat, BLOCK_BASE64)
+    """``C^-1`` ``[c, m, m]`` (lower) for ``C C^T = mat``, ``mat`` float64 positive definite,
+    used as work space (overwritten; :func:`blocked_inverse_cholesky`)."""
+    inv, info = blocked_inverse_cholesky(mat, BLOCK_BASE64, overwrite=True)
     if bool((info > 0).any()):
         raise FitError("a leave-one-out Gram matrix is not positive definite; raise "
                        "padim.epsilon")
