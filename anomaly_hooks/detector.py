@@ -75,6 +75,23 @@ def resolve_layer_names(cfg: DictConfig) -> List[str]:
     return list(cfg.backbone.layers or get_scorer(cfg.method).layers_for(cfg.backbone.name))
 
 
+DESCRIPTORS_TENSOR = "grouping.descriptors"  # Detector.training_descriptors_ in a model file
+
+
+def saved_descriptors(path: Union[str, Path], tensors: Dict[str, torch.Tensor],
+                      scorer: Scorer) -> Optional[np.ndarray]:
+    """The training images' grouping descriptors a model file holds (None for a file without
+    them: they are pooled from the kept embeddings when an update needs them)."""
+    t = tensors.get(DESCRIPTORS_TENSOR)
+    if t is None:
+        return None
+    if t.dim() != 2 or t.dtype != torch.float32 or t.shape[0] != int(scorer.n_train):
+        raise ModelFileError(f"{path}: {DESCRIPTORS_TENSOR} is {tuple(t.shape)} {t.dtype}, "
+                             f"not [{int(scorer.n_train)}, F] float32 (one row per training "
+                             "image): the file is damaged; save the model again or refit")
+    return t.numpy()
+
+
 class Detector:
     """Anomaly detector: a hooked backbone, a patch embedder and a scorer (PaDiM, PatchCore).
 
@@ -236,6 +253,21 @@ class Detector:
     @lineage_.setter
     def lineage_(self, value: Sequence[Dict[str, Any]]) -> None:
         self.__dict__["_lineage"] = [dict(entry) for entry in value]
+
+    @property
+    def training_descriptors_(self) -> Optional[np.ndarray]:
+        """The grouping descriptors ``[n, F]`` float32 of the training images in fit order
+        (:func:`~anomaly_hooks.grouping.image_descriptors`, as the fit computed them) where the
+        scorer keeps their embeddings, else None: an update groups the model's images with
+        the new ones from these (saved with the model, so that the update need not pool the
+        kept embeddings again: 0.35 s for 100 images of 3136 positions)."""
+        self._check_fitted()
+        return self.__dict__.get("_training_descriptors")
+
+    @training_descriptors_.setter
+    def training_descriptors_(self, value: Optional[np.ndarray]) -> None:
+        self.__dict__["_training_descriptors"] = (
+            None if value is None else np.ascontiguousarray(value, dtype=np.float32))
 
     def checksum(self) -> str:
         """The checksum :meth:`save` would record for this model (what an update records as
@@ -512,6 +544,8 @@ class Detector:
         if self.lineage_:  # absent for a fitted model: its file is as before updates existed
             meta["lineage"] = self.lineage_
         tensors = {**tensors, **{k: torch.from_numpy(v) for k, v in drift_tensors.items()}}
+        if self.training_descriptors_ is not None:
+            tensors[DESCRIPTORS_TENSOR] = torch.from_numpy(self.training_descriptors_)
         return tensors, meta, self.scorer_.format_version()
 
     @classmethod
@@ -578,6 +612,7 @@ class Detector:
         det.fit_info_ = dict(meta.get("fit", {}))
         det.drift_reference_ = drift.reference_from_saved(tensors, meta)
         det.lineage_ = check_lineage(meta.get("lineage", []))
+        det.training_descriptors_ = saved_descriptors(path, tensors, det.scorer_)
         tiled.restore(det, meta["preprocess"])  # a tiled model's working frame
         return det
 

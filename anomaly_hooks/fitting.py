@@ -291,6 +291,7 @@ class FitRun:
         self.n_used = 0
         self.used: List[int] = []  # indices into plan.train of the images the fit read
         self.descriptors: List[np.ndarray] = []  # grouping descriptors, one array per batch
+        self.all_descriptors: Optional[np.ndarray] = None  # [n_used, F], joined by set_groups
         self.cross_fit: Dict[str, Any] = {}
         self.defects: Optional[Tuple[List[float], List[str]]] = None  # (scores, names)
         self.memory: Optional[Dict[str, int]] = None
@@ -402,7 +403,7 @@ class FitRun:
             return  # with fewer images, finalize says what is missing
         thr, names = self.cfg.threshold, self.names()
         desc = np.concatenate(self.descriptors) if self.descriptors else None
-        self.descriptors = []
+        self.descriptors, self.all_descriptors = [], desc
         grouping = find_groups(self.n_used, names, thr.groups, desc, thr.near_duplicates,
                                self.cfg.seed + SEED_GROUPS)
         n_folds = thr.folds or self.scorer.out_of_sample_folds
@@ -500,6 +501,9 @@ class FitRun:
         det.drift_reference_ = reference
         det.monitor = None  # a monitor of the previous fit compares with its reference
         det.lineage_ = []  # a fit starts a new lineage (updates append to it)
+        det.training_descriptors_ = (  # what an update groups the model's images by
+            self.all_descriptors if self.scorer.keeps_training_embeddings
+            and det.tiling is None else None)
         det.source_checksum = None  # saved by no file yet
         det.fit_info_ = {"n_train": self.n_used, "n_threshold": len(good),
                          "skipped": self.errors["training"] + self.errors["threshold"],

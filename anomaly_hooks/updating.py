@@ -162,11 +162,11 @@ class UpdateRun:
         # no file-name pattern groups them (their names are gone): every image is then grouped
         # and scored out of sample afresh, as a fit on all of them would (see set_groups)
         self.model_descriptors: Optional[np.ndarray] = None
-        if self.out_of_sample and not thr.groups:
-            emb = self.old.training_embeddings()
-            if emb is not None:
-                self.model_descriptors = image_descriptors(emb)
-                del emb
+        if self.out_of_sample and not thr.groups and self.old.keeps_training_embeddings:
+            self.model_descriptors = det.training_descriptors_  # as the fit computed them
+            if self.model_descriptors is None:  # a file without them: pooled again
+                self.model_descriptors = image_descriptors(self.old.training_embeddings())
+        self.all_descriptors: Optional[np.ndarray] = None  # every image's (set by regroup)
         self.n_old = int(self.old.n_train)
         self.errors: Dict[str, List[str]] = {"training": [], "threshold": [], "defect": []}
         self.used: List[int] = []
@@ -284,6 +284,7 @@ class UpdateRun:
         """All the images grouped and cut into folds as a fit on all of them does
         (``FitRun.set_groups``), from every image's descriptors."""
         n = desc.shape[0]
+        self.all_descriptors = desc
         grouping = find_groups(n, None, None, desc, self.cfg.threshold.near_duplicates,
                                self.cfg.seed + SEED_GROUPS)
         folds = None if n_folds is None else blocked_folds(grouping.groups, n_folds)
@@ -440,6 +441,8 @@ class UpdateRun:
         det.fit_info_ = {**info, "n_train": int(scorer.n_train), "n_threshold": len(good),
                          "skipped": skipped}
         det.lineage_ = [*det.lineage_, entry]
+        det.training_descriptors_ = (self.all_descriptors if scorer.keeps_training_embeddings
+                                     else None)
         det.source_checksum = None
         det.update_timings_ = self.clock.as_dict(total=True)
         return entry

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLE, backbone_rtol, f64_tol, textured_images
+from conftest import SAMPLE, backbone_rtol, f32_tol, f64_tol, textured_images
 
 from anomaly_hooks.cli import main
 from anomaly_hooks.config import load_config
-from anomaly_hooks.detector import Detector
+from anomaly_hooks.detector import DESCRIPTORS_TENSOR, Detector
 from anomaly_hooks.errors import FitError, NotFittedError
-from anomaly_hooks.modelfile import file_checksum, load_model, read_meta
+from anomaly_hooks.grouping import POOL
+from anomaly_hooks.modelfile import file_checksum, load_model, read_meta, save_model
 from anomaly_hooks.modelmeta import MetadataError, check_lineage
 from anomaly_hooks.scorers.patchcore.coreset import coreset_size, coverage_radius
 
@@ -116,9 +117,36 @@ def test_padim_dense_update_after_save_and_load(halves, tmp_path):
     assert det.threshold_.scores == in_memory.threshold_.scores
     torch.testing.assert_close(det.scorer_.gaussians.samples, full.scorer_.gaussians.samples,
                                rtol=0, atol=0)  # the images' own embeddings, in fit order
+    # the grouping descriptors the file kept, joined by the new images': the fit's own
+    np.testing.assert_array_equal(det.training_descriptors_, full.training_descriptors_)
+    assert det.training_descriptors_.shape[0] == N_OLD + N_NEW
     # a second update on top: still the fit on every image
     det.update(textured_images(4, size=(72, 72)))
     assert det.scorer_.n_train == N_OLD + N_NEW + 4 and len(det.lineage_) == 2
+
+
+def test_padim_update_of_a_file_without_descriptors_pools_them_again(halves, tmp_path):
+    """A model file without the training images' grouping descriptors (written before they
+    were kept): the update pools them from the kept embeddings, with the same outcome."""
+    old, new, _ = halves
+    cfg = cfg_for("padim", n_features=40, covariance="dense")
+    path = Detector(cfg).fit(old, progress=False).save(tmp_path / "m.safetensors")
+    tensors, meta = load_model(path)
+    assert tensors.pop(DESCRIPTORS_TENSOR).shape[0] == N_OLD
+    older = save_model(tmp_path / "older.safetensors", tensors, meta, version=2)
+    det, ref = Detector.load(older), Detector.load(path)
+    assert det.training_descriptors_ is None
+    det.update(new)
+    ref.update(new)
+    # pooled again: a mean over a cell of h w / POOL^2 positions in another summation order
+    _, _, h, w = ref.scorer_.training_embeddings().shape
+    cell = -(-h // POOL) * -(-w // POOL)
+    scale = float(np.abs(ref.scorer_.training_embeddings().numpy()).max())
+    np.testing.assert_allclose(det.training_descriptors_, ref.training_descriptors_, rtol=0,
+                               atol=f32_tol(cell + 1, scale))
+    assert det.threshold_.provenance["good"]["out_of_sample"] == \
+        ref.threshold_.provenance["good"]["out_of_sample"]  # the same groups
+    np.testing.assert_array_equal(det.threshold_.scores, ref.threshold_.scores)
 
 
 # -- PatchCore: merge-reduce -------------------------------------------------------------------

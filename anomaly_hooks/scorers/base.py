@@ -167,6 +167,11 @@ class Scorer(ABC):
         ones and scores every image out of sample afresh, as a fit on all of them does."""
         return None
 
+    @property
+    def keeps_training_embeddings(self) -> bool:
+        """Whether :meth:`training_embeddings` gives them (without computing them)."""
+        return False
+
     def begin_update(self, n_model: int, n_new: int) -> None:
         """Before the :meth:`partial_fit` calls of ``n_new`` new images joining a model fitted
         on ``n_model`` images (this scorer's state is then merged with the model's

@@ -282,6 +282,11 @@ class PadimScorer(Scorer):
             x = g.y.float() * math.sqrt(self.n_train - 1) + g.mean.float().unsqueeze(1)
         return x.permute(1, 2, 0).reshape(self.n_train, -1, *self.grid)  # from [P, n, D]
 
+    @property
+    def keeps_training_embeddings(self) -> bool:
+        g = self.gaussians
+        return g is not None and (g.kind == "lowrank" or g.keeps_samples)
+
     def keeps_samples(self, n: int) -> bool:
         """Whether a dense model of ``n`` training images keeps their embeddings
         ``[P, n, D]`` (``padim.keep_embeddings``, an all-images threshold, ``n <= 2 D``: where
