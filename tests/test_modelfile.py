@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ from safetensors.torch import save_file
 
 from anomaly_hooks import Detector, modelfile
 from anomaly_hooks.cli import main
+from anomaly_hooks.detector import DESCRIPTORS_TENSOR
 from anomaly_hooks.errors import ModelFileChangedError
 from anomaly_hooks.modelfile import (
     FORMAT_VERSION,
@@ -448,6 +450,37 @@ def test_forged_kept_embeddings_are_refused_on_load(case, kept_dense_file, tmp_p
     assert "dense_samples" in str(err.value)
 
 
+def test_kept_embeddings_come_with_the_fit_grouping_descriptors(small_cfg, tmp_path):
+    """A model keeping its embeddings saves the descriptors its fit grouped the images by
+    (an update groups with them); one that does not keeps none."""
+    det = Detector.from_config(small_cfg, padim__covariance="dense",
+                               threshold__mode="all-images").fit(textured_images(8),
+                                                                 progress=False)
+    desc = det.training_descriptors_
+    assert desc.shape[0] == 8 and desc.dtype == np.float32
+    tensors, _ = load_model(det.save(tmp_path / "kept.safetensors"))
+    np.testing.assert_array_equal(tensors[DESCRIPTORS_TENSOR].numpy(), desc)
+    np.testing.assert_array_equal(
+        Detector.load(tmp_path / "kept.safetensors").training_descriptors_, desc)
+    sums_only = Detector.from_config(small_cfg, padim__covariance="dense",
+                                     padim__keep_embeddings=False,
+                                     threshold__mode="all-images")
+    sums_only.fit(textured_images(8), progress=False)
+    assert sums_only.training_descriptors_ is None
+    assert DESCRIPTORS_TENSOR not in load_model(sums_only.save(tmp_path / "s.safetensors"))[0]
+
+
+@pytest.mark.parametrize("case", ["wrong_count", "float64", "one_dim"])
+def test_forged_descriptors_are_refused_on_load(case, kept_dense_file, tmp_path):
+    tensors, meta = load_model(kept_dense_file)
+    d = tensors[DESCRIPTORS_TENSOR]
+    tensors[DESCRIPTORS_TENSOR] = {"wrong_count": d[:5].clone(), "float64": d.double(),
+                                   "one_dim": d.flatten()}[case]
+    forged = save_model(tmp_path / "forged.safetensors", tensors, meta, version=2)
+    with pytest.raises(ModelFileError, match="grouping.descriptors.*one row per training"):
+        Detector.load(forged)
+
+
 def _tensor_bytes(obj: object) -> int:
     """Bytes of the tensors an object holds as attributes."""
     return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
@@ -500,21 +533,60 @@ def test_damaged_kept_embeddings_are_a_checksum_error_at_load(kept_dense_file, t
         Detector.load(bad)
 
 
-@pytest.mark.parametrize("change", ["replaced", "modified", "removed"])
-def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
-        change, kept_dense_file, dense_padim_file, tmp_path):
-    """The embeddings are read from the file the model was loaded from only while it is still
-    that file: replaced (another model), modified in place or removed, reading them is a
-    ModelFileChangedError saying to load the model again; the model still scores, and the
-    file loaded again updates."""
+def test_settled_file_gives_the_embeddings_without_hashing_it_again(kept_dense_file,
+                                                                    tmp_path, monkeypatch):
+    """A file last changed well before the load is stamped (inode, size, times): while it
+    is as stamped, a read takes the tensor alone, the same bytes as saved."""
+    full, _ = load_model(kept_dense_file)
     path = tmp_path / "m.safetensors"
     shutil.copy(kept_dense_file, path)
+    monkeypatch.setattr(modelfile, "SETTLED_NS", 0)  # as if copied long ago
+    stored = Detector.load(path).scorer_.gaussians.stored_samples
+    info = os.stat(path)
+    assert stored.stamp == modelfile.FileStamp(info.st_dev, info.st_ino, info.st_size,
+                                               info.st_mtime_ns, info.st_ctime_ns)
+
+    def no_hash(*args, **kwargs):
+        raise AssertionError("the whole file was hashed again")
+
+    monkeypatch.setattr(modelfile, "_read_verified", no_hash)
+    assert torch.equal(stored.read(), full["padim.dense_samples"])
+    assert stored.at(tmp_path / "other.safetensors", stored.checksum).stamp is None
+
+
+def test_recently_changed_file_is_not_stamped(kept_dense_file, tmp_path):
+    """A file changed less than SETTLED_NS before the load may change again within the same
+    timestamp tick: no stamp, every read verifies the whole file."""
+    path = tmp_path / "m.safetensors"
+    shutil.copy(kept_dense_file, path)
+    stored = Detector.load(path).scorer_.gaussians.stored_samples
+    assert stored.stamp is None
+    assert torch.equal(stored.read(), load_model(path)[0]["padim.dense_samples"])
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
+@pytest.mark.parametrize("change", ["replaced", "modified", "modified-times-restored",
+                                    "removed"])
+def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
+        change, settled, kept_dense_file, dense_padim_file, tmp_path, monkeypatch):
+    """The embeddings are read from the file the model was loaded from only while it is still
+    that file: replaced (another model), modified in place (even with its modification time
+    set back) or removed, reading them is a ModelFileChangedError saying to load the model
+    again, whether the load stamped the file (settled) or not; the model still scores, and
+    the file loaded again updates."""
+    path = tmp_path / "m.safetensors"
+    shutil.copy(kept_dense_file, path)
+    if settled:
+        monkeypatch.setattr(modelfile, "SETTLED_NS", 0)
     det = Detector.load(path)
+    assert (det.scorer_.gaussians.stored_samples.stamp is not None) == settled
     image = textured_images(1)[0]
     before = det.decision_function([image])
+    time.sleep(0.05)  # past the file system's timestamp tick (a few ms)
     if change == "replaced":
         shutil.copy(dense_padim_file, path)
-    elif change == "modified":  # the header (and its checksum) as it was, one byte changed
+    elif change.startswith("modified"):  # the header (and its checksum) as it was, one byte
+        info = os.stat(path)
         n, header = safetensors_header(path)
         begin = header["padim.dense_samples"]["data_offsets"][0]
         with open(path, "r+b") as fh:
@@ -522,6 +594,8 @@ def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
             byte = fh.read(1)[0]
             fh.seek(8 + n + begin)
             fh.write(bytes([byte ^ 1]))
+        if change.endswith("restored"):  # the status-change time still moves
+            os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
     else:
         path.unlink()
     for attempt in (lambda: det.update(textured_images(2)),
