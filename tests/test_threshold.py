@@ -131,6 +131,11 @@ def test_dense_loo_equals_a_refit_without_the_image(device):
     rtol = float(distance_rtol(cov64, cov_tol, EPS, lambda_min=EPS).max())
     torch.testing.assert_close(series, ref, rtol=rtol + DENSE_TOLERANCE, atol=0)
     torch.testing.assert_close(gram, ref, rtol=rtol, atol=0)
+    # the fit's path: made with the Gaussians from the same centred chunks, the same distances
+    fused = DenseGaussians.from_samples(x, EPS, loo=True)
+    assert torch.equal(fused.loo, loo_distances_from_samples(x, EPS))
+    torch.testing.assert_close(fused.distances(x).double().cpu(),  # two such results
+                               model.distances(x).double().cpu(), rtol=2 * rtol, atol=0)
 
 
 @pytest.mark.parametrize("covariance, keep", [("lowrank", None), ("dense", 2.0), ("dense", 0.0)])

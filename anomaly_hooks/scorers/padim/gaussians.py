@@ -36,6 +36,7 @@ from anomaly_hooks.scorers.padim.loo import (
     CHUNK_POSITIONS,
     blocked_cholesky,
     blocked_inverse_cholesky,
+    centred_loo_squared,
     dense_group_out_squared,
     dense_loo_squared,
     dense_terms,
@@ -312,7 +313,8 @@ class DenseGaussians:
     @torch.inference_mode()
     def from_samples(cls, samples: torch.Tensor, epsilon: float,
                      dtype: torch.dtype = torch.float32,
-                     out: Optional[torch.Tensor] = None) -> "DenseGaussians":
+                     out: Optional[torch.Tensor] = None, loo: bool = False,
+                     groups: Optional[torch.Tensor] = None) -> "DenseGaussians":
         """The Gaussians of every training embedding ``samples`` ``[P, n, D]`` float32: the
         mean in float64, the covariance as one float32 product of the samples centred on it,
         then factorised as :meth:`from_accumulator` does. The result depends on the samples
@@ -324,7 +326,10 @@ class DenseGaussians:
         positions run on :func:`loo.map_position_chunks` (each chunk's arithmetic is the same
         however they are spread over threads). ``out``: a
         float32 ``[P, D, D]`` buffer to factorise into (an accumulator's spent sums), else a
-        new one."""
+        new one. ``loo``: also the samples' exact leave-one-out distances ``[P, n]`` (``.loo``;
+        leave-one-group-out with ``groups`` ``[n]``) from the Gram matrices of the same centred
+        chunks (:func:`loo.centred_loo_squared`; :func:`loo.loo_distances_from_samples` gives
+        the same): one pass over the samples for both."""
         p, n, d = samples.shape
         mean = torch.empty(p, d, dtype=torch.float32, device=samples.device)
         chol = (torch.empty(p, d, d, dtype=torch.float32, device=samples.device)
@@ -333,18 +338,26 @@ class DenseGaussians:
         half = (torch.empty(p, d, d, dtype=dtype, device=samples.device)
                 if dtype != torch.float32 else None)
 
+        loo = loo or groups is not None
+        loo_sq = torch.empty(p, n, dtype=torch.float32, device=samples.device) if loo else None
+
         def chunk(lo: int, hi: int) -> None:
             x = samples[lo:hi]
             mean[lo:hi] = x.mean(dim=1, dtype=torch.float64)
             x = x - mean[lo:hi].unsqueeze(1)  # centred on the exact mean, rounded to float32
             cov = torch.bmm(x.transpose(1, 2), x, out=chol[lo:hi]).div_(n - 1)
+            if loo_sq is not None:
+                loo_sq[lo:hi] = centred_loo_squared(x, epsilon, groups)
             del x
             cholesky_factor_(cov, epsilon, torch.empty_like(cov))
             if half is not None:
                 half[lo:hi] = cov
 
         map_position_chunks(chunk, p, step, samples.device)
-        return cls(mean, chol if half is None else half)
+        out_g = cls(mean, chol if half is None else half)
+        if loo_sq is not None:
+            out_g.loo = loo_sq.clamp_min_(0).sqrt_()
+        return out_g
 
     def distances(self, x: torch.Tensor) -> torch.Tensor:
         """Mahalanobis distances ``[P, B]`` of ``x`` ``[P, B, D]`` (any strides)."""

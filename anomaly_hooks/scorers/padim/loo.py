@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -183,18 +183,35 @@ def gram_loo_squared(gram: torch.Tensor, epsilon: float) -> torch.Tensor:
     return ((n - 1) / (epsilon * g) - n * (n - 2) / (n - 1)).float()
 
 
+def centred_loo_squared(xc: torch.Tensor, epsilon: float,
+                        groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Leave-one-out squared distances ``[c, n]`` of samples ``xc`` ``[c, n, D]`` float32
+    centred on their mean (leave-one-group-out with ``groups`` ``[n]``), from the Gram matrix
+    ``Y Y^T + eps I``, ``Y = xc / sqrt(n - 1)``, by (2) or (4)."""
+    n = xc.shape[1]
+    _check_n(n)
+    eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=xc.device)
+    gram = torch.baddbmm(eps_eye, xc, xc.transpose(1, 2), alpha=1.0 / (n - 1))
+    if groups is None:
+        return gram_loo_squared(gram, epsilon)
+    return gram_group_out_squared(gram, groups, epsilon)
+
+
 @torch.inference_mode()
-def loo_distances_from_samples(x: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Exact LOO distances ``[P, n]`` of the samples ``x`` ``[P, n, D]`` (not modified), by (2),
-    ``CHUNK_POSITIONS`` positions at a time. Centred on a float32 mean, as the low-rank ``Y``."""
+def loo_distances_from_samples(x: torch.Tensor, epsilon: float,
+                               groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exact leave-one-out distances ``[P, n]`` of the samples ``x`` ``[P, n, D]`` (not
+    modified), leave-one-group-out with ``groups`` ``[n]``, ``CHUNK_POSITIONS`` positions at a
+    time, each chunk centred on its float64 mean rounded to float32 (as
+    :meth:`~anomaly_hooks.scorers.padim.gaussians.DenseGaussians.from_samples` does, which
+    makes them with the Gaussians: the same distances)."""
     p, n, _ = x.shape
     _check_n(n)
     out = torch.empty(p, n, dtype=torch.float32, device=x.device)
-    eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
 
     def chunk(lo: int, hi: int) -> None:
-        y = (x[lo:hi] - x[lo:hi].mean(dim=1, keepdim=True)).mul_(1.0 / math.sqrt(n - 1))
-        out[lo:hi] = gram_loo_squared(torch.baddbmm(eps_eye, y, y.transpose(1, 2)), epsilon)
+        xc = x[lo:hi] - x[lo:hi].mean(dim=1, dtype=torch.float64).float().unsqueeze(1)
+        out[lo:hi] = centred_loo_squared(xc, epsilon, groups)
 
     map_position_chunks(chunk, p, CHUNK_POSITIONS, x.device)
     return out.clamp_min_(0).sqrt_()
@@ -298,25 +315,6 @@ def gram_group_out_squared(gram: torch.Tensor, groups: torch.Tensor,
         d2 = (n_r - 1) * (winv_diag / eps2 - (n_r + 1) / n_r)  # [c, m, g]
         out[:, members.reshape(-1)] = d2.reshape(c, -1)
     return out.float()
-
-
-@torch.inference_mode()
-def group_out_distances_from_samples(x: torch.Tensor, groups: torch.Tensor,
-                                     epsilon: float) -> torch.Tensor:
-    """Exact leave-one-group-out distances ``[P, n]`` of the samples ``x`` ``[P, n, D]``
-    (not modified), by (4), ``CHUNK_POSITIONS`` positions at a time."""
-    p, n, _ = x.shape
-    _check_n(n)
-    out = torch.empty(p, n, dtype=torch.float32, device=x.device)
-    eps_eye = epsilon * torch.eye(n, dtype=torch.float32, device=x.device)
-
-    def chunk(lo: int, hi: int) -> None:
-        y = (x[lo:hi] - x[lo:hi].mean(dim=1, keepdim=True)).mul_(1.0 / math.sqrt(n - 1))
-        out[lo:hi] = gram_group_out_squared(torch.baddbmm(eps_eye, y, y.transpose(1, 2)),
-                                            groups, epsilon)
-
-    map_position_chunks(chunk, p, CHUNK_POSITIONS, x.device)
-    return out.clamp_min_(0).sqrt_()
 
 
 def dense_group_terms(n: int, g: int, tol: float = DENSE_TOLERANCE) -> int:

@@ -48,10 +48,6 @@ from anomaly_hooks.scorers.padim.gaussians import (
     LowRankGaussians,
     SampleStore,
 )
-from anomaly_hooks.scorers.padim.loo import (
-    group_out_distances_from_samples,
-    loo_distances_from_samples,
-)
 
 State = Dict[str, Any]
 
@@ -214,7 +210,8 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
     samples = _readable(state["samples"]).to(device) if "samples" in state else None
     if samples is not None:  # every image's samples: the Gaussians come from them
         out = DenseGaussians.from_samples(
-            samples, epsilon, dtype, out=_tensor(state["s2"], device) if "s2" in state else None)
+            samples, epsilon, dtype, out=_tensor(state["s2"], device) if "s2" in state else None,
+            loo=loo, groups=groups if loo else None)
     else:
         acc = GaussianAccumulator()
         acc.n = int(state["n"])
@@ -222,9 +219,6 @@ def gaussians(state: State, epsilon: float, factor_dtype: str = "float32",
         acc.s1 = _tensor(state["s1"], device)
         acc.s2 = _tensor(state["s2"], device)  # factorised in place
         out = DenseGaussians.from_accumulator(acc, epsilon, dtype)
-    if loo and samples is not None:
-        out.loo = (loo_distances_from_samples(samples, epsilon) if groups is None
-                   else group_out_distances_from_samples(samples, groups, epsilon))
     if keep_samples and samples is not None:
         out.samples = samples  # only ever read: a view of the state's array will do
     return out

@@ -41,8 +41,6 @@ from anomaly_hooks.scorers.padim.gaussians import (
 )
 from anomaly_hooks.scorers.padim.loo import (
     group_members,
-    group_out_distances_from_samples,
-    loo_distances_from_samples,
 )
 from anomaly_hooks.threshold import out_of_sample
 
@@ -202,18 +200,13 @@ class PadimScorer(Scorer):
             loo, self.gaussians.loo = self.gaussians.loo, None
         else:
             dtype = torch.float16 if self.factor_dtype == "float16" else torch.float32
+            loo = None
             if self._oos_store is not None:  # every image's samples: made from them
-                self.gaussians = DenseGaussians.from_samples(self._oos_store.samples(),
-                                                             self.epsilon, dtype)
+                self.gaussians = DenseGaussians.from_samples(
+                    self._oos_store.samples(), self.epsilon, dtype, loo=True, groups=groups)
+                loo, self.gaussians.loo = self.gaussians.loo, None
             else:
                 self.gaussians = DenseGaussians.from_accumulator(self._acc, self.epsilon, dtype)
-            if self._oos_store is None:
-                loo = None
-            elif groups is None:
-                loo = loo_distances_from_samples(self._oos_store.samples(), self.epsilon)
-            else:
-                loo = group_out_distances_from_samples(self._oos_store.samples(), groups,
-                                                       self.epsilon)
             if self._oos_store is not None and self.keeps_samples(n):
                 self.gaussians.samples = self._oos_store.samples().contiguous()
         if loo is not None:  # [P, n] -> [n, h, w]
