@@ -1,10 +1,24 @@
-"""Patch scores -> smooth anomaly heatmaps (bilinear upsampling, then a Gaussian blur)."""
+"""Patch scores -> smooth anomaly heatmaps (bilinear upsampling, then a Gaussian blur).
+
+The definition is two reference operations: ``F.interpolate(bilinear, align_corners=False)``
+to the network input size, then :func:`gaussian_blur` (separable, reflect-padded). Both are
+linear and act on each axis separately, so the pipeline is ``A_v @ S @ A_h^T`` for a map ``S``
+``[h, w]``, with one axis operator per axis (:func:`axis_operator`: the blur of that axis times
+its bilinear interpolation, ``[H, h]`` and ``[W, w]``). :func:`anomaly_maps` computes the maps
+as those two matrix products (a long single-channel 1-d convolution is slow on the CPU; two
+small products are not), with operators built by running the reference operations on the
+identity, so every edge case (a kernel clipped to a tiny map and renormalised, ``sigma`` 0,
+no upsampling) keeps its exact meaning.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from anomaly_hooks.devices import ieee_float32
 
 DEFAULT_SIGMA = 4.0
 
@@ -38,9 +52,71 @@ def gaussian_blur(maps: torch.Tensor, sigma: float = DEFAULT_SIGMA) -> torch.Ten
     return x.squeeze(1)
 
 
+def axis_operator(n_in: int, n_out: int, sigma: float = DEFAULT_SIGMA, *,
+                  vertical: bool = True) -> torch.Tensor:
+    """The heatmap pipeline along one axis as a float64 matrix ``[n_out, n_in]``: column ``j``
+    is what bilinear upsampling (``align_corners=False``) from ``n_in`` to ``n_out`` points,
+    then :func:`gaussian_blur`, make of the unit impulse at ``j``. Built by running exactly
+    those operations, along the axis they act on (``vertical``: maps ``[n_in, n_out, 1]``;
+    else ``[n_in, 1, n_out]``); the other axis has length 1, where both are the identity
+    (interpolation from 1 to 1 point, a blur kernel clipped to its centre tap)."""
+    if n_in < 1 or n_out < 1:
+        raise ValueError(f"axis_operator: sizes must be >= 1, got n_in={n_in}, n_out={n_out}")
+    with torch.inference_mode(False):  # normal tensors, usable inside and outside the mode
+        eye = torch.eye(n_in, dtype=torch.float64)
+        impulses = eye.view(n_in, 1, n_in, 1) if vertical else eye.view(n_in, 1, 1, n_in)
+        target = (n_out, 1) if vertical else (1, n_out)
+        up = F.interpolate(impulses, size=target, mode="bilinear", align_corners=False)
+        rows = gaussian_blur(up.squeeze(1), sigma)  # [n_in, n_out, 1] or [n_in, 1, n_out]
+        return rows.reshape(n_in, n_out).T.contiguous()
+
+
+def heatmap_operators(grid: Sequence[int], size: Sequence[int], sigma: float = DEFAULT_SIGMA
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The two float32 operators of the pipeline from ``grid`` ``(h, w)`` to ``size``
+    ``(H, W)``: ``A_v`` ``[H, h]`` and ``A_h^T`` ``[w, W]`` (stored transposed, ready for
+    the right-hand product), on the CPU; built in float64, then rounded once."""
+    (h, w), (big_h, big_w) = (int(n) for n in grid), (int(n) for n in size)
+    a_v = axis_operator(h, big_h, sigma, vertical=True)
+    a_h = axis_operator(w, big_w, sigma, vertical=False)
+    return a_v.float(), a_h.T.contiguous().float()
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_operators(h: int, w: int, big_h: int, big_w: int, sigma: float, device: str
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`heatmap_operators` on ``device``, one copy per (sizes, sigma, device): a few
+    hundred KiB at most (``H * h + w * W`` floats)."""
+    with torch.inference_mode(False):
+        return tuple(op.to(device) for op in heatmap_operators((h, w), (big_h, big_w), sigma))
+
+
+def apply_operators(patch_scores: torch.Tensor, a_v: torch.Tensor, a_h_t: torch.Tensor
+                    ) -> torch.Tensor:
+    """``A_v @ S @ A_h^T`` for each map ``S`` of ``patch_scores`` ``[B, h, w]`` with ``a_v``
+    ``[H, h]`` and ``a_h_t`` ``[w, W]`` (:func:`heatmap_operators`) -> ``[B, H, W]``, in the
+    operators' dtype. The cheaper order of the two products is taken (``h W (w + H)`` against
+    ``H w (h + W)`` multiply-adds per map); both are the same linear map. Traceable: two
+    ``MatMul`` with constant operators in an exported graph."""
+    s = patch_scores.to(a_v.dtype)
+    (big_h, h), (w, big_w) = a_v.shape, a_h_t.shape
+    if h * big_w * (w + big_h) <= big_h * w * (h + big_w):
+        return torch.matmul(a_v, torch.matmul(s, a_h_t))
+    return torch.matmul(torch.matmul(a_v, s), a_h_t)
+
+
 def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
                  sigma: float = DEFAULT_SIGMA) -> torch.Tensor:
-    """``[B, h, w]`` patch scores -> ``[B, H, W]`` heatmaps at the network input size."""
-    up = F.interpolate(patch_scores.unsqueeze(1).float(), size=tuple(size), mode="bilinear",
-                       align_corners=False).squeeze(1)
-    return gaussian_blur(up, sigma)
+    """``[B, h, w]`` patch scores -> ``[B, H, W]`` float32 heatmaps at the network input size
+    ``size`` (H, W): bilinear upsampling then :func:`gaussian_blur`, computed as two matrix
+    products in IEEE float32 (see the module docstring) with operators cached per sizes, sigma
+    and device. Eager use: a traced graph holds the operators as constants instead
+    (:func:`heatmap_operators`, :func:`apply_operators`)."""
+    if patch_scores.dim() != 3:
+        raise ValueError(f"anomaly_maps: patch scores must be [B, h, w], got shape "
+                         f"{tuple(patch_scores.shape)}")
+    h, w = patch_scores.shape[-2:]
+    a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]), float(sigma),
+                                   str(patch_scores.device))
+    with ieee_float32():
+        return apply_operators(patch_scores, a_v, a_h_t)
