@@ -451,9 +451,10 @@ def assert_tiled_parity(ref: list, got: list) -> None:
     """Predictions of the tiled graph against eager, within float32 tolerances derived from
     the computation: the cutting and stitching are copies (exact), so the scores differ by the
     backbone's float32 summation order (``backbone_rtol``: ONNX Runtime's kernels against
-    torch's), which the scorer and the heatmap's convex combinations (upsampling, blur, the
-    way back) carry to the maps, relative to their largest value, plus those steps' own
-    roundings (two 33-tap blur passes and two bilinear resizes: 80 roundings)."""
+    torch's), which the scorer and the heatmap's convex combinations (upsampling and blur as
+    two matrix products, the way back) carry to the maps, relative to their largest value, plus
+    those steps' own roundings (the products' sums of 24 and 36 terms on the 24 x 36 frame
+    grid, the bilinear resize back: within 80 roundings)."""
     from conftest import backbone_rtol, f32_tol
 
     rtol = backbone_rtol()
