@@ -8,7 +8,13 @@ import torch
 from conftest import f32_tol, f64_tol, resample_tolerance
 from scipy import ndimage
 
-from anomaly_hooks.heatmap import anomaly_maps, axis_operator, gaussian_blur, heatmap_operators
+from anomaly_hooks.heatmap import (
+    anomaly_maps,
+    apply_operators,
+    axis_operator,
+    gaussian_blur,
+    heatmap_operators,
+)
 from anomaly_hooks.preprocess import Preprocessor
 
 
@@ -83,6 +89,28 @@ def test_matrix_form_equals_the_conv_pipeline_in_float64(grid, size, sigma, devi
     top = float(patch.abs().max())
     torch.testing.assert_close(got.cpu().double(), ref, rtol=0,
                                atol=f32_tol(grid[0] + grid[1] + 2, top))
+
+
+@pytest.mark.parametrize("grid, size, sigma", MATRIX_CASES[:3])
+def test_the_traceable_form_equals_the_conv_pipeline_in_float64(grid, size, sigma):
+    """:func:`apply_operators` (broadcasting products, what the export traces) within the same
+    bound as :func:`anomaly_maps` (two whole-batch products): the same sums in another order."""
+    patch = 80 * torch.rand(3, *grid, generator=torch.Generator().manual_seed(7))
+    got = apply_operators(patch, *heatmap_operators(grid, size, sigma))
+    torch.testing.assert_close(got.double(), conv_pipeline64(patch, size, sigma), rtol=0,
+                               atol=f32_tol(grid[0] + grid[1] + 2, float(patch.max())))
+
+
+def test_any_batch_layout_gives_the_same_maps():
+    """A strided batch (the fit's out-of-sample scores are a transposed ``[P, n]`` buffer) and
+    an empty one: the products read a copy in one layout, so the maps are bit for bit those of
+    the contiguous batch."""
+    buffer = torch.rand(9 * 11, 5, generator=torch.Generator().manual_seed(8))
+    strided = buffer.t().reshape(5, 9, 11)
+    assert not strided.is_contiguous()
+    assert torch.equal(anomaly_maps(strided, (40, 44)),
+                       anomaly_maps(strided.contiguous(), (40, 44)))
+    assert anomaly_maps(strided[:0], (40, 44)).shape == (0, 40, 44)
 
 
 @pytest.mark.parametrize("grid, size, sigma", MATRIX_CASES[1:])  # h * w impulse maps each
