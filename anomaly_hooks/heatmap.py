@@ -95,35 +95,17 @@ def apply_operators(patch_scores: torch.Tensor, a_v: torch.Tensor, a_h_t: torch.
                     ) -> torch.Tensor:
     """``A_v @ S @ A_h^T`` for each map ``S`` of ``patch_scores`` ``[B, h, w]`` with ``a_v``
     ``[H, h]`` and ``a_h_t`` ``[w, W]`` (:func:`heatmap_operators`) -> ``[B, H, W]``, in the
-    operators' dtype, as two broadcasting products: the traceable form (two ``MatMul`` with
-    constant operators in an exported graph). Eager code calls :func:`anomaly_maps`."""
+    operators' dtype: a broadcasting product ``[H, h] @ [B, h, w]`` (one batched product),
+    then ``[B, H, w] @ [w, W]`` (one 2-d product over all rows). Traceable: two ``MatMul``
+    with constant operators in an exported graph."""
     return torch.matmul(torch.matmul(a_v, patch_scores.to(a_v.dtype)), a_h_t)
-
-
-def _two_gemms(s: torch.Tensor, a_v: torch.Tensor, a_h_t: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_operators` as two plain 2-d products over the whole batch, contiguous
-    ``[B, H, W]`` out. A broadcasting ``[H, h] @ [B, h, w]`` runs as B small products, each
-    its own parallel region: beside another busy process every region's barrier can wait for
-    a descheduled thread (measured: 200 maps 56 -> 224 took 3.7-8.3 s that way, 0.3-1.0 s as
-    two products; 20 ms either way on idle cores). The cheaper order is taken (``h W (w + H)``
-    against ``H w (h + W)`` multiply-adds per map, vertical first on a tie: its one transposing
-    copy is of the smaller intermediate)."""
-    b, h, w = s.shape
-    big_h, big_w = a_v.shape[0], a_h_t.shape[1]
-    if big_h * w * (h + big_w) <= h * big_w * (w + big_h):
-        cols = a_v @ s.transpose(0, 1).reshape(h, b * w)  # [H, B * w]
-        rows = cols.view(big_h, b, w).transpose(0, 1).reshape(b * big_h, w)
-        return (rows @ a_h_t).view(b, big_h, big_w)
-    rows = s.reshape(b * h, w) @ a_h_t  # [B * h, W]
-    cols = a_v @ rows.view(b, h, big_w).transpose(0, 1).reshape(h, b * big_w)  # [H, B * W]
-    return cols.view(big_h, b, big_w).transpose(0, 1).contiguous()
 
 
 def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
                  sigma: float = DEFAULT_SIGMA) -> torch.Tensor:
     """``[B, h, w]`` patch scores -> ``[B, H, W]`` float32 heatmaps at the network input size
     ``size`` (H, W): bilinear upsampling then :func:`gaussian_blur`, computed as two matrix
-    products in IEEE float32 (see the module docstring), each over the whole batch, with
+    products in IEEE float32 (see the module docstring, :func:`apply_operators`) with
     operators cached per sizes, sigma and device. Eager use: a traced graph holds the operators
     as constants instead (:func:`heatmap_operators`, :func:`apply_operators`)."""
     if patch_scores.dim() != 3:
@@ -132,5 +114,9 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
     h, w = patch_scores.shape[-2:]
     a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]), float(sigma),
                                    str(patch_scores.device))
+    # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) sends
+    # the batched product down a slower path: as fast on idle cores, but 15-20x slower than on
+    # a contiguous copy beside a busy process (docs/benchmarks.md, "Heatmaps")
+    s = patch_scores.to(a_v.dtype).contiguous()
     with ieee_float32():
-        return _two_gemms(patch_scores.to(a_v.dtype), a_v, a_h_t)
+        return apply_operators(s, a_v, a_h_t)

@@ -1,10 +1,14 @@
 """The heatmap pipeline: ``heatmap.anomaly_maps`` (two matrix products with the cached axis
 operators) against the reference operations it is built from (float32 bilinear upsampling,
-then ``gaussian_blur``'s two 1-d convolutions), in one run: the time of each on a batch of
-maps, their largest difference; with ``--fit``, a fit's ``threshold`` step (the out-of-sample
-image scores go through the heatmap pipeline) with each form, alternated.
+then ``gaussian_blur``'s two 1-d convolutions) and against the same products as broadcasting
+``[H, h] @ [B, h, w]`` (``heatmap.apply_operators``, the exported graph's form), in one run:
+the time of each on a batch of maps, their largest difference; ``--beside-busy`` runs the same
+beside a busy process (one core spinning, as a second service replica would keep it); with
+``--fit``, a fit's ``threshold`` step (the out-of-sample image scores go through the heatmap
+pipeline) with each form, alternated.
 
     python benchmarks/bench_heatmap.py                                   # 32 maps 56x56 -> 224x224
+    python benchmarks/bench_heatmap.py --beside-busy
     python benchmarks/bench_heatmap.py --fit ../shared/data/visa_macaroni1/train/good \\
         --config configs/padim_effnet_lite0.yaml device=cpu
 
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence
@@ -42,17 +48,42 @@ def conv_maps(patch_scores: torch.Tensor, size: Sequence[int], sigma: float = 4.
 def time_maps(batch: int, grid: Sequence[int], size: Sequence[int], repeats: int
               ) -> Dict[str, Any]:
     """Median ms of each form on ``batch`` random maps (values up to 85, a PaDiM score's
-    range), the ratio and the largest absolute difference."""
-    from anomaly_hooks.heatmap import anomaly_maps
+    range), given contiguous and as a strided view (the layout of the fit's out-of-sample
+    scores, a transposed ``[h * w, n]`` buffer); the largest absolute difference."""
+    from anomaly_hooks.heatmap import anomaly_maps, apply_operators, heatmap_operators
 
-    patch = 85 * torch.rand(batch, *grid, generator=torch.Generator().manual_seed(0))
-    conv = timed_repeats(lambda: conv_maps(patch, size), repeats)
-    mat = timed_repeats(lambda: anomaly_maps(patch, size), repeats)
-    diff = float((anomaly_maps(patch, size) - conv_maps(patch, size)).abs().max())
-    return {"maps": batch, "grid": list(grid), "size": list(size),
-            "conv_ms": 1e3 * conv.median, "matmul_ms": 1e3 * mat.median,
-            "speedup": conv.median / mat.median, "max_abs_diff": diff,
-            "max_value": float(conv_maps(patch, size).abs().max())}
+    buffer = 85 * torch.rand(grid[0] * grid[1], batch, generator=torch.Generator().manual_seed(0))
+    layouts = {"strided": buffer.t().reshape(batch, *grid)}
+    layouts["contiguous"] = layouts["strided"].contiguous()
+    ops = heatmap_operators(grid, size)
+    forms = {"conv": lambda p: conv_maps(p, size), "anomaly_maps": lambda p: anomaly_maps(p, size),
+             "broadcast, no copy": lambda p: apply_operators(p, *ops)}
+    out: Dict[str, Any] = {"maps": batch, "grid": list(grid), "size": list(size)}
+    with torch.inference_mode():
+        for layout, patch in layouts.items():
+            for name, fn in forms.items():
+                run = functools.partial(fn, patch)
+                out[f"{name} ms ({layout})"] = 1e3 * timed_repeats(run, repeats).median
+        patch = layouts["contiguous"]
+        ref = conv_maps(patch, size)
+        out["max_abs_diff"] = float((anomaly_maps(patch, size) - ref).abs().max())
+        out["max_value"] = float(ref.abs().max())
+    out["speedup"] = out["conv ms (contiguous)"] / out["anomaly_maps ms (contiguous)"]
+    return out
+
+
+@contextlib.contextmanager
+def busy_process(on: bool) -> Iterator[None]:
+    """A process spinning on one core inside the block (``on``), stopped after it."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -93,14 +124,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grid", type=int, nargs=2, default=(56, 56), help="h w (default 56 56)")
     p.add_argument("--size", type=int, nargs=2, default=(224, 224), help="H W (default 224 224)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--beside-busy", action="store_true",
+                   help="time the maps beside a process spinning on one core")
     p.add_argument("--fit", metavar="FOLDER", help="also time fits on these good images")
     p.add_argument("--config", default="configs/padim_effnet_lite0.yaml")
     p.add_argument("--fits", type=int, default=2, help="rounds of (conv, matmul) fits")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for --fit")
     args = p.parse_args(argv)
-    out: Dict[str, Any] = {"machine": machine(),
-                           "maps": time_maps(args.maps, args.grid, args.size, args.repeats)}
+    out: Dict[str, Any] = {"machine": machine()}
+    with busy_process(args.beside_busy):
+        out["maps"] = time_maps(args.maps, args.grid, args.size, args.repeats)
+    out["maps"]["beside_busy"] = args.beside_busy
     print(json.dumps(out["maps"]), flush=True)
     if args.fit:
         out["fits"] = time_fits(args.config, args.fit, args.overrides, args.fits)
