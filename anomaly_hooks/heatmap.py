@@ -114,9 +114,10 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
     h, w = patch_scores.shape[-2:]
     a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]), float(sigma),
                                    str(patch_scores.device))
-    # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) sends
-    # the batched product down a slower path: as fast on idle cores, but 15-20x slower than on
-    # a contiguous copy beside a busy process (docs/benchmarks.md, "Heatmaps")
+    # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) takes
+    # another path through the batched product: as fast on idle cores, but beside other busy
+    # torch processes it stalled far more often than a contiguous copy does (3-18x slower,
+    # docs/benchmarks.md, "Heatmaps"); the copy is cheap
     s = patch_scores.to(a_v.dtype).contiguous()
     with ieee_float32():
         return apply_operators(s, a_v, a_h_t)

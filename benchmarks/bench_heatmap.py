@@ -2,13 +2,14 @@
 operators) against the reference operations it is built from (float32 bilinear upsampling,
 then ``gaussian_blur``'s two 1-d convolutions) and against the same products as broadcasting
 ``[H, h] @ [B, h, w]`` (``heatmap.apply_operators``, the exported graph's form), in one run:
-the time of each on a batch of maps, their largest difference; ``--beside-busy`` runs the same
-beside a busy process (one core spinning, as a second service replica would keep it); with
+the time of each on a batch of maps, their largest difference; ``--beside-busy N`` runs the
+same beside N other torch processes doing matrix products without end (another service
+replica or a fit on the same cores); with
 ``--fit``, a fit's ``threshold`` step (the out-of-sample image scores go through the heatmap
 pipeline) with each form, alternated.
 
     python benchmarks/bench_heatmap.py                                   # 32 maps 56x56 -> 224x224
-    python benchmarks/bench_heatmap.py --beside-busy
+    python benchmarks/bench_heatmap.py --beside-busy 2
     python benchmarks/bench_heatmap.py --fit ../shared/data/visa_macaroni1/train/good \\
         --config configs/padim_effnet_lite0.yaml device=cpu
 
@@ -22,8 +23,10 @@ import argparse
 import contextlib
 import functools
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence
 
@@ -47,7 +50,7 @@ def conv_maps(patch_scores: torch.Tensor, size: Sequence[int], sigma: float = 4.
 
 def time_maps(batch: int, grid: Sequence[int], size: Sequence[int], repeats: int
               ) -> Dict[str, Any]:
-    """Median ms of each form on ``batch`` random maps (values up to 85, a PaDiM score's
+    """Median and mean ms of each form on ``batch`` random maps (values up to 85, a PaDiM score's
     range), given contiguous and as a strided view (the layout of the fit's out-of-sample
     scores, a transposed ``[h * w, n]`` buffer); the largest absolute difference."""
     from anomaly_hooks.heatmap import anomaly_maps, apply_operators, heatmap_operators
@@ -62,8 +65,9 @@ def time_maps(batch: int, grid: Sequence[int], size: Sequence[int], repeats: int
     with torch.inference_mode():
         for layout, patch in layouts.items():
             for name, fn in forms.items():
-                run = functools.partial(fn, patch)
-                out[f"{name} ms ({layout})"] = 1e3 * timed_repeats(run, repeats).median
+                walls = timed_repeats(functools.partial(fn, patch), repeats).walls
+                out[f"{name} ms ({layout})"] = 1e3 * statistics.median(walls)
+                out[f"{name} mean ms ({layout})"] = 1e3 * statistics.mean(walls)
         patch = layouts["contiguous"]
         ref = conv_maps(patch, size)
         out["max_abs_diff"] = float((anomaly_maps(patch, size) - ref).abs().max())
@@ -72,18 +76,23 @@ def time_maps(batch: int, grid: Sequence[int], size: Sequence[int], repeats: int
     return out
 
 
+# another torch process at work on the same cores (a second service replica, a fit): matrix
+# products on torch's default intra-op threads, without end
+BUSY = "import torch\na = torch.rand(512, 512)\nwhile True:\n    a @ a"
+
+
 @contextlib.contextmanager
-def busy_process(on: bool) -> Iterator[None]:
-    """A process spinning on one core inside the block (``on``), stopped after it."""
-    if not on:
-        yield
-        return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes running :data:`BUSY` inside the block, stopped after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(n)]
     try:
+        if procs:
+            time.sleep(5)  # past their torch import: busy before the first timing
         yield
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 @contextlib.contextmanager
@@ -124,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grid", type=int, nargs=2, default=(56, 56), help="h w (default 56 56)")
     p.add_argument("--size", type=int, nargs=2, default=(224, 224), help="H W (default 224 224)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--beside-busy", action="store_true",
-                   help="time the maps beside a process spinning on one core")
+    p.add_argument("--beside-busy", type=int, default=0, metavar="N",
+                   help="time the maps beside N torch processes busy with matrix products")
     p.add_argument("--fit", metavar="FOLDER", help="also time fits on these good images")
     p.add_argument("--config", default="configs/padim_effnet_lite0.yaml")
     p.add_argument("--fits", type=int, default=2, help="rounds of (conv, matmul) fits")
@@ -133,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides for --fit")
     args = p.parse_args(argv)
     out: Dict[str, Any] = {"machine": machine()}
-    with busy_process(args.beside_busy):
+    with busy_processes(args.beside_busy):
         out["maps"] = time_maps(args.maps, args.grid, args.size, args.repeats)
     out["maps"]["beside_busy"] = args.beside_busy
     print(json.dumps(out["maps"]), flush=True)
