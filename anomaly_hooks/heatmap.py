@@ -116,7 +116,7 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
                                    str(patch_scores.device))
     # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) takes
     # another path through the batched product: as fast on idle cores, but beside other busy
-    # torch processes it stalled far more often than a contiguous copy does (3-18x slower,
+    # torch processes it stalled far more often than a contiguous copy does (3-15x slower,
     # docs/benchmarks.md, "Heatmaps"); the copy is cheap
     s = patch_scores.to(a_v.dtype).contiguous()
     with ieee_float32():
