@@ -8,7 +8,10 @@ its bilinear interpolation, ``[H, h]`` and ``[W, w]``). :func:`anomaly_maps` com
 as those two matrix products (a long single-channel 1-d convolution is slow on the CPU; two
 small products are not), with operators built by running the reference operations on the
 identity, so every edge case (a kernel clipped to a tiny map and renormalised, ``sigma`` 0,
-no upsampling) keeps its exact meaning.
+no upsampling) keeps its exact meaning. The dense products do more multiply-adds than the
+banded convolutions, more so the larger the frame; past :data:`PRODUCTS_MAX_WORK` times as many
+(at sigma 4 with a grid a quarter of the frame's size: frames over about 7000 pixels a side)
+the maps come from the reference operations (:func:`reference_maps`) instead.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ import torch.nn.functional as F
 from anomaly_hooks.devices import ieee_float32
 
 DEFAULT_SIGMA = 4.0
+# The products are used while their multiply-adds are at most this many times the reference
+# operations': on the CPU a float32 GEMM does 40-80x more multiply-adds per second than the
+# single-channel 1-d convolutions (docs/benchmarks.md, "Heatmaps": 79x faster at 1.0x the
+# work for 56 -> 224, 3.9x faster at 18x the work for 1024 -> 4096)
+PRODUCTS_MAX_WORK = 32.0
 
 
 def gaussian_kernel1d(sigma: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -50,6 +58,26 @@ def gaussian_blur(maps: torch.Tensor, sigma: float = DEFAULT_SIGMA) -> torch.Ten
     x = F.conv2d(F.pad(x, (pad_h, pad_h, 0, 0), mode="reflect"), k_h.view(1, 1, 1, -1))
     x = F.conv2d(F.pad(x, (0, 0, pad_v, pad_v), mode="reflect"), k_v.view(1, 1, -1, 1))
     return x.squeeze(1)
+
+
+def reference_maps(patch_scores: torch.Tensor, size: Sequence[int],
+                   sigma: float = DEFAULT_SIGMA) -> torch.Tensor:
+    """The heatmap pipeline's definition run as such: ``[B, h, w]`` -> ``[B, H, W]`` float32,
+    bilinear upsampling (``align_corners=False``) to ``size``, then :func:`gaussian_blur`."""
+    up = F.interpolate(patch_scores.unsqueeze(1).float(), size=tuple(size), mode="bilinear",
+                       align_corners=False).squeeze(1)
+    return gaussian_blur(up, sigma)
+
+
+def products_work_ratio(grid: Sequence[int], size: Sequence[int],
+                        sigma: float = DEFAULT_SIGMA) -> float:
+    """Multiply-adds per map of the two products, ``H w (h + W)``, over those of
+    :func:`reference_maps`, ``H W (2 taps + 4)`` (two blur passes of ``taps``, the bilinear
+    blend): about 1 for 56 x 56 -> 224 x 224 at sigma 4; :func:`anomaly_maps` uses the products
+    up to :data:`PRODUCTS_MAX_WORK`."""
+    (h, w), (big_h, big_w) = (int(n) for n in grid), (int(n) for n in size)
+    taps = 2 * int(4.0 * sigma + 0.5) + 1 if sigma > 0 else 0
+    return big_h * w * (h + big_w) / (big_h * big_w * (2 * taps + 4))
 
 
 def axis_operator(n_in: int, n_out: int, sigma: float = DEFAULT_SIGMA, *,
@@ -82,11 +110,11 @@ def heatmap_operators(grid: Sequence[int], size: Sequence[int], sigma: float = D
     return a_v.float(), a_h.T.contiguous().float()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _cached_operators(h: int, w: int, big_h: int, big_w: int, sigma: float, device: str
                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`heatmap_operators` on ``device``, one copy per (sizes, sigma, device): a few
-    hundred KiB at most (``H * h + w * W`` floats)."""
+    """:func:`heatmap_operators` on ``device``, one copy per (sizes, sigma, device):
+    ``H * h + w * W`` floats (100 KiB for 56 -> 224, 32 MiB for 1024 -> 4096)."""
     with torch.inference_mode(False):
         return tuple(op.to(device) for op in heatmap_operators((h, w), (big_h, big_w), sigma))
 
@@ -106,12 +134,15 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
     """``[B, h, w]`` patch scores -> ``[B, H, W]`` float32 heatmaps at the network input size
     ``size`` (H, W): bilinear upsampling then :func:`gaussian_blur`, computed as two matrix
     products in IEEE float32 (see the module docstring, :func:`apply_operators`) with
-    operators cached per sizes, sigma and device. Eager use: a traced graph holds the operators
+    operators cached per sizes, sigma and device (as :func:`reference_maps` past
+    :data:`PRODUCTS_MAX_WORK`). Eager use: a traced graph holds the operators
     as constants instead (:func:`heatmap_operators`, :func:`apply_operators`)."""
     if patch_scores.dim() != 3:
         raise ValueError(f"anomaly_maps: patch scores must be [B, h, w], got shape "
                          f"{tuple(patch_scores.shape)}")
     h, w = patch_scores.shape[-2:]
+    if products_work_ratio((h, w), size, sigma) > PRODUCTS_MAX_WORK:
+        return reference_maps(patch_scores, size, sigma)
     a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]), float(sigma),
                                    str(patch_scores.device))
     # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) takes

@@ -33,19 +33,17 @@ from typing import Any, Dict, Iterator, List, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.measure import machine, timed_repeats, write_json  # noqa: E402
 
 
 def conv_maps(patch_scores: torch.Tensor, size: Sequence[int], sigma: float = 4.0
               ) -> torch.Tensor:
-    """The reference operations in float32: bilinear upsampling, then the convolution blur."""
-    from anomaly_hooks.heatmap import gaussian_blur
+    """The reference operations in float32 (``heatmap.reference_maps``): bilinear upsampling,
+    then the convolution blur."""
+    from anomaly_hooks.heatmap import reference_maps
 
-    up = F.interpolate(patch_scores.unsqueeze(1).float(), size=tuple(size), mode="bilinear",
-                       align_corners=False).squeeze(1)
-    return gaussian_blur(up, sigma)
+    return reference_maps(patch_scores, size, sigma)
 
 
 def time_maps(batch: int, grid: Sequence[int], size: Sequence[int], repeats: int

@@ -240,6 +240,39 @@ def test_search_in_query_blocks(tmp_path, monkeypatch, search, blocks):
                       OnnxDetector.load(path, batch_size=batch).predict(probe_images()))
 
 
+@pytest.mark.parametrize("grid, size, products", [((7, 9), (28, 36), True),
+                                                  ((10, 2400), (40, 2400), False)])
+def test_heatmap_module_exports_as_the_eager_maps(grid, size, products, tmp_path):
+    """The graph's heatmap: two ``MatMul`` with the axis operators as constants, or, past the
+    work limit (a 2400-wide grid: 34x the banded blur's multiply-adds), the reference
+    operations as eager ``anomaly_maps`` runs them; ONNX Runtime gives the eager maps (float32
+    sums of 7 + 9 terms, or the 33-tap blur's 4 * 33 roundings and the blend's 6, in another
+    order)."""
+    import onnx
+    import onnxruntime as ort
+
+    from anomaly_hooks.export.graph import Heatmap
+    from anomaly_hooks.heatmap import anomaly_maps
+
+    module = Heatmap(grid, size)
+    assert module.products is products
+    assert {name for name, _ in module.named_buffers()} == ({"a_v", "a_h_t"} if products
+                                                            else set())
+    patch = 50 * torch.rand(3, *grid, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "heat.onnx"
+    from anomaly_hooks.export.onnx import DEFAULT_OPSET
+
+    torch.onnx.export(module, (patch,), str(path), dynamo=False, opset_version=DEFAULT_OPSET,
+                      input_names=["p"], dynamic_axes={"p": {0: "batch"}},
+                      do_constant_folding=True)  # export_onnx's TorchScript settings
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert ("MatMul" in ops) is products and ("Conv" in ops) is not products
+    got = ort.InferenceSession(str(path)).run(None, {"p": patch[:2].numpy()})[0]
+    ref = anomaly_maps(patch[:2], size).numpy()
+    n = grid[0] + grid[1] if products else 4 * 33 + 6
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(n, float(patch.max())))
+
+
 def test_query_block_sizes():
     """Blocks of ``elements // bank rows`` patches, at least one and at most all of them, at
     most MAX_BLOCKS blocks."""

@@ -9,11 +9,14 @@ from conftest import f32_tol, f64_tol, resample_tolerance
 from scipy import ndimage
 
 from anomaly_hooks.heatmap import (
+    PRODUCTS_MAX_WORK,
     anomaly_maps,
     apply_operators,
     axis_operator,
     gaussian_blur,
     heatmap_operators,
+    products_work_ratio,
+    reference_maps,
 )
 from anomaly_hooks.preprocess import Preprocessor
 
@@ -99,6 +102,17 @@ def test_the_traceable_form_equals_the_conv_pipeline_in_float64(grid, size, sigm
     got = apply_operators(patch, *heatmap_operators(grid, size, sigma))
     torch.testing.assert_close(got.double(), conv_pipeline64(patch, size, sigma), rtol=0,
                                atol=f32_tol(grid[0] + grid[1] + 2, float(patch.max())))
+
+
+def test_past_the_work_limit_the_maps_are_the_reference_operations():
+    """The products' multiply-adds over the convolutions' (``H w (h + W)`` against
+    ``H W (2 taps + 4)``); where that passes the limit (a 512-wide map with a 3-tap kernel:
+    the dense product does 51x the banded blur's work) the reference operations run as such."""
+    assert products_work_ratio((56, 56), (224, 224), 4.0) == 1.0  # 224 * 56 * 280 / 224**2 / 70
+    assert products_work_ratio((1, 512), (1, 512), 0.3) == 512 * 513 / (512 * (2 * 3 + 4))
+    assert products_work_ratio((1, 512), (1, 512), 0.3) > PRODUCTS_MAX_WORK
+    patch = torch.rand(2, 1, 512, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(anomaly_maps(patch, (1, 512), 0.3), reference_maps(patch, (1, 512), 0.3))
 
 
 def test_any_batch_layout_gives_the_same_maps():

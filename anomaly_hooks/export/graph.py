@@ -34,7 +34,13 @@ from torch import nn
 
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
-from anomaly_hooks.heatmap import apply_operators, heatmap_operators
+from anomaly_hooks.heatmap import (
+    PRODUCTS_MAX_WORK,
+    apply_operators,
+    heatmap_operators,
+    products_work_ratio,
+    reference_maps,
+)
 from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
 from anomaly_hooks.tiling.pipeline import padding_masks
 
@@ -153,17 +159,23 @@ class Heatmap(nn.Module):
     """Traceable :func:`~anomaly_hooks.heatmap.anomaly_maps`: patch scores ``[B, h, w]`` ->
     heatmaps ``[B, H, W]`` as two products with the pipeline's axis operators, held as
     buffers (constant ``MatMul`` operands in the exported graph; eager ``anomaly_maps`` keeps
-    its own cached copies, which a tracer must not record)."""
+    its own cached copies, which a tracer must not record); past
+    :data:`~anomaly_hooks.heatmap.PRODUCTS_MAX_WORK` the reference operations, as eager."""
 
     def __init__(self, grid: Sequence[int], size: Sequence[int]) -> None:
         super().__init__()
-        a_v, a_h_t = heatmap_operators(grid, size)
-        self.register_buffer("a_v", a_v)  # [H, h]
-        self.register_buffer("a_h_t", a_h_t)  # [w, W]
+        self.size = tuple(int(n) for n in size)
+        self.products = products_work_ratio(grid, size) <= PRODUCTS_MAX_WORK
+        if self.products:  # else the reference operations, as anomaly_maps decides
+            a_v, a_h_t = heatmap_operators(grid, size)
+            self.register_buffer("a_v", a_v)  # [H, h]
+            self.register_buffer("a_h_t", a_h_t)  # [w, W]
 
     def forward(self, patch: torch.Tensor) -> torch.Tensor:
         """``[B, h, w]`` -> ``[B, H, W]`` float32."""
-        return apply_operators(patch, self.a_v, self.a_h_t)
+        if self.products:
+            return apply_operators(patch, self.a_v, self.a_h_t)
+        return reference_maps(patch, self.size)
 
 
 def _plain_buffers(module: nn.Module) -> None:
