@@ -25,7 +25,7 @@ from anomaly_hooks.devices import ieee_float32
 
 DEFAULT_SIGMA = 4.0
 # The products are used while their multiply-adds are at most this many times the reference
-# operations': on the CPU a float32 GEMM does 40-80x more multiply-adds per second than the
+# operations': on the CPU a float32 GEMM does 70-80x more multiply-adds per second than the
 # single-channel 1-d convolutions (docs/benchmarks.md, "Heatmaps": 79x faster at 1.0x the
 # work for 56 -> 224, 18x at 3.9x for 232 -> 928, 4.1x at 18x for 1024 -> 4096), so the limit
 # keeps them at least about twice as fast
