@@ -134,22 +134,21 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
                  sigma: float = DEFAULT_SIGMA) -> torch.Tensor:
     """``[B, h, w]`` patch scores -> ``[B, H, W]`` float32 heatmaps at the network input size
     ``size`` (H, W): bilinear upsampling then :func:`gaussian_blur`, computed as two matrix
-    products in IEEE float32 (see the module docstring, :func:`apply_operators`) with
-    operators cached per sizes, sigma and device (as :func:`reference_maps` past
-    :data:`PRODUCTS_MAX_WORK`). Eager use: a traced graph holds the operators
-    as constants instead (:func:`heatmap_operators`, :func:`apply_operators`)."""
+    products (see the module docstring, :func:`apply_operators`) with operators cached per
+    sizes, sigma and device (as :func:`reference_maps` past :data:`PRODUCTS_MAX_WORK`), in
+    IEEE float32 (no TF32) either way. Eager use: a traced graph holds the operators as
+    constants instead (:func:`heatmap_operators`, :func:`apply_operators`)."""
     if patch_scores.dim() != 3:
         raise ValueError(f"anomaly_maps: patch scores must be [B, h, w], got shape "
                          f"{tuple(patch_scores.shape)}")
     h, w = patch_scores.shape[-2:]
-    if products_work_ratio((h, w), size, sigma) > PRODUCTS_MAX_WORK:
-        return reference_maps(patch_scores, size, sigma)
-    a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]), float(sigma),
-                                   str(patch_scores.device))
-    # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer) takes
-    # another path through the batched product: as fast on idle cores, but beside other busy
-    # torch processes it stalled far more often than a contiguous copy does (3-15x slower,
-    # docs/benchmarks.md, "Heatmaps"); the copy is cheap
-    s = patch_scores.to(a_v.dtype).contiguous()
     with ieee_float32():
-        return apply_operators(s, a_v, a_h_t)
+        if products_work_ratio((h, w), size, sigma) > PRODUCTS_MAX_WORK:
+            return reference_maps(patch_scores, size, sigma)
+        a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]),
+                                       float(sigma), str(patch_scores.device))
+        # a strided batch (the fit's out-of-sample scores are a transposed [P, n] buffer)
+        # takes another path through the batched product: as fast on idle cores, but beside
+        # other busy torch processes it stalled far more often than a contiguous copy does
+        # (3-15x slower, docs/benchmarks.md, "Heatmaps"); the copy is cheap
+        return apply_operators(patch_scores.to(a_v.dtype).contiguous(), a_v, a_h_t)
