@@ -16,13 +16,20 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SAMPLE
+from conftest import ROOT, SAMPLE, f32_tol
 
 sys.path.insert(0, str(ROOT))  # benchmarks/ is no installed package: import it from the checkout
 
 from anomaly_hooks.config import load_config
 from anomaly_hooks.timing import PeakMemory
-from benchmarks import bench_coreset, bench_coreset_banks, bench_export, bench_pipeline, measure
+from benchmarks import (
+    bench_coreset,
+    bench_coreset_banks,
+    bench_export,
+    bench_heatmap,
+    bench_pipeline,
+    measure,
+)
 
 # tiny random-init models: the smoke runs check the plumbing, not the speed
 TINY = ["backbone.name=resnet18", "backbone.weights=null", "preprocess.resize=64",
@@ -86,6 +93,32 @@ def test_pipeline_bench_runs_and_reports_every_stage(tmp_path, capsys):
     assert report["results"][1]["fit"]["coreset_seconds"] >= 0
     assert {"cpu", "cores", "ram_gb", "torch", "numpy"} <= set(report["machine"])
     assert "pred/bare" in capsys.readouterr().out
+
+
+def test_heatmap_bench_times_each_form_and_restores_the_detectors(tmp_path, capsys):
+    """Small maps and one fit of each form on a few sample images: the figures are there, the
+    forms agree, and the detector's heatmap pipeline is its own again afterwards."""
+    import anomaly_hooks.detector as detector_module
+
+    own = detector_module.anomaly_maps
+    data = small_dataset(tmp_path / "d", train=6)
+    out = tmp_path / "h.json"
+    assert bench_heatmap.main(["--maps", "4", "--grid", "7", "9", "--size", "28", "36",
+                               "--repeats", "2", "--fit", str(data / "train" / "good"),
+                               "--config", "configs/padim.yaml", "--fits", "1",
+                               "--json", str(out), *TINY, "data.batch_size=4",
+                               "device=cpu", "threshold.mode=all-images"]) == 0
+    report = json.loads(out.read_text())
+    maps = report["maps"]
+    assert maps["anomaly_maps ms (strided)"] > 0 and maps["conv ms (contiguous)"] > 0
+    # float32 conv form (bilinear 6 roundings, two 33-tap passes 4 * 33) against the products
+    # (sums of 7 and 9 terms, the operators' rounding 2): the matrix form's own tests bound it
+    assert maps["max_abs_diff"] <= f32_tol(6 + 4 * 33 + 7 + 9 + 2, maps["max_value"])
+    fits = report["fits"]
+    assert [f["form"] for f in fits] == ["conv", "matmul"]
+    assert all(f["threshold_s"] > 0 and np.isfinite(f["threshold"]) for f in fits)
+    assert detector_module.anomaly_maps is own
+    assert "load_before" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -240,6 +240,39 @@ def test_search_in_query_blocks(tmp_path, monkeypatch, search, blocks):
                       OnnxDetector.load(path, batch_size=batch).predict(probe_images()))
 
 
+@pytest.mark.parametrize("grid, size, products", [((7, 9), (28, 36), True),
+                                                  ((10, 2400), (40, 2400), False)])
+def test_heatmap_module_exports_as_the_eager_maps(grid, size, products, tmp_path):
+    """The graph's heatmap: two ``MatMul`` with the axis operators as constants, or, past the
+    work limit (a 2400-wide grid: 34x the banded blur's multiply-adds), the reference
+    operations as eager ``anomaly_maps`` runs them; ONNX Runtime gives the eager maps (float32
+    sums of 7 + 9 terms, or the 33-tap blur's 4 * 33 roundings and the blend's 6, in another
+    order)."""
+    import onnx
+    import onnxruntime as ort
+
+    from anomaly_hooks.export.graph import Heatmap
+    from anomaly_hooks.heatmap import anomaly_maps
+
+    module = Heatmap(grid, size)
+    assert module.products is products
+    assert {name for name, _ in module.named_buffers()} == ({"a_v", "a_h_t"} if products
+                                                            else set())
+    patch = 50 * torch.rand(3, *grid, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "heat.onnx"
+    from anomaly_hooks.export.onnx import DEFAULT_OPSET
+
+    torch.onnx.export(module, (patch,), str(path), dynamo=False, opset_version=DEFAULT_OPSET,
+                      input_names=["p"], dynamic_axes={"p": {0: "batch"}},
+                      do_constant_folding=True)  # export_onnx's TorchScript settings
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert ("MatMul" in ops) is products and ("Conv" in ops) is not products
+    got = ort.InferenceSession(str(path)).run(None, {"p": patch[:2].numpy()})[0]
+    ref = anomaly_maps(patch[:2], size).numpy()
+    n = grid[0] + grid[1] if products else 4 * 33 + 6
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(n, float(patch.max())))
+
+
 def test_query_block_sizes():
     """Blocks of ``elements // bank rows`` patches, at least one and at most all of them, at
     most MAX_BLOCKS blocks."""
@@ -451,9 +484,10 @@ def assert_tiled_parity(ref: list, got: list) -> None:
     """Predictions of the tiled graph against eager, within float32 tolerances derived from
     the computation: the cutting and stitching are copies (exact), so the scores differ by the
     backbone's float32 summation order (``backbone_rtol``: ONNX Runtime's kernels against
-    torch's), which the scorer and the heatmap's convex combinations (upsampling, blur, the
-    way back) carry to the maps, relative to their largest value, plus those steps' own
-    roundings (two 33-tap blur passes and two bilinear resizes: 80 roundings)."""
+    torch's), which the scorer and the heatmap's convex combinations (upsampling and blur as
+    two matrix products, the way back) carry to the maps, relative to their largest value, plus
+    those steps' own roundings (the products' sums of 24 and 36 terms on the 24 x 36 frame
+    grid, the bilinear resize back: within 80 roundings)."""
     from conftest import backbone_rtol, f32_tol
 
     rtol = backbone_rtol()

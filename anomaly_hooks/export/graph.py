@@ -34,7 +34,13 @@ from torch import nn
 
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
-from anomaly_hooks.heatmap import anomaly_maps
+from anomaly_hooks.heatmap import (
+    PRODUCTS_MAX_WORK,
+    apply_operators,
+    heatmap_operators,
+    products_work_ratio,
+    reference_maps,
+)
 from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
 from anomaly_hooks.tiling.pipeline import padding_masks
 
@@ -149,6 +155,29 @@ class Embed(nn.Module):
         return rows @ self.proj if self.proj is not None else rows
 
 
+class Heatmap(nn.Module):
+    """Traceable :func:`~anomaly_hooks.heatmap.anomaly_maps`: patch scores ``[B, h, w]`` ->
+    heatmaps ``[B, H, W]`` as two products with the pipeline's axis operators, held as
+    buffers (constant ``MatMul`` operands in the exported graph; eager ``anomaly_maps`` keeps
+    its own cached copies, which a tracer must not record); past
+    :data:`~anomaly_hooks.heatmap.PRODUCTS_MAX_WORK` the reference operations, as eager."""
+
+    def __init__(self, grid: Sequence[int], size: Sequence[int]) -> None:
+        super().__init__()
+        self.size = tuple(int(n) for n in size)
+        self.products = products_work_ratio(grid, size) <= PRODUCTS_MAX_WORK
+        if self.products:  # else the reference operations, as anomaly_maps decides
+            a_v, a_h_t = heatmap_operators(grid, size)
+            self.register_buffer("a_v", a_v)  # [H, h]
+            self.register_buffer("a_h_t", a_h_t)  # [w, W]
+
+    def forward(self, patch: torch.Tensor) -> torch.Tensor:
+        """``[B, h, w]`` -> ``[B, H, W]`` float32."""
+        if self.products:
+            return apply_operators(patch, self.a_v, self.a_h_t)
+        return reference_maps(patch, self.size)
+
+
 def _plain_buffers(module: nn.Module) -> None:
     """Replace buffers made in inference mode (a fitted state is) by normal copies: a tracer
     cannot record operations on inference tensors."""
@@ -184,6 +213,7 @@ class PredictGraph(nn.Module):
         self.form: str = self.scorer.form
         self.grid: Tuple[int, int] = tuple(scorer.grid)
         self.size: Tuple[int, int] = tuple(detector.preprocessor.input_size)
+        self.heatmap = Heatmap(self.grid, self.size)
         _plain_buffers(self)
 
     @property
@@ -205,7 +235,7 @@ class PredictGraph(nn.Module):
         rows = self.embed(maps)
         scores, aux = self.scorer(rows)  # [B, P]
         patch = scores.reshape(x.shape[0], self.grid[0], self.grid[1])
-        heat = anomaly_maps(patch, self.size)
+        heat = self.heatmap(patch)
         image = self.scorer.image_scores(rows, scores, aux, heat.flatten(1).amax(dim=1))
         return (patch, heat, image, *self.layer_means(maps))
 
@@ -268,6 +298,7 @@ class TiledPredictGraph(PredictGraph):
         self.grid_stride = int(tiling.grid_stride)
         self.tile_units = bool(tiling.tile_units)
         self.frame_grid = (self.size[0] // self.grid_stride, self.size[1] // self.grid_stride)
+        self.heatmap = Heatmap(self.frame_grid, self.size)  # the stitched frame's grid
 
     @property
     def patch_grid(self) -> Tuple[int, int]:
@@ -314,7 +345,7 @@ class TiledPredictGraph(PredictGraph):
         patch, inside = padding_masks(patch, boxes, self.size)
         if not self.tile_units:
             flat = patch.flatten(1)
-        heat = anomaly_maps(patch, self.size)
+        heat = self.heatmap(patch)
         peak = torch.where(inside, heat, torch.full_like(heat, float("-inf")))
         image = self.scorer.image_scores(rows, flat, aux, peak.flatten(1).amax(dim=1))
         return (patch, heat, image, *self.layer_means(maps, boxes))
