@@ -40,6 +40,7 @@ from anomaly_hooks.scorers.padim.loo import (
     dense_group_out_squared,
     dense_loo_squared,
     dense_terms,
+    fit_chunk,
     gram_group_out_squared,
     gram_loo_squared,
     map_position_chunks,
@@ -334,7 +335,8 @@ class DenseGaussians:
         mean = torch.empty(p, d, dtype=torch.float32, device=samples.device)
         chol = (torch.empty(p, d, d, dtype=torch.float32, device=samples.device)
                 if out is None else out)
-        step = max(1, min(CHUNK_POSITIONS, SAMPLES_CHUNK_BYTES // (4 * d * (n + d))))
+        step = max(1, min(fit_chunk(n, d, samples.device),
+                          SAMPLES_CHUNK_BYTES // (4 * d * (n + d))))
         half = (torch.empty(p, d, d, dtype=dtype, device=samples.device)
                 if dtype != torch.float32 else None)
 
@@ -502,7 +504,7 @@ class LowRankGaussians:
                 loo_sq[lo:hi] = (gram_loo_squared(gram, epsilon) if groups is None
                                  else gram_group_out_squared(gram, groups, epsilon))
 
-        map_position_chunks(chunk, p, CHUNK_POSITIONS, x.device)
+        map_position_chunks(chunk, p, fit_chunk(n, d, x.device), x.device)
         out = cls(mean, x, cinv, epsilon)
         if loo_sq is not None:
             out.loo = loo_sq.clamp_min_(0).sqrt_()
