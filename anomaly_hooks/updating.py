@@ -211,7 +211,9 @@ class UpdateRun:
         scorer.begin_update(self.n_old, len(train))
         bar = tqdm(total=len(train) + len(held), desc=f"update {self.cfg.method}", unit="img",
                    disable=not self.progress, dynamic_ncols=True)
+        parts = Stopwatch(det.device)  # as the fit's accumulate step reports them
         for batch in det.batches([*train, *held]):
+            parts.lap("waiting for images")
             for i, msg in batch.errors:
                 self.errors["training" if i < len(train) else "threshold"].append(msg)
             k = sum(i < len(train) for i in batch.indices)
@@ -219,11 +221,13 @@ class UpdateRun:
                 self.held_images.append(batch.images[k:].clone() if k else batch.images)
             if k:
                 emb = det.embed(batch.images[:k], scorer=scorer, observe=self.collector)
+                parts.lap("features")
                 if self.out_of_sample:
                     self.descriptors.append(descriptors_of(det, emb))
                 scorer.partial_fit(emb)
                 self.used.extend(batch.indices[:k])
                 del emb
+                parts.lap("statistics")
             bar.update(len(batch.indices) + len(batch.errors))
         bar.close()
         report_unreadable(self.cfg, self.errors)
@@ -232,6 +236,8 @@ class UpdateRun:
                            "unreadable, or all held out for the threshold): add good images")
         state = scorer.partial_state()
         self.clock.lap("accumulate")
+        for name, seconds in parts.seconds.items():
+            self.clock.add(f"accumulate: {name}", seconds)
         merged = scorer.merge_states([self.old_state, state])
         self.old_state = None
         self.clock.lap("merge")
