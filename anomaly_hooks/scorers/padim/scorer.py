@@ -39,9 +39,7 @@ from anomaly_hooks.scorers.padim.gaussians import (
     choose_covariance,
     lowrank_capacity,
 )
-from anomaly_hooks.scorers.padim.loo import (
-    group_members,
-)
+from anomaly_hooks.scorers.padim.loo import group_members
 from anomaly_hooks.threshold import out_of_sample
 
 DEFAULT_FEATURES = {"wide_resnet50_2": 550, "resnet18": 100}
