@@ -81,6 +81,14 @@ def products_work_ratio(grid: Sequence[int], size: Sequence[int],
     return big_h * w * (h + big_w) / (big_h * big_w * (2 * taps + 4))
 
 
+def uses_products(grid: Sequence[int], size: Sequence[int],
+                  sigma: float = DEFAULT_SIGMA) -> bool:
+    """Whether the maps from ``grid`` to ``size`` are made by the two products (their work at
+    most :data:`PRODUCTS_MAX_WORK` times the reference operations'), eager and exported
+    alike; else by :func:`reference_maps`."""
+    return products_work_ratio(grid, size, sigma) <= PRODUCTS_MAX_WORK
+
+
 def axis_operator(n_in: int, n_out: int, sigma: float = DEFAULT_SIGMA, *,
                   vertical: bool = True) -> torch.Tensor:
     """The heatmap pipeline along one axis as a float64 matrix ``[n_out, n_in]``: column ``j``
@@ -143,7 +151,7 @@ def anomaly_maps(patch_scores: torch.Tensor, size: Sequence[int],
                          f"{tuple(patch_scores.shape)}")
     h, w = patch_scores.shape[-2:]
     with ieee_float32():
-        if products_work_ratio((h, w), size, sigma) > PRODUCTS_MAX_WORK:
+        if not uses_products((h, w), size, sigma):
             return reference_maps(patch_scores, size, sigma)
         a_v, a_h_t = _cached_operators(int(h), int(w), int(size[0]), int(size[1]),
                                        float(sigma), str(patch_scores.device))

@@ -35,11 +35,10 @@ from torch import nn
 from anomaly_hooks.embedding import PatchEmbedder
 from anomaly_hooks.extractor import first_tensor
 from anomaly_hooks.heatmap import (
-    PRODUCTS_MAX_WORK,
     apply_operators,
     heatmap_operators,
-    products_work_ratio,
     reference_maps,
+    uses_products,
 )
 from anomaly_hooks.runtime.metadata import OUTPUTS, layer_means_output
 from anomaly_hooks.tiling.pipeline import padding_masks
@@ -165,7 +164,7 @@ class Heatmap(nn.Module):
     def __init__(self, grid: Sequence[int], size: Sequence[int]) -> None:
         super().__init__()
         self.size = tuple(int(n) for n in size)
-        self.products = products_work_ratio(grid, size) <= PRODUCTS_MAX_WORK
+        self.products = uses_products(grid, size)
         if self.products:  # else the reference operations, as anomaly_maps decides
             a_v, a_h_t = heatmap_operators(grid, size)
             self.register_buffer("a_v", a_v)  # [H, h]
