@@ -26,7 +26,7 @@ writes, no data-dependent Python control flow).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -193,11 +193,12 @@ class PredictGraph(nn.Module):
         detector: a fitted :class:`~anomaly_hooks.detector.Detector` on the CPU.
         stop: cut the backbone by stopping its forward (TorchScript exporter) or not (dynamo).
         drift_layers: tapped layers whose per-image channel means are extra outputs.
+        heatmap_grid: the patch grid the heatmap is made from (default: the scorer's).
         options: passed to the scorer's ``export_module`` (e.g. PatchCore's ``search``).
     """
 
     def __init__(self, detector: Any, *, stop: bool = True, drift_layers: Sequence[str] = (),
-                 **options: Any) -> None:
+                 heatmap_grid: Optional[Sequence[int]] = None, **options: Any) -> None:
         super().__init__()
         ext = detector.extractor
         self.backbone = TruncatedBackbone(ext.model, ext.layers, ext.order, stop=stop)
@@ -212,7 +213,7 @@ class PredictGraph(nn.Module):
         self.form: str = self.scorer.form
         self.grid: Tuple[int, int] = tuple(scorer.grid)
         self.size: Tuple[int, int] = tuple(detector.preprocessor.input_size)
-        self.heatmap = Heatmap(self.grid, self.size)
+        self.heatmap = Heatmap(self.grid if heatmap_grid is None else heatmap_grid, self.size)
         _plain_buffers(self)
 
     @property
@@ -290,14 +291,17 @@ class TiledPredictGraph(PredictGraph):
     (``Frame.placement`` of its size); the rest is padding, masked as eager masks it."""
 
     def __init__(self, detector: Any, *, stop: bool = True, **options: Any) -> None:
-        super().__init__(detector, stop=stop, **options)
         tiling = detector.tiling
+        size = tuple(detector.preprocessor.input_size)
+        stride = int(tiling.grid_stride)
+        frame_grid = (size[0] // stride, size[1] // stride)
+        # the heatmap is the stitched frame's, not a tile's
+        super().__init__(detector, stop=stop, heatmap_grid=frame_grid, **options)
         self.tile_grid = tiling.grid
         self.strides = [tiling.layer_strides[name] for name in detector.extractor.layers]
-        self.grid_stride = int(tiling.grid_stride)
+        self.grid_stride = stride
         self.tile_units = bool(tiling.tile_units)
-        self.frame_grid = (self.size[0] // self.grid_stride, self.size[1] // self.grid_stride)
-        self.heatmap = Heatmap(self.frame_grid, self.size)  # the stitched frame's grid
+        self.frame_grid = frame_grid
 
     @property
     def patch_grid(self) -> Tuple[int, int]:
