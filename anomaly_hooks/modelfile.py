@@ -22,9 +22,10 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Collection, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +40,7 @@ FORMAT_VERSION = 2  # the newest format this version reads and writes
 # oldest version that holds its content, so older readers still open what they can read)
 HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
 HASH_CHUNK = 16 << 20  # bytes of a tensor left on disk read (and hashed) at a time
+READ_PIECE = 16 << 20  # bytes read into a kept tensor at a time (hashed while the next is read)
 
 
 def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
@@ -46,15 +48,15 @@ def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(meta_json.encode("utf-8"))
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
-        _hash_label(digest, name, t.dtype, tuple(t.shape))
+        digest.update(_label(name, t.dtype, tuple(t.shape)))
         if t.numel():
             digest.update(t.view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
-def _hash_label(digest: Any, name: str, dtype: torch.dtype, shape: Tuple[int, ...]) -> None:
+def _label(name: str, dtype: torch.dtype, shape: Tuple[int, ...]) -> bytes:
     """What :func:`checksum` hashes before a tensor's bytes: its name, dtype and shape."""
-    digest.update(f"|{name}:{dtype}:{tuple(shape)}|".encode())
+    return f"|{name}:{dtype}:{tuple(shape)}|".encode()
 
 
 SETTLED_NS = 2_000_000_000  # a file last changed this long before its check: its stamp holds
@@ -215,19 +217,23 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     text = dump_meta(meta)
+    # the checksum is hashed on a worker thread while the tensors are written (both release
+    # the GIL): the header gets a placeholder of the same length, then the real one
     header = {"format": FORMAT_NAME, "format_version": str(version), "meta": text,
-              "checksum": checksum(text, tensors)}
+              "checksum": "0" * 64}
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        try:
-            save_file(tensors, str(tmp), metadata=header)
-        except Exception as exc:  # safetensors' own error type for a full disk, ...
-            if isinstance(exc, OSError):
-                raise
-            raise ModelFileError(f"cannot write the model file {path}: {exc}") from None
-        _canonicalise_header(tmp)
+        with ThreadPoolExecutor(1, thread_name_prefix="model-hash") as pool:
+            digest = pool.submit(checksum, text, tensors)
+            try:
+                save_file(tensors, str(tmp), metadata=header)
+            except Exception as exc:  # safetensors' own error type for a full disk, ...
+                if isinstance(exc, OSError):
+                    raise
+                raise ModelFileError(f"cannot write the model file {path}: {exc}") from None
+            _canonicalise_header(tmp, digest.result())
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a model is an ordinary file
@@ -239,8 +245,9 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     return path
 
 
-def _canonicalise_header(path: Path) -> None:
-    """Rewrite the safetensors JSON header with sorted keys, in place.
+def _canonicalise_header(path: Path, file_checksum: str) -> None:
+    """Rewrite the safetensors JSON header with sorted keys and the content's checksum
+    ``file_checksum`` (64 hex digits, written over a placeholder of the same length), in place.
 
     safetensors writes its header from hash maps, so key order (and so the file's bytes) varies
     between runs; sorted keys make two saves of the same model byte-identical. The compact JSON
@@ -251,6 +258,7 @@ def _canonicalise_header(path: Path) -> None:
         n = int.from_bytes(fh.read(8), "little")
         raw = fh.read(n)
         header = json.loads(raw.decode("utf-8"))
+        header["__metadata__"]["checksum"] = file_checksum
         blob = json.dumps(header, sort_keys=True, separators=(",", ":"),
                           ensure_ascii=False).encode("utf-8")
         if len(blob) <= n:
@@ -318,14 +326,37 @@ def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int,
     return out
 
 
+class _HashBehind:
+    """SHA-256 fed on a worker thread, in the order fed, while the caller reads the next bytes:
+    ``hashlib`` and ``readinto`` both release the GIL, so a load costs about the longer of
+    reading and hashing instead of their sum (612 MB from the page cache: 0.75 -> 0.5 s; the
+    hash alone 0.35 s). A fed buffer must stay unchanged until :meth:`wait` for its future."""
+
+    def __init__(self, first: bytes) -> None:
+        self.digest = hashlib.sha256(first)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="model-hash")
+
+    def feed(self, data: Any) -> Any:
+        """Queue ``data`` (bytes or a memoryview) for the hash; returns its future."""
+        return self.pool.submit(self.digest.update, data)
+
+    def hexdigest(self) -> str:
+        self.pool.shutdown(wait=True)
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_json: str,
                    keep: Optional[Collection[str]] = None
                    ) -> Tuple[Dict[str, torch.Tensor], str]:
     """The file's tensors named in ``keep`` (all when None) as owned, freshly allocated CPU
     tensors, and the SHA-256 of :func:`checksum` over the metadata and *every* tensor: the
-    others are streamed through the hash ``HASH_CHUNK`` bytes at a time, never held whole.
-    Read from the open file ``fh`` (the same open file as the header: a file replaced
-    meanwhile cannot mix two versions).
+    others are streamed through the hash ``HASH_CHUNK`` bytes at a time (two buffers in turn),
+    never held whole. Read from the open file ``fh`` (the same open file as the header: a file
+    replaced meanwhile cannot mix two versions); each piece is hashed on a worker thread while
+    the next is read (:class:`_HashBehind`).
 
     Each kept tensor is allocated (aligned) and filled by ``readinto`` from the file: no
     memory-mapped view (the file's data offsets are only 8-byte aligned, and BLAS kernels take
@@ -336,28 +367,34 @@ def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_j
     """
     entries = {key: _entry(key, info, base, size) for key, info in header.items()
                if key != "__metadata__"}
-    digest = hashlib.sha256(meta_json.encode("utf-8"))
+    hasher = _HashBehind(meta_json.encode("utf-8"))
     tensors: Dict[str, torch.Tensor] = {}
-    chunk: Optional[memoryview] = None
-    for key in sorted(entries):
-        dtype, shape, start, nbytes = entries[key]
-        _hash_label(digest, key, dtype, shape)
-        if keep is None or key in keep:
-            out = torch.empty(shape, dtype=dtype)
-            view = (memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes
-                    else memoryview(b""))
-            _read_into(fh, key, view, start, nbytes)
-            if nbytes:
-                digest.update(view)
-            tensors[key] = out
-            continue
-        if chunk is None:
-            chunk = memoryview(bytearray(HASH_CHUNK))
-        for lo in range(0, nbytes, HASH_CHUNK):  # streamed: at most HASH_CHUNK bytes held
-            part = chunk[:min(HASH_CHUNK, nbytes - lo)]
-            _read_into(fh, key, part, start + lo, len(part))
-            digest.update(part)
-    return tensors, digest.hexdigest()
+    chunks: List[memoryview] = []
+    pending: List[Any] = [None, None]  # the hash future of each streaming buffer
+    turn = 0
+    try:
+        for key in sorted(entries):
+            dtype, shape, start, nbytes = entries[key]
+            hasher.feed(_label(key, dtype, shape))
+            if keep is None or key in keep:
+                out = torch.empty(shape, dtype=dtype)
+                if nbytes:
+                    _read_into(fh, key, memoryview(out.reshape(-1).view(torch.uint8).numpy()),
+                               start, nbytes, hasher.feed)
+                tensors[key] = out
+                continue
+            if not chunks:
+                chunks = [memoryview(bytearray(HASH_CHUNK)) for _ in range(2)]
+            for lo in range(0, nbytes, HASH_CHUNK):  # streamed: at most 2 HASH_CHUNK held
+                if pending[turn] is not None:
+                    pending[turn].result()  # its previous bytes are hashed: reuse it
+                part = chunks[turn][:min(HASH_CHUNK, nbytes - lo)]
+                _read_into(fh, key, part, start + lo, len(part))
+                pending[turn] = hasher.feed(part)
+                turn = 1 - turn
+        return tensors, hasher.hexdigest()
+    finally:
+        hasher.close()
 
 
 def _entry(key: str, info: Any, base: int, size: int
@@ -381,14 +418,18 @@ def _entry(key: str, info: Any, base: int, size: int
     return dtype, shape, base + begin, nbytes
 
 
-def _read_into(fh: Any, key: str, view: memoryview, start: int, nbytes: int) -> None:
-    """Fill ``view`` with the ``nbytes`` bytes of the file at ``start``."""
+def _read_into(fh: Any, key: str, view: memoryview, start: int, nbytes: int,
+               on_piece: Optional[Callable[[memoryview], Any]] = None) -> None:
+    """Fill ``view`` with the ``nbytes`` bytes of the file at ``start``, ``READ_PIECE`` bytes
+    at a time; ``on_piece`` is given each piece as soon as it is read."""
     fh.seek(start)
     pos = 0
     while pos < nbytes:
-        got = fh.readinto(view[pos:pos + (64 << 20)])
+        got = fh.readinto(view[pos:pos + READ_PIECE])
         if not got:
             raise ValueError(f"tensor {key!r}: the file ended early (truncated)")
+        if on_piece is not None:
+            on_piece(view[pos:pos + got])
         pos += got
 
 

@@ -5,16 +5,17 @@ Usage::
 
     nice -n 5 python benchmarks/bench_model_load.py --model M.safetensors \\
         [--before /path/to/other/checkout] [--update DIR --update-skip 100 --update-count 10] \\
-        [--repeats 2] [--json out.json]
+        [--save] [--repeats 2] [--json out.json]
 
 Each measurement runs in its own child process (``Detector.load(M, device="cpu")``): the
 resident set size after importing the toolkit, after the load, and the peak; the load's
 seconds; where the model left its kept embeddings in the file (a dense PaDiM), the seconds to
-read them back (verified); with ``--update``, the seconds of ``Detector.update`` with
-``--update-count`` images of ``DIR`` (after the first ``--update-skip``) and the peak RSS
-after it. ``--before``: the same measurements with the toolkit imported from another
-checkout (e.g. the main branch), alternated with this one's, for a before/after comparison in
-one run.
+read them back (verified); with ``--save``, the seconds of saving the loaded model to a new
+file beside it (checksummed, written, synced; removed after); with ``--update``, the seconds
+of ``Detector.update`` with ``--update-count`` images of ``DIR`` (after the first
+``--update-skip``) and the peak RSS after it. ``--before``: the same measurements with the
+toolkit imported from another checkout (e.g. the main branch), alternated with this one's, for
+a before/after comparison in one run.
 """
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ if stored is not None:
     out["read_embeddings_s"] = time.perf_counter() - start
     out["embeddings_mb"] = x.nbytes / 2**20
     del x
+if args["save"]:
+    import os, tempfile
+    with tempfile.TemporaryDirectory(dir=args["save_dir"]) as tmp:
+        start = time.perf_counter()
+        det.save(os.path.join(tmp, "copy.safetensors"))
+        out["save_s"] = time.perf_counter() - start
 if args["update"]:
     from pathlib import Path
     from anomaly_hooks.data import list_images
@@ -79,7 +86,8 @@ def measure(root: Path, args: argparse.Namespace) -> Dict[str, Any]:
     """One child process with the toolkit of checkout ``root``."""
     spec = {"model": str(args.model), "threads": args.threads,
             "update": None if args.update is None else str(args.update),
-            "update_count": args.update_count, "update_skip": args.update_skip}
+            "update_count": args.update_count, "update_skip": args.update_skip,
+            "save": args.save, "save_dir": str(args.model.resolve().parent)}
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, cwd=root,
                           capture_output=True, text=True, check=False)
@@ -91,12 +99,14 @@ def measure(root: Path, args: argparse.Namespace) -> Dict[str, Any]:
 
 def summary_line(r: Dict[str, Any]) -> str:
     """One printed line per measurement."""
-    parts = [f"{r['root']}: load {r['load_s']:.1f} s",
+    parts = [f"{r['root']}: load {r['load_s']:.2f} s",
              f"RSS {r['rss_start_mb']:.0f} -> {r['rss_loaded_mb']:.0f} MiB "
              f"(+{r['rss_loaded_mb'] - r['rss_start_mb']:.0f}), peak {r['peak_loaded_mb']:.0f}",
              f"embeddings in the file: {r['embeddings_in_file']}"]
     if "read_embeddings_s" in r:
         parts.append(f"read {r['embeddings_mb']:.0f} MiB in {r['read_embeddings_s']:.2f} s")
+    if "save_s" in r:
+        parts.append(f"save {r['save_s']:.2f} s")
     if "update_s" in r:
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r["update_steps"].items())
         parts.append(f"update +{r['update_images']} images {r['update_s']:.1f} s ({steps}), "
@@ -112,6 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--update-count", type=int, default=10)
     p.add_argument("--update-skip", type=int, default=0,
                    help="images of --update to skip first (those the model was fitted on)")
+    p.add_argument("--save", action="store_true",
+                   help="also time saving the loaded model to a new file beside it")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)

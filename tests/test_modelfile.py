@@ -76,6 +76,18 @@ def test_model_roundtrip_and_checksum_is_verified(padim_file, fitted, tmp_path):
     assert meta["checksum"] == checksum(meta["meta"], tensors)
 
 
+def test_saved_checksum_is_the_content_hash_not_the_placeholder(fitted, tmp_path):
+    """The checksum, hashed while the tensors are written, is the one a single-threaded hash
+    of the saved content gives, and two saves of one model are the same bytes."""
+    a, b = fitted.save(tmp_path / "a.safetensors"), fitted.save(tmp_path / "b.safetensors")
+    assert a.read_bytes() == b.read_bytes()
+    _, header = safetensors_header(a)
+    tensors, _ = load_model(a)
+    recorded = header["__metadata__"]["checksum"]
+    assert recorded != "0" * 64
+    assert modelfile.checksum(header["__metadata__"]["meta"], tensors) == recorded
+
+
 def test_saved_model_has_ordinary_permissions(padim_file):
     mask = os.umask(0o022)
     os.umask(mask)
@@ -509,9 +521,16 @@ def test_loaded_model_leaves_its_kept_embeddings_in_the_file(kept_dense_file):
 
 def test_streamed_checksum_equals_the_whole_tensor_checksum(kept_dense_file, monkeypatch):
     """A deferred tensor streams through the hash in chunks (here many, and a partial last
-    one): the same checksum as hashing it whole, the same tensor read back."""
+    one), kept tensors are hashed piece by piece behind their reading: the same checksum as
+    hashing every tensor whole in one thread, the same tensors read back."""
     full, meta = load_model(kept_dense_file)
+    n, header = safetensors_header(kept_dense_file)
+    recorded = header["__metadata__"]["checksum"]
+    assert modelfile.checksum(header["__metadata__"]["meta"], full) == recorded
+    monkeypatch.setattr(modelfile, "READ_PIECE", 999)  # many pieces, a partial last one
     monkeypatch.setattr(modelfile, "HASH_CHUNK", 1000)  # not a divisor of the tensor's bytes
+    pieces, _ = load_model(kept_dense_file)  # verified against the recorded checksum
+    assert set(pieces) == set(full) and all(torch.equal(pieces[k], full[k]) for k in full)
     lazy, meta_lazy = load_model(kept_dense_file, defer={"padim.dense_samples", "no.such"})
     stored = lazy["padim.dense_samples"]
     assert isinstance(stored, modelfile.StoredTensor) and meta_lazy == meta
