@@ -329,8 +329,9 @@ def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int,
 class _HashBehind:
     """SHA-256 fed on a worker thread, in the order fed, while the caller reads the next bytes:
     ``hashlib`` and ``readinto`` both release the GIL, so a load costs about the longer of
-    reading and hashing instead of their sum (612 MB from the page cache: 0.75 -> 0.5 s; the
-    hash alone 0.35 s). A fed buffer must stay unchanged until :meth:`wait` for its future."""
+    reading and hashing instead of their sum (612 MB from the page cache: 0.7 -> 0.5 s; the
+    hash alone 0.35 s). A fed buffer must stay unchanged until the future :meth:`feed`
+    returned for it is done."""
 
     def __init__(self, first: bytes) -> None:
         self.digest = hashlib.sha256(first)
