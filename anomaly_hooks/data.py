@@ -123,6 +123,24 @@ def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], s
                  [(s[0], s[3]) for s in samples if s[1] is None])
 
 
+def loader_workers(n_items: int, batch_size: int, num_workers: int) -> Tuple[int, int]:
+    """The worker processes that decode ``n_items`` paths, and the share of a batch each decodes
+    at a time: ``(workers, share)``.
+
+    Each worker decodes about a ``1 / num_workers`` share of a batch (the largest divisor of
+    ``batch_size`` not above ``ceil(batch_size / num_workers)``), so the first batch is ready
+    after that share, not after a whole batch decoded by one worker. Workers are as many as
+    there are shares to decode, at most ``num_workers``; none where all the items fit in one
+    share (nothing to decode beside the model's work, and a process to start): then the
+    caller's thread decodes whole batches. A short set thus gets its workers too: 100 images
+    in batches of 32 are 25 shares of 4 for 8 workers, not 3 whole batches for 3 of them.
+    """
+    most = max(1, -(-batch_size // max(1, num_workers)))
+    share = max(d for d in range(1, most + 1) if batch_size % d == 0)
+    shares = -(-n_items // share)
+    return (min(num_workers, shares), share) if shares > 1 else (0, batch_size)
+
+
 def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,
                  max_pixels: int, pin_memory: bool = False) -> Iterator[Batch]:
     """Batches of ``batch_size`` items (preprocessed images, in item order); unreadable items
@@ -130,14 +148,10 @@ def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, nu
     page-locked memory, so that copying them to the GPU does not block the host.
 
     Worker processes are used only when every item is a path (in-memory images are not worth
-    sending to another process). Each worker decodes about a ``1 / num_workers`` share of a batch
-    (a divisor of ``batch_size``), so the first batch is ready after that share, not after a
-    whole batch decoded by one worker.
+    sending to another process); how many: :func:`loader_workers`.
     """
     all_paths = all(isinstance(it, (str, os.PathLike)) for it in items)
-    workers = min(num_workers, max(0, len(items) // batch_size)) if all_paths else 0
-    most = max(1, -(-batch_size // max(1, workers)))  # a share per worker; it divides the batch
-    share = max(d for d in range(1, most + 1) if batch_size % d == 0)
+    workers, share = loader_workers(len(items) if all_paths else 0, batch_size, num_workers)
     # a batch of several parts is pinned where they are joined (that copy is needed anyway);
     # a batch of one part by the DataLoader's pinning thread
     loader = DataLoader(_ItemDataset(items, pre, max_pixels), batch_size=share,
