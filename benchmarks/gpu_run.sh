@@ -9,19 +9,29 @@
 #   serve      bench_serve on cuda: the eager service under 8 clients (needs the [serve] wheels
 #              in .whl/: fastapi starlette uvicorn pydantic pydantic-core python-multipart
 #              fastapi-offline annotated-types annotated-doc typing-inspection opentelemetry-api)
+#   loop       bench_loop on cuda over the high-resolution set ($MAC, 1500 x 1000): the real
+#              service, labels, update from the results log, promote; PaDiM dense (three timed
+#              pairs) and PatchCore (one)
+#   macaroni   bench_threshold on cuda over $MAC: far and f1 (10 labelled defects), both methods
 # Each writes one text file under $OUT (the device tool brings back at most eight files).
 #   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
-#                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB)
+#                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB); for loop and
+#                 macaroni cp -r ../shared/data/visa_macaroni1 .gpu-data/ (45 MB: carry it in a
+#                 call of its own, .gpu-data/visa_macaroni1, on the machine the wheels went to)
 #   run there:    OUT=/some/dir [SECTIONS="tests update"] bash benchmarks/gpu_run.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 SECTIONS=" ${SECTIONS:-tests pipeline float16 threshold update serve} "
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# into the interpreter's own site (root there): the servers bench_serve and bench_loop start are
+# subprocesses, and a later call on the still-warm machine finds them installed
+python3 -c "import faiss, omegaconf, simplejpeg" 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__,
   torch.cuda.get_device_name())" 2>&1 | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/device.txt" 2>&1
-bottle=.gpu-data/mvtec_bottle battery=.gpu-data/battery_weld
+bottle=.gpu-data/mvtec_bottle battery=.gpu-data/battery_weld MAC=${MAC:-.gpu-data/visa_macaroni1}
+workers=$(( $(nproc) / 2 ))
 has() { [[ "$SECTIONS" == *" $1 "* ]]; }
 # run NAME SECONDS COMMAND...: the command's output appended to $OUT/NAME.txt, its end shown
 run() {
@@ -58,11 +68,20 @@ if has update; then
   run update 70 python3 benchmarks/bench_update.py --data "$battery" \
     --config configs/patchcore_effnet_lite0.yaml device=cuda data.num_workers=4
 fi
-if has serve; then  # the server is a subprocess: the wheels go where it looks, not /tmp/site
-  python3 -m pip install -q --no-index --no-deps .whl/*.whl
+if has serve; then
   run serve 120 python3 -m anomaly_hooks.cli fit --config configs/patchcore_effnet_lite0.yaml \
     --data "$bottle" output=/tmp/pc.safetensors device=cuda
   run serve 200 python3 benchmarks/bench_serve.py --model /tmp/pc.safetensors \
     --images "$bottle/test" --clients 8 --duration 40 --cycles 1 --reference-passes 1 \
     --out /tmp/bench_serve.json
+fi
+if has loop; then
+  run loop 300 python3 benchmarks/bench_loop.py --data "$MAC" \
+    --config configs/padim_effnet_lite0.yaml device=cuda data.num_workers=$workers --repeats 3
+  run loop 200 python3 benchmarks/bench_loop.py --data "$MAC" \
+    --config configs/patchcore_effnet_lite0.yaml device=cuda data.num_workers=$workers
+fi
+if has macaroni; then
+  run macaroni 300 python3 benchmarks/bench_threshold.py --data "$MAC" --device cuda \
+    --objectives far f1 --out /tmp/thr_mac
 fi
