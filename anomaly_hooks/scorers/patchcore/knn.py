@@ -243,7 +243,7 @@ class NearestNeighbors:
         """``|| q_i - bank[idx[i, j]] ||`` ``[n, k]`` float32, computed on the differences."""
         n, k = idx.shape
         rows = torch.arange(n, device=idx.device).repeat_interleave(k)
-        return _pair_distances(self.bank, queries, rows, idx.reshape(-1)).view(n, k)
+        return pair_distances(self.bank, queries, rows, idx.reshape(-1)).view(n, k)
 
 
 class ProjectedSearch:
@@ -302,7 +302,7 @@ class ProjectedSearch:
         # only candidates whose lower bound is below the k-th exact distance can beat it
         qi, cj = torch.nonzero(lb2[:, k:] < (kth2 + tol).unsqueeze(1), as_tuple=True)
         cj = cj + k
-        exact[qi, cj] = _pair_distances(owner.bank, queries, qi, cand[qi, cj])
+        exact[qi, cj] = pair_distances(owner.bank, queries, qi, cand[qi, cj])
         dist, order = exact.topk(k, dim=1, largest=False)
         idx = cand.gather(1, order)
         # rows outside the candidates are at least lb2[:, c - 1] away (unless all were candidates)
@@ -335,7 +335,7 @@ class ProjectedSearch:
             if few.numel():
                 qi, bj = torch.nonzero(keep[few], as_tuple=True)
                 d = torch.full((few.numel(), m), float("inf"), device=queries.device)
-                d[qi, bj] = _pair_distances(owner.bank, queries, sel[few][qi], bj)
+                d[qi, bj] = pair_distances(owner.bank, queries, sel[few][qi], bj)
                 val, ind = d.topk(k, dim=1, largest=False)
                 out_d[lo + few], out_i[lo + few] = val, ind
             if many.numel():
@@ -388,9 +388,17 @@ def _squared_norms(points: torch.Tensor) -> torch.Tensor:
                       for lo in range(0, points.shape[0], step)])
 
 
-def _pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
+def pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
                     bi: torch.Tensor) -> torch.Tensor:
-    """``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]`` float32, on the differences."""
+    """Exact distances of chosen pairs: ``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]``
+    float32, computed on the differences (not the dot-product expansion, whose cancellation
+    errs for near neighbours): the exact re-ranking of approximate candidates.
+
+    Args:
+        bank: ``[M, D]`` (any float dtype; any device, rows moved to the queries').
+        queries: ``[N, D]`` float32.
+        qi, bi: ``[K]`` row indices into ``queries`` and ``bank``.
+    """
     out = torch.empty(qi.shape[0], device=queries.device)
     # cache-sized chunks on the CPU; on a GPU ~64 MB per temporary (few, large launches)
     chunk = PAIR_CHUNK if queries.device.type != "cuda" else max(

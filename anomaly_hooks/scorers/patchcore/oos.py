@@ -23,7 +23,7 @@ from typing import Tuple
 import torch
 
 from anomaly_hooks.errors import FitError
-from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors, _pair_distances
+from anomaly_hooks.scorers.patchcore.knn import NearestNeighbors, pair_distances
 
 STAGES: Tuple[int, ...] = (2, 16)  # neighbours searched beyond k, stage by stage
 MASKED_BLOCK_ELEMENTS = 1 << 22  # queries x bank rows per block of the masked search
@@ -80,6 +80,6 @@ def _masked_search(bank: torch.Tensor, bank_image: torch.Tensor, queries: torch.
                         float("inf"))
         idx = d2.topk(k, dim=1, largest=False).indices
         qi = torch.arange(q.shape[0], device=q.device).repeat_interleave(k)
-        exact = _pair_distances(bank, q, qi, idx.reshape(-1)).view(-1, k)
+        exact = pair_distances(bank, q, qi, idx.reshape(-1)).view(-1, k)
         out[lo:lo + rows] = exact.sort(dim=1).values
     return out
