@@ -73,6 +73,13 @@ class PatchEmbedder:
         return cached
 
     @property
+    def per_layer_channels(self) -> Optional[List[torch.Tensor]]:
+        """The channel subset split per layer: for each layer a ``[k_l]`` long tensor of its
+        own channel indices (``channel_idx`` minus the layer's offset), or None where no subset
+        is set (every channel is kept)."""
+        return self._per_layer
+
+    @property
     def out_channels(self) -> int:
         """D, the embedding dimension."""
         if self.pool_dim is not None:

@@ -112,7 +112,7 @@ class Embed(nn.Module):
         super().__init__()
         self.upsample = embedder.upsample
         self.local_pool = embedder.local_pool
-        per = embedder._per_layer
+        per = embedder.per_layer_channels
         self.selections = [None if per is None else per[i].clone().long()
                            for i in range(len(embedder.layers))]
         for i, sel in enumerate(self.selections):
