@@ -317,12 +317,14 @@ class UpdateRun:
         det, cfg = self.det, self.cfg
         if self.out_of_sample:
             n_new = len(self.used)
-            patch = scorer.take_out_of_sample_scores()
-            if patch is not None and self.rescore_model_images():
-                good = det.image_scores_from_patches(patch)  # every image, afresh
-                self.rescored = True
-            elif patch is not None:  # made by finalize for every image: the new ones last
-                good = det.image_scores_from_patches(patch[self.n_old:])
+            # made by finalize: every image's, or (PatchCore) the new images' from their patches
+            made = scorer.out_of_sample_made_from
+            if made == 0 and self.rescore_model_images():
+                good = det.image_scores_from_patches(scorer.take_out_of_sample_scores())
+                self.rescored = True  # every image, afresh
+            elif made is not None and made <= self.n_old and not self.regrouped:
+                good = det.image_scores_from_patches(  # the new ones
+                    scorer.take_out_of_sample_scores(self.n_old))
             elif self.regrouped:  # groups across old and new images: every image, in one call
                 good = self.second_pass_all(scorer)
                 self.rescored = True

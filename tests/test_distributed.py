@@ -569,3 +569,33 @@ def test_unmergeable_scorer_is_a_fit_error():
     Plain.__abstractmethods__ = frozenset()
     with pytest.raises(FitError, match="plain has no mergeable fit state"):
         Plain(None).begin_shard(10, 5)
+
+
+def test_patchcore_merge_marks_the_images_whose_every_patch_it_holds():
+    """A shard state holding every patch of its images (in image order) is complete; the merge
+    records the first image of the complete tail (an update's new images after the current
+    bank), none where the last state was reduced to its share."""
+    from types import SimpleNamespace
+
+    from anomaly_hooks.scorers.patchcore import partial
+
+    cfg = SimpleNamespace(coreset_ratio=0.1, coreset_count=None, projection_dim=None)
+    grid, per = (2, 3), 6
+    gen = torch.Generator().manual_seed(0)
+
+    def shard(n: int, n_total: int) -> dict:
+        return partial.shard_state(torch.randn(n * per, 4, generator=gen), cfg, 0, n, n_total,
+                                   grid)
+
+    whole, reduced = shard(5, 5), shard(2, 40)
+    assert whole["complete_from"] == 0 and reduced["complete_from"] is None
+    assert reduced["features"].shape[0] < 2 * per
+    bank = {**reduced, "complete_from": None}  # a current bank: a subset of its images' patches
+    assert partial.merge([bank, whole])["complete_from"] == 2
+    assert partial.merge([whole, shard(3, 3)])["complete_from"] == 0
+    assert partial.merge([whole, reduced])["complete_from"] is None
+    merged = partial.merge([reduced, whole, shard(4, 4)])
+    assert merged["complete_from"] == 2 and merged["n_train"] == 11
+    # the tail's rows end the merged features, every patch of images 2..10 in image order
+    assert np.array_equal(merged["features"][-9 * per:],
+                          np.concatenate([whole["features"], merged["features"][-4 * per:]]))

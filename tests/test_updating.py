@@ -199,6 +199,50 @@ def test_patchcore_update_reselects_the_bank_within_the_configured_size(halves):
     assert thr.provenance["good"]["out_of_sample"]["scheme"].endswith("(cross-fit)")
 
 
+def test_patchcore_update_scores_the_new_images_from_their_kept_patches(halves, monkeypatch):
+    """The new images' out-of-sample scores come from the patches the update holds (every
+    patch of each new image is a candidate), not from a second pass over the images: equal to
+    the second pass's scores from the same embeddings with the same fold banks, and no image
+    is read twice.
+
+    Tolerance: each evaluation of a squared distance ``|q - b|^2`` in float32 (the search's
+    dot-product form, or the exact re-ranking's differences) errs by at most
+    ``(D + 2) eps (|q|^2 + |b|^2)``, so two evaluations differ by at most twice that; a
+    distance by at most the square root of the squared distances' difference; the mean of
+    the ``k`` smallest moves by at most the largest move of any one (sorting is 1-Lipschitz),
+    plus the rounding of the ``k`` additions and the square root."""
+    from anomaly_hooks import updating
+
+    old, new, _ = halves
+    det = Detector(cfg_for("patchcore", coreset_ratio=0.1)).fit(old, progress=False)
+    run = updating.UpdateRun(det, new)
+    with torch.inference_mode():
+        scorer = run.finalize(run.accumulate())
+    assert scorer.out_of_sample_made_from == N_OLD and scorer.oos_groups is not None
+    fast = scorer.take_out_of_sample_scores(N_OLD)
+    new_images = sorted(map(str, new.glob("*.png")))
+    emb = torch.cat([det.embed(det.prepare(new_images[i:i + 4])[0])
+                     for i in range(0, N_NEW, 4)])
+    with torch.inference_mode():
+        slow = scorer.out_of_sample_scores(emb, range(N_OLD, N_OLD + N_NEW))
+    assert fast.shape == slow.shape == (N_NEW, *scorer.grid)
+    patches = emb.permute(0, 2, 3, 1).reshape(-1, emb.shape[1])
+    d = patches.shape[1]
+    sq = float(patches.square().sum(1).max() + scorer.bank.square().sum(1).max())
+    atol = (f32_tol(2 * (d + 2), sq) ** 0.5
+            + f32_tol(scorer.cfg.k + 2, float(slow.max())))
+    torch.testing.assert_close(fast, slow, rtol=0, atol=atol)
+    assert float(fast.min()) > 0  # out of sample: no patch finds itself in its fold's bank
+    assert scorer.take_out_of_sample_scores(N_OLD) is None  # handed over once
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("the update read the new images a second time")
+
+    monkeypatch.setattr(updating, "out_of_sample_scores", second_pass)
+    det.update(new)
+    assert det.threshold_.n_images == N_OLD + N_NEW
+
+
 def test_patchcore_count_keeps_the_bank_at_the_configured_count(halves):
     old, new, _ = halves
     det = Detector(cfg_for("patchcore", coreset_count=50)).fit(old, progress=False)

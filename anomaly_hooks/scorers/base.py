@@ -92,8 +92,10 @@ class Scorer(ABC):
         # [n] int64: the group of each training image (fit order) that is left out with it;
         # None: each image alone
         self.oos_groups: Optional[torch.Tensor] = None
-        # [n, h, w] out-of-sample patch scores of the training images, when the fit made them
+        # [n - first, h, w] out-of-sample patch scores of the training images from `first` on,
+        # when the fit made them (a fit: all, first 0; an update: possibly the new images')
         self._oos_patch_scores: Optional[torch.Tensor] = None
+        self._oos_first = 0
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -218,12 +220,25 @@ class Scorer(ABC):
         if "oos.groups" in tensors:
             self.set_out_of_sample_groups(tensors["oos.groups"])
 
-    def take_out_of_sample_scores(self) -> Optional[torch.Tensor]:
-        """After :meth:`finalize`: the out-of-sample patch scores ``[n, h, w]`` of the training
-        images (in fit order) when the fit made them, handed over once; None when they need a
-        second pass over the images (:meth:`out_of_sample_scores`)."""
+    @property
+    def out_of_sample_made_from(self) -> Optional[int]:
+        """The first training image (fit order) whose out-of-sample scores :meth:`finalize`
+        made and holds for :meth:`take_out_of_sample_scores` (0: every image's); None when it
+        holds none."""
+        return None if self._oos_patch_scores is None else self._oos_first
+
+    def take_out_of_sample_scores(self, first: int = 0) -> Optional[torch.Tensor]:
+        """After :meth:`finalize` (or :meth:`finalize_merged`): the out-of-sample patch scores
+        ``[n - first, h, w]`` of the training images from ``first`` on (fit order) when the fit
+        made them, handed over once; None when they need a second pass over the images
+        (:meth:`out_of_sample_scores`). A fit makes every image's or none; a merged fit may
+        make only those of its last images (an update's new ones: ``first`` = the model's
+        image count)."""
         out, self._oos_patch_scores = self._oos_patch_scores, None
-        return out
+        start, self._oos_first = self._oos_first, 0
+        if out is None or first < start:
+            return None
+        return out[first - start:]
 
     def out_of_sample_scores(self, embeddings: torch.Tensor,
                              images: Sequence[int]) -> torch.Tensor:

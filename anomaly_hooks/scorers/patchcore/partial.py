@@ -49,6 +49,8 @@ def shard_state(features: torch.Tensor, cfg: Any, seed: int, n_train: int, n_tot
         # the share of the shard's patches (not of the rows a pre-reduction kept of them)
         share = final_size(cfg, n_total * per_image) * n_train / n_total
         keep = min(features.shape[0], max(1, math.ceil(oversample * share)))
+    # every patch of every image, in image order: the images can be scored from the state
+    complete = keep == features.shape[0] and images is None and with_images
     idx = torch.arange(features.shape[0])
     if keep < features.shape[0]:
         idx = greedy_coreset(features, keep, projection_dim=cfg.projection_dim,
@@ -62,7 +64,7 @@ def shard_state(features: torch.Tensor, cfg: Any, seed: int, n_train: int, n_tot
         image = (idx // per_image).to(torch.int32).numpy()
     return {"form": "coreset", "n_train": int(n_train), "n_patches": int(n_train * per_image),
             "grid": tuple(grid), "features": features.detach().cpu().contiguous().numpy(),
-            "image": image}
+            "image": image, "complete_from": 0 if complete else None}
 
 
 def merge(states: Sequence[Optional[State]]) -> State:
@@ -76,13 +78,26 @@ def merge(states: Sequence[Optional[State]]) -> State:
     if len(states) == 1:
         return states[0]
     image = None
+    offsets = np.cumsum([0] + [s["n_train"] for s in states[:-1]])
     if all(s.get("image") is not None for s in states):  # shard-local -> fit-wide image ids
-        offsets = np.cumsum([0] + [s["n_train"] for s in states[:-1]])
         image = np.concatenate([s["image"] + np.int32(o) for s, o in zip(states, offsets)])
     return {**states[0], "n_train": sum(s["n_train"] for s in states),
             "n_patches": sum(s["n_patches"] for s in states),
             "features": np.concatenate([s["features"] for s in states], axis=0),
-            "image": image}
+            "image": image, "complete_from": complete_tail(states, offsets)}
+
+
+def complete_tail(states: Sequence[State], offsets: Sequence[int]) -> Optional[int]:
+    """The first fit-wide image of the merged states' complete tail: the last states that
+    keep every patch of their images (in image order, ``complete_from`` 0), whose rows end
+    the merged features; None where the last state is not complete (a shard reduced to its
+    share, a current bank)."""
+    first = None
+    for state, offset in zip(reversed(states), reversed(list(offsets))):
+        if state.get("complete_from") != 0:
+            break
+        first = int(offset)
+    return first
 
 
 def select(state: State, cfg: Any, seed: int, device: torch.device,

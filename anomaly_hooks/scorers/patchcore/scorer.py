@@ -300,26 +300,31 @@ class PatchCoreScorer(Scorer):
         nearest bank points of other images."""
         self.check_fitted()
         b, _, h, w = embeddings.shape
-        patches = self._patches(embeddings)
         ids = torch.as_tensor(list(images), dtype=torch.long)
+        return self._held_out_scores(self._patches(embeddings), ids).reshape(b, h, w)
+
+    def _held_out_scores(self, patches: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Out-of-sample scores ``[B * h * w]`` of the patches ``[B * h * w, D]`` of training
+        images ``ids`` ``[B]`` (fit order), image by image."""
+        per_image = self.grid[0] * self.grid[1]
         if self.oos_groups is None:
             if self.bank_image is None:
                 raise FitError("this bank records no source images (a bounded fit, or a model "
                                "file written before they were saved): use "
                                "threshold.mode=holdout")
-            return self._foreign_scores(patches, ids.to(torch.int32).repeat_interleave(
-                h * w)).reshape(b, h, w)
+            return self._foreign_scores(patches,
+                                        ids.to(torch.int32).repeat_interleave(per_image))
         if not self._fold_banks:
             raise FitError("no fold banks: the cross-fitted scores of a single-process fit are "
                            "made in finalize()")
-        fold = self._folds()[ids].repeat_interleave(h * w).to(patches.device)
+        fold = self._folds()[ids].repeat_interleave(per_image).to(patches.device)
         out = torch.empty(patches.shape[0], dtype=torch.float32, device=patches.device)
         for f in torch.unique(fold).tolist():
             if f not in self._fold_index:
                 self._fold_index[f] = self._fold_search(self._fold_banks[f])
             mine = torch.nonzero(fold == f).flatten()
             out[mine] = knn_scores(self._fold_index[f], patches[mine], self.cfg.k)
-        return out.reshape(b, h, w)
+        return out
 
     def out_of_sample_state(self) -> Dict[str, torch.Tensor]:
         return {**super().out_of_sample_state(),
@@ -391,15 +396,32 @@ class PatchCoreScorer(Scorer):
         self.set_bank(bank)
         self._stream = None
         self.fitted = True
-        if self.want_out_of_sample and self.oos_groups is not None:
+        if not self.want_out_of_sample:
+            return
+        features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
+        if self.oos_groups is not None:
             if state.get("image") is None:
                 raise FitError("the merged state records no source images: cross-fitted "
                                "out-of-sample scores need them (use threshold.mode=holdout)")
-            # each fold's bank from the merged candidates of the other folds; the second pass
-            # scores the folds' images with them
+            # each fold's bank from the merged candidates of the other folds
             image = torch.from_numpy(np.asarray(state["image"])).long()
-            features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
             self._make_fold_banks(features, image, progress)
+        self._score_complete_tail(state, features)
+
+    def _score_complete_tail(self, state: Dict[str, Any], features: torch.Tensor) -> None:
+        """The out-of-sample scores of the merged images whose every patch is in the state
+        (an update's new images), from those patches: no second pass over them. The other
+        images (the current bank's, a reduced shard's) need the second pass."""
+        first = state.get("complete_from")
+        if first is None or (self.oos_groups is None and self.bank_image is None):
+            return
+        count = (self.n_train - first) * self.grid[0] * self.grid[1]  # the tail's rows
+        if not 0 < count <= features.shape[0]:
+            return
+        scores = self._held_out_scores(features[features.shape[0] - count:],
+                                       torch.arange(first, self.n_train))
+        self._oos_patch_scores = scores.reshape(self.n_train - first, *self.grid)
+        self._oos_first = first
 
     def _features(self) -> torch.Tensor:
         """All training patches ``[N, D]``: the in-place buffer (a view of its filled rows:
