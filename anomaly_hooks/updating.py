@@ -33,7 +33,8 @@ scorer by ``finalize_merged``:
 stored out-of-sample scores of the images already in the model (the threshold keeps them) and
 the new images scored by the updated model as if unseen (PaDiM: exact leave-one(-group)-out;
 PatchCore: cross-fitted folds of the new images, each scored by the bank selected without its
-fold; the images already in the model form one more fold, never scored). The stored scores came
+fold, from the new patches the merged state holds, no image read twice; the images already in
+the model form one more fold, never scored). The stored scores came
 from the model of their time, fitted on fewer images: higher than a refit would give them, so
 the threshold leans to fewer false alarms. Where the model keeps every image's embeddings
 (PaDiM low-rank, PaDiM dense with ``padim.keep_embeddings``), every image is grouped and scored
