@@ -130,15 +130,17 @@ def loader_workers(n_items: int, batch_size: int, num_workers: int) -> Tuple[int
     Each worker decodes about a ``1 / num_workers`` share of a batch (the largest divisor of
     ``batch_size`` not above ``ceil(batch_size / num_workers)``), so the first batch is ready
     after that share, not after a whole batch decoded by one worker. Workers are as many as
-    there are shares to decode, at most ``num_workers``; none where all the items fit in one
-    share (nothing to decode beside the model's work, and a process to start): then the
-    caller's thread decodes whole batches. A short set thus gets its workers too: 100 images
-    in batches of 32 are 25 shares of 4 for 8 workers, not 3 whole batches for 3 of them.
+    there are shares to decode, at most ``num_workers``: 100 images in batches of 32 are 25
+    shares of 4 for 8 workers, not 3 whole batches for 3 of them. Fewer items than one batch
+    get none (the caller's thread decodes them): starting the processes costs more than they
+    save on so few.
     """
     most = max(1, -(-batch_size // max(1, num_workers)))
     share = max(d for d in range(1, most + 1) if batch_size % d == 0)
     shares = -(-n_items // share)
-    return (min(num_workers, shares), share) if shares > 1 else (0, batch_size)
+    if n_items < batch_size or shares < 2:
+        return 0, batch_size
+    return min(num_workers, shares), share
 
 
 def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,

@@ -154,15 +154,18 @@ def test_worker_batches_equal_serial_batches(tmp_path, workers):
     assert [i for b in par for i, _ in b.errors] == [5]
     for a, b in zip(serial, par):
         assert torch.equal(a.images, b.images) and a.sizes == b.sizes
-    short = list(iter_batches(items[:5], Preprocessor(), num_workers=workers, **kw))
-    assert [b.indices for b in short] == [[0, 1, 2, 3, 4]]  # fewer than a batch, in workers
-    assert torch.equal(short[0].images, serial[0].images[:5])
+    # one batch and one image: a worker per share (the whole batches would give one)
+    short = list(iter_batches(items[:7], Preprocessor(), num_workers=workers, **kw))
+    assert [b.indices for b in short] == [[0, 1, 2, 3, 4], [6]]
+    assert [i for b in short for i, _ in b.errors] == [5]
+    assert torch.equal(short[0].images, serial[0].images)
 
 
 @pytest.mark.parametrize("n, batch, asked, expected", [
     (100, 32, 8, (8, 4)),  # 25 shares of 4: every worker busy (3 whole batches would keep 3)
-    (18, 32, 8, (5, 4)),  # fewer images than a batch: still 5 shares
-    (3, 32, 8, (0, 32)),  # one share: no process to start, whole batches on the caller's thread
+    (40, 32, 8, (8, 4)),  # one batch and a bit: 10 shares
+    (18, 32, 8, (0, 32)),  # fewer than a batch: whole batches on the caller's thread
+    (3, 32, 8, (0, 32)),
     (1, 16, 2, (0, 16)),
     (40, 32, 2, (2, 16)),
     (40, 32, 0, (0, 32)),
