@@ -132,8 +132,8 @@ def loader_workers(n_items: int, batch_size: int, num_workers: int) -> Tuple[int
     after that share, not after a whole batch decoded by one worker. Workers are as many as
     there are shares to decode, at most ``num_workers``: 100 images in batches of 32 are 25
     shares of 4 for 8 workers, not 3 whole batches for 3 of them. Fewer items than one batch
-    get none (the caller's thread decodes them): starting the processes costs more than they
-    save on so few.
+    get none (the caller's thread decodes them): too few to pay for starting processes where a
+    fork is dear (a large process copies its page tables).
     """
     most = max(1, -(-batch_size // max(1, num_workers)))
     share = max(d for d in range(1, most + 1) if batch_size % d == 0)
