@@ -389,7 +389,7 @@ def _squared_norms(points: torch.Tensor) -> torch.Tensor:
 
 
 def pair_distances(bank: torch.Tensor, queries: torch.Tensor, qi: torch.Tensor,
-                    bi: torch.Tensor) -> torch.Tensor:
+                   bi: torch.Tensor) -> torch.Tensor:
     """Exact distances of chosen pairs: ``|| queries[qi[j]] - bank[bi[j]] ||`` ``[len(qi)]``
     float32, computed on the differences (not the dot-product expansion, whose cancellation
     errs for near neighbours): the exact re-ranking of approximate candidates.

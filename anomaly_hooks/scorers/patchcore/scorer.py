@@ -396,8 +396,9 @@ class PatchCoreScorer(Scorer):
         self.set_bank(bank)
         self._stream = None
         self.fitted = True
-        if not self.want_out_of_sample:
-            return
+        if not self.want_out_of_sample or (self.oos_groups is None
+                                           and state.get("complete_from") is None):
+            return  # nothing to make here: the second pass scores every image
         features = torch.from_numpy(np.ascontiguousarray(state["features"])).to(device)
         if self.oos_groups is not None:
             if state.get("image") is None:
