@@ -23,9 +23,11 @@ set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 SECTIONS=" ${SECTIONS:-tests pipeline float16 threshold update serve} "
 # into the interpreter's own site (root there): the servers bench_serve and bench_loop start are
-# subprocesses, and a later call on the still-warm machine finds them installed
-python3 -c "import faiss, omegaconf, simplejpeg" 2>/dev/null ||
+# subprocesses, and a later call on the still-warm machine finds them installed (the wheels
+# stay there too; a call that carried none installs nothing)
+if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps .whl/*.whl
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__,
   torch.cuda.get_device_name())" 2>&1 | tee "$OUT/device.txt"
