@@ -174,6 +174,29 @@ def check_defects(sets: ScoreSets, objective: str) -> None:
                       "check the defects folder", UserWarning, stacklevel=3)
 
 
+MOST_GOOD = 0.5  # an operating point flagging this share of the good images or more warns
+
+
+def warn_if_most_good_flagged(sets: ScoreSets, value: float, objective: str) -> None:
+    """Warn where the threshold ``value`` chosen by ``objective`` (``f1``, ``recall``) flags
+    at least :data:`MOST_GOOD` of the good images: the line would reject most good parts,
+    because the labelled defects score among the good images (or the recall asked for lies
+    deep inside them). Not an error: the choice is what the objective asks, and a line may
+    sort flagged parts by hand."""
+    k = int((sets.good > value).sum())
+    if k < MOST_GOOD * sets.n:
+        return
+    low, high = clopper_pearson(k, sets.n)
+    lower = "lower threshold.target_recall, " if objective == "recall" else ""
+    warnings.warn(
+        f"the {objective} operating point flags {k} of the {sets.n} good images "
+        f"({100 * k / sets.n:.0f} %, 90 % interval {100 * low:.0f}-{100 * high:.0f} %): a line "
+        f"would reject most good parts. The {sets.m} labelled defects score among the good "
+        f"images (AUROC {auc(sets.good, sets.defects):.2f}); label more defects, check that "
+        f"they are defects of this product, {lower}or use threshold.objective=far",
+        UserWarning, stacklevel=3)
+
+
 def auc(good: np.ndarray, defects: np.ndarray) -> float:
     """Mann-Whitney AUROC of defects against good scores (ties count half)."""
     from scipy.stats import rankdata

@@ -337,7 +337,12 @@ def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], ob
                         cfg: Any, source: str) -> Threshold:
     """The threshold of objective ``f1`` or ``recall`` (:mod:`anomaly_hooks.operating`)."""
     from anomaly_hooks.calibration import clopper_pearson, supported_rate
-    from anomaly_hooks.operating import ScoreSets, choose_f1, choose_recall
+    from anomaly_hooks.operating import (
+        ScoreSets,
+        choose_f1,
+        choose_recall,
+        warn_if_most_good_flagged,
+    )
 
     sets = ScoreSets(good, defects)
     if objective == "f1":
@@ -357,6 +362,7 @@ def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], ob
         from anomaly_hooks.errors import ConfigError
 
         raise ConfigError(f"threshold.objective={objective!r}: one of far, f1, recall")
+    warn_if_most_good_flagged(sets, value, objective)
     k = int((good > value).sum())
     return Threshold(value=float(value), quantile=1.0 - k / good.size, margin=0.0, source=source,
                      far_interval=list(clopper_pearson(k, good.size)),

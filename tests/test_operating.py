@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -196,6 +197,28 @@ def test_defects_mostly_below_the_good_images_warn():
     s = ScoreSets(rng.normal(5.0, 1.0, 50), np.r_[rng.normal(2.0, 1.0, 9), 9.0])
     with pytest.warns(UserWarning, match=r"score lower than the good images on the whole"):
         choose_f1(s)
+
+
+@pytest.mark.parametrize("objective", ["f1", "recall"])
+def test_an_operating_point_flagging_most_good_images_warns(objective):
+    """Defects that score among the good images put the F1 optimum (and a 0.9 recall) below
+    most good images: the threshold is still the objective's, with a warning that says how
+    many good images it flags; defects apart from the good images give no warning."""
+    from scipy.stats import norm
+
+    good = 5.0 + norm.ppf((np.arange(40) + 0.5) / 40)  # evenly spread normal scores
+    overlapping = good[::4] + 0.3  # defects among the good images (AUROC 0.58)
+    cfg = load_config({"threshold": {"objective": objective, "target_recall": 0.9}}).threshold
+    with pytest.warns(UserWarning, match=rf"the {objective} operating point flags \d+ of the "
+                                         r"40 good images \(\d+ %, 90 % interval"):
+        thr = calibrate_threshold(good, cfg, "all-images", defects=overlapping)
+    assert thr.expected_far >= 0.5
+    apart = good[::4] + 3.0  # AUROC 0.99
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thr = calibrate_threshold(good, cfg, "all-images", defects=apart)
+    assert thr.expected_far < 0.5
+    assert not [w for w in caught if "operating point flags" in str(w.message)]
 
 
 def test_a_recall_no_threshold_reaches_is_an_error():
