@@ -252,6 +252,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     from anomaly_hooks.data import resolve_items
     from anomaly_hooks.detector import Detector
     from anomaly_hooks.modelfile import check_model_path, file_checksum
+    from anomaly_hooks.monitor.fitting import describe_update
 
     check_model_path(args.model)
     out = Path(args.out)
@@ -276,7 +277,7 @@ def cmd_update(args: argparse.Namespace) -> int:
         items = [item for folder in args.good for item in resolve_items(folder, training=True)]
     det = Detector.load(args.model, device=args.device)
     parent = file_checksum(args.model)
-    old = det.threshold_
+    old, old_reference = det.threshold_, det.drift_reference_
     start = time.perf_counter()
     if found is not None:
         det.update(items, defects=[str(p) for p in found.defects] or None,
@@ -291,6 +292,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     print(f"added {entry['images_added']} images in {seconds:.1f} s: {model}")
     print(f"threshold {thr.value:.5g} (was {old.value:.5g}) from {thr.n_images} good images "
           f"({thr.describe()})")
+    print(describe_update(old_reference, det.drift_reference_))
     if entry["labels_used"]:
         print(f"labelled defects used: {entry['labels_used']}")
     print(f"parent {parent}; updates in the lineage: {len(det.lineage_)}")

@@ -794,3 +794,19 @@ def test_a_tiled_model_is_monitored_as_it_predicts(tmp_path):
     assert st["images_seen"] == 8 and st["window_filled"] == 4 and not st["alarm_episodes"]
     back.predict([with_defect((g * 0.5).astype(np.uint8)) for g in good])
     assert mon.status()["alarm"]
+
+
+def test_describe_update_says_what_an_update_did_to_the_reference():
+    from anomaly_hooks.monitor.fitting import describe_update
+
+    ref = synthetic_reference(n=40)
+    rng = np.random.default_rng(9)
+    new = {"input": correlated(10, 7, rng), "layer": correlated(10, 40, rng)}
+    after = ref.updated(new, np.exp(rng.normal(1.0, 0.2, 50)), n_windows=800)
+    assert describe_update(ref, after) == (
+        "drift reference: updated with 10 images (50 in all; the layer and input thresholds "
+        "kept from the fit's calibration, the score statistic recalibrated on 50 "
+        "out-of-sample scores)")
+    assert describe_update(ref, ref) == ("drift reference: unchanged (no statistics of the "
+                                         "new images)")
+    assert describe_update(None, None).startswith("drift reference: none in the model")

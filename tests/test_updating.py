@@ -404,6 +404,11 @@ def test_cli_update(halves, tmp_path, capsys):
                  "--quiet"]) == 0
     text = capsys.readouterr().out
     assert f"added {N_NEW} images" in text and "threshold" in text and "n_train 24" in text
+    reference = Detector.load(out).drift_reference_
+    assert reference.info["n_images"] == N_OLD + N_NEW
+    assert (f"drift reference: updated with {N_NEW} images ({N_OLD + N_NEW} in all; the layer "
+            "and input thresholds kept from the fit's calibration, the score statistic "
+            f"recalibrated on {reference.info['n_scores']} out-of-sample scores)") in text
     assert text.strip().splitlines()[-1] == str(out)
     assert Detector.load(out).lineage_[0]["parent_checksum"] == file_checksum(model)
     # two folders at once
@@ -415,3 +420,12 @@ def test_cli_update(halves, tmp_path, capsys):
     assert main(["update", "--model", str(model), "--good", str(new), "--out",
                  str(model)]) == 2
     assert "--out is the --model file" in capsys.readouterr().err
+    # a model without a drift reference says so
+    bare = tmp_path / "bare.safetensors"
+    cfg = load_config(None, method="padim", **SMALL, padim={"n_features": 40},
+                      monitor={"enabled": False})
+    Detector(cfg).fit(old, progress=False).save(bare)
+    assert main(["update", "--model", str(bare), "--good", str(new), "--out",
+                 str(tmp_path / "bare2.safetensors"), "--quiet"]) == 0
+    assert ("drift reference: none in the model (refit with monitor.enabled=true to monitor "
+            "drift)") in capsys.readouterr().out

@@ -56,6 +56,23 @@ def update_reference(reference: Optional[DriftReference],
                              n_windows=mon_cfg.calibration_windows, seed=seed)
 
 
+def describe_update(before: Optional[DriftReference], after: Optional[DriftReference]) -> str:
+    """One line saying what a model update did to the drift reference (``before`` and
+    ``after`` the update): pooled the new images in, left it (no statistics of them), or
+    none in the model."""
+    if after is None:
+        return ("drift reference: none in the model (refit with monitor.enabled=true to "
+                "monitor drift)")
+    if after is before:
+        return "drift reference: unchanged (no statistics of the new images)"
+    n_old, n_all = int(before.info.get("n_images", 0)), int(after.info.get("n_images", 0))
+    scores = after.info.get("n_scores")
+    score = (f", the score statistic recalibrated on {scores} out-of-sample scores"
+             if scores is not None else "")
+    return (f"drift reference: updated with {n_all - n_old} images ({n_all} in all; the layer "
+            f"and input thresholds kept from the fit's calibration{score})")
+
+
 def reference_state(reference: Optional[DriftReference]
                     ) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
     """float32 arrays (``drift.*``) and ``{META_KEY: ...}`` to merge into a model file's
