@@ -22,7 +22,12 @@ from anomaly_hooks import __version__
 from anomaly_hooks.backbones import CUSTOM, build_backbone, fingerprint
 from anomaly_hooks.config import ConfigSource, literal, load_config, to_container
 from anomaly_hooks.data import Batch, iter_batches, load_preprocessed
-from anomaly_hooks.devices import ieee_float32, resolve_device, resolve_saved_device
+from anomaly_hooks.devices import (
+    channels_last_for,
+    ieee_float32,
+    resolve_device,
+    resolve_saved_device,
+)
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitRun
@@ -118,7 +123,8 @@ class Detector:
                                               probe_size=probe_size(
                                                   cfg, self.preprocessor.input_size),
                                               precision=cfg.backbone.precision,
-                                              channels_last=cfg.backbone.channels_last,
+                                              channels_last=channels_last_for(
+                                                  cfg.backbone.channels_last, self.device),
                                               copy_module=backbone is not None)
         # high-resolution mode (tiling.enabled): the working frame's preprocessing and the
         # tiles around the backbone (anomaly_hooks.tiling); None: the resize-crop framing

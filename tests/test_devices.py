@@ -402,6 +402,26 @@ def _cfg(small_cfg, method: str, **extra) -> dict:
     return cfg
 
 
+def test_channels_last_by_default_on_cpus_and_as_given_otherwise(small_cfg, tmp_path):
+    """``backbone.channels_last: null`` (the default) runs CPU backbones channels-last and GPU
+    ones contiguous; ``true`` / ``false`` are kept on every device; a saved model keeps the
+    setting it was fitted with (null resolves again on the device it is loaded on)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert devices.channels_last_for(None, cpu) and not devices.channels_last_for(None, cuda)
+    assert devices.channels_last_for(True, cuda) and not devices.channels_last_for(False, cpu)
+    det = Detector.from_config(small_cfg, device="cpu")
+    assert det.cfg.backbone.channels_last is None and det.extractor.channels_last
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    assert all(f.is_contiguous(memory_format=torch.channels_last)
+               for f in det.extractor(x).values())
+    plain = Detector.from_config(small_cfg, device="cpu", backbone__channels_last=False)
+    assert not plain.extractor.channels_last
+    assert all(f.is_contiguous() for f in plain.extractor(x).values())
+    plain.fit(textured_images(6), progress=False)
+    loaded = Detector.load(plain.save(tmp_path / "m.safetensors"))
+    assert loaded.cfg.backbone.channels_last is False and not loaded.extractor.channels_last
+
+
 @pytest.mark.parametrize("method", ["padim", "patchcore"])
 def test_save_on_one_device_load_on_another(small_cfg, tmp_path, device, method):
     """A model fitted on ``device`` scores the same loaded on that device, and within
