@@ -13,6 +13,9 @@
 #              service, labels, update from the results log, promote; PaDiM dense (three timed
 #              pairs) and PatchCore (one)
 #   macaroni   bench_threshold on cuda over $MAC: far and f1 (10 labelled defects), both methods
+#   memfmt     bench_memory_format on cuda: contiguous against channels-last, PaDiM
+#              EfficientNet-Lite0 and WRN50 on battery_weld (backbone.channels_last: null
+#              keeps GPUs contiguous until this shows channels-last faster in float32)
 # Each writes one text file under $OUT (the device tool brings back at most eight files).
 #   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
 #                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB); for loop and
@@ -82,6 +85,13 @@ if has loop; then
     --config configs/padim_effnet_lite0.yaml device=cuda data.num_workers=$workers --repeats 3
   run loop 200 python3 benchmarks/bench_loop.py --data "$MAC" \
     --config configs/patchcore_effnet_lite0.yaml device=cuda data.num_workers=$workers
+fi
+if has memfmt; then
+  for cfg in padim_effnet_lite0 padim; do
+    run memfmt 150 python3 benchmarks/bench_memory_format.py --data "$battery" \
+      --config configs/$cfg.yaml --fit 37 --predict 128 --repeats 3 device=cuda \
+      data.num_workers=$workers
+  done
 fi
 if has macaroni; then
   run macaroni 300 python3 benchmarks/bench_threshold.py --data "$MAC" --device cuda \
