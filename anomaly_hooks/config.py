@@ -50,7 +50,7 @@ class BackboneConfig:
     weights: Optional[str] = "DEFAULT"  # torchvision weights name, a local file, or null (random)
     layers: Optional[List[str]] = None  # dotted module names; null = the method's default
     precision: Precision = Precision["float32"]  # autocast of the forward (GPU)
-    # channels-last memory format; null: on CPUs (1.2-1.5 x faster convolutions there),
+    # channels-last memory format; null: on CPUs (1.2-1.4 x faster convolutions there),
     # not on GPUs (devices.channels_last_for)
     channels_last: Optional[bool] = None
 

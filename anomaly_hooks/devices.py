@@ -81,8 +81,8 @@ def resolve_device(name: Union[str, torch.device]) -> torch.device:
 
 def channels_last_for(setting: Optional[bool], device: torch.device) -> bool:
     """Whether the backbone runs in the channels-last memory format: ``setting`` where given
-    (``backbone.channels_last``), else on CPUs, whose oneDNN convolutions run 1.2-1.5 times as
-    fast in it (EfficientNet-Lite0 and Wide-ResNet-50 at 224 x 224, docs/performance.md), and
+    (``backbone.channels_last``), else on CPUs, whose oneDNN convolutions run 1.2-1.4 times as
+    fast in it (EfficientNet-Lite0 and Wide-ResNet-50 at 224 x 224, docs/benchmarks.md), and
     not on GPUs (float32 without TF32: not measured faster)."""
     return bool(setting) if setting is not None else device.type == "cpu"
 
