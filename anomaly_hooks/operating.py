@@ -177,20 +177,20 @@ def check_defects(sets: ScoreSets, objective: str) -> None:
 MOST_GOOD = 0.5  # an operating point flagging this share of the good images or more warns
 
 
-def warn_if_most_good_flagged(sets: ScoreSets, value: float, objective: str) -> None:
-    """Warn where the threshold ``value`` chosen by ``objective`` (``f1``, ``recall``) flags
-    at least :data:`MOST_GOOD` of the good images: the line would reject most good parts,
-    because the labelled defects score among the good images (or the recall asked for lies
-    deep inside them). Not an error: the choice is what the objective asks, and a line may
-    sort flagged parts by hand."""
-    k = int((sets.good > value).sum())
-    if k < MOST_GOOD * sets.n:
+def warn_if_most_good_flagged(sets: ScoreSets, point: OperatingPoint, objective: str) -> None:
+    """Warn where ``point`` (:meth:`ScoreSets.point` of the threshold ``objective`` chose:
+    ``f1``, ``recall``) flags at least :data:`MOST_GOOD` of the good images: the line would
+    reject most good parts, because the labelled defects score among the good images (or the
+    recall asked for lies deep inside them). Not an error: the choice is what the objective
+    asks, and a line may sort flagged parts by hand."""
+    k, n = point.false_alarms, point.n_good
+    if k < MOST_GOOD * n:
         return
-    low, high = clopper_pearson(k, sets.n)
+    low, high = point.far_interval
     lower = "lower threshold.target_recall, " if objective == "recall" else ""
     warnings.warn(
-        f"the {objective} operating point flags {k} of the {sets.n} good images "
-        f"({100 * k / sets.n:.0f} %, 90 % interval {100 * low:.0f}-{100 * high:.0f} %): a line "
+        f"the {objective} operating point flags {k} of the {n} good images "
+        f"({100 * k / n:.0f} %, 90 % interval {100 * low:.0f}-{100 * high:.0f} %): a line "
         f"would reject most good parts. The {sets.m} labelled defects score among the good "
         f"images (AUROC {auc(sets.good, sets.defects):.2f}); label more defects, check that "
         f"they are defects of this product, {lower}or use threshold.objective=far",

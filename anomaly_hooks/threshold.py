@@ -336,7 +336,7 @@ def calibrate_threshold(scores: Sequence[float], cfg: Any, source: str,
 def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], objective: str,
                         cfg: Any, source: str) -> Threshold:
     """The threshold of objective ``f1`` or ``recall`` (:mod:`anomaly_hooks.operating`)."""
-    from anomaly_hooks.calibration import clopper_pearson, supported_rate
+    from anomaly_hooks.calibration import supported_rate
     from anomaly_hooks.operating import (
         ScoreSets,
         choose_f1,
@@ -362,10 +362,11 @@ def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], ob
         from anomaly_hooks.errors import ConfigError
 
         raise ConfigError(f"threshold.objective={objective!r}: one of far, f1, recall")
-    warn_if_most_good_flagged(sets, value, objective)
-    k = int((good > value).sum())
+    point = sets.point(value, objective)
+    warn_if_most_good_flagged(sets, point, objective)
+    k = point.false_alarms
     return Threshold(value=float(value), quantile=1.0 - k / good.size, margin=0.0, source=source,
-                     far_interval=list(clopper_pearson(k, good.size)),
-                     far_interval_method="clopper-pearson", expected_far=k / good.size,
+                     far_interval=list(point.far_interval),
+                     far_interval_method="clopper-pearson", expected_far=point.expected_far,
                      supported_rate=supported_rate(good.size),
                      scores=[float(v) for v in good], **extra, **_summary(good, value))
