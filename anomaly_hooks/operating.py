@@ -177,23 +177,29 @@ def check_defects(sets: ScoreSets, objective: str) -> None:
 MOST_GOOD = 0.5  # an operating point flagging this share of the good images or more warns
 
 
-def warn_if_most_good_flagged(sets: ScoreSets, point: OperatingPoint, objective: str) -> None:
+def warn_if_most_good_flagged(sets: ScoreSets, point: OperatingPoint, objective: str,
+                              labelled_share: Optional[float] = None) -> None:
     """Warn where ``point`` (:meth:`ScoreSets.point` of the threshold ``objective`` chose:
     ``f1``, ``recall``) flags at least :data:`MOST_GOOD` of the good images: the line would
     reject most good parts, because the labelled defects score among the good images (or the
     recall asked for lies deep inside them). Not an error: the choice is what the objective
-    asks, and a line may sort flagged parts by hand."""
+    asks, and a line may sort flagged parts by hand. ``labelled_share``: the share of defects
+    ``f1`` took from the labelled images themselves (no ``threshold.prevalence`` given); the
+    warning then names it, since a line's own, smaller share puts the F1 point higher."""
     k, n = point.false_alarms, point.n_good
     if k < MOST_GOOD * n:
         return
     low, high = point.far_interval
     lower = "lower threshold.target_recall, " if objective == "recall" else ""
+    share = "" if labelled_share is None else (
+        f"F1 took the labelled images' share of defects ({100 * labelled_share:.0f} %): set "
+        "threshold.prevalence to your line's share (a smaller one flags fewer good parts), ")
     warnings.warn(
         f"the {objective} operating point flags {k} of the {n} good images "
         f"({100 * k / n:.0f} %, 90 % interval {100 * low:.0f}-{100 * high:.0f} %): a line "
         f"would reject most good parts. The {sets.m} labelled defects score among the good "
-        f"images (AUROC {auc(sets.good, sets.defects):.2f}); label more defects, check that "
-        f"they are defects of this product, {lower}or use threshold.objective=far",
+        f"images (AUROC {auc(sets.good, sets.defects):.2f}); {share}label more defects, check "
+        f"that they are defects of this product, {lower}or use threshold.objective=far",
         UserWarning, stacklevel=3)
 
 

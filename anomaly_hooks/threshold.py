@@ -363,7 +363,8 @@ def operating_threshold(good: np.ndarray, defects: Optional[Sequence[float]], ob
 
         raise ConfigError(f"threshold.objective={objective!r}: one of far, f1, recall")
     point = sets.point(value, objective)
-    warn_if_most_good_flagged(sets, point, objective)
+    labelled = extra["prevalence"] if objective == "f1" and not extra["prevalence_given"] else None
+    warn_if_most_good_flagged(sets, point, objective, labelled)
     k = point.false_alarms
     return Threshold(value=float(value), quantile=1.0 - k / good.size, margin=0.0, source=source,
                      far_interval=list(point.far_interval),

@@ -213,12 +213,28 @@ def test_an_operating_point_flagging_most_good_images_warns(objective):
                                          r"40 good images \(\d+ %, 90 % interval"):
         thr = calibrate_threshold(good, cfg, "all-images", defects=overlapping)
     assert thr.expected_far >= 0.5
+    # f1 at the labelled images' own share (10 of 50) says so and how to give the line's;
+    # a share given, or objective recall, has nothing to add
+    named = "F1 took the labelled images' share of defects (20 %): set threshold.prevalence"
+    assert (named in str(caught_most_good(good, cfg, overlapping))) == (objective == "f1")
+    given = load_config({"threshold": {"objective": objective, "target_recall": 0.9,
+                                       "prevalence": 0.5}}).threshold
+    still = caught_most_good(good, given, overlapping)  # half defective: a lower threshold
+    assert still and "F1 took" not in str(still)
     apart = good[::4] + 3.0  # AUROC 0.97
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         thr = calibrate_threshold(good, cfg, "all-images", defects=apart)
     assert thr.expected_far < 0.5
     assert not [w for w in caught if "operating point flags" in str(w.message)]
+
+
+def caught_most_good(good: np.ndarray, cfg, defects: np.ndarray) -> list:
+    """The most-good-flagged warnings of the threshold ``cfg`` chooses."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate_threshold(good, cfg, "all-images", defects=defects)
+    return [str(w.message) for w in caught if "operating point flags" in str(w.message)]
 
 
 def test_a_recall_no_threshold_reaches_is_an_error():
