@@ -32,10 +32,10 @@ defects were labelled: per data set and method one fit (the model never sees the
 only place the threshold), then ``Detector.threshold_.recalibrate`` with the scores of N draws
 of defects: the evaluation's own seeded draw (its row above, reproduced) and N - 1 more; ``f1``
 at the evaluated images' share of defects (as the evaluation takes it) and at the labelled
-images' (the fit's default). Printed:
-the false alarms on test/good, the recall on the undrawn defects and the F1 gap to the F1-max
-of the undrawn images, as medians with the 10th-90th percentiles over the draws, and the share
-of draws at <= 10 % false alarms with >= 80 % recall.
+images' (the fit's default). Printed: the false alarms on test/good, the recall on the undrawn
+defects and the F1 gap to the F1-max of the undrawn images, as medians with the 10th-90th
+percentiles over the draws, and the share of draws at <= 10 % false alarms with >= 80 %
+recall.
 """
 from __future__ import annotations
 
@@ -283,14 +283,14 @@ def main() -> None:
         print(row(r), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
     if args.draws:
-        spread = []
+        points = []
         print("\n" + DRAWS_HEAD, flush=True)
         for root in roots:
             for method in args.methods:
                 for r in draws(root, method, args):
-                    spread.append(r)
+                    points.append(r)
                     print(draws_row(r), flush=True)
-                    (out / "draws.json").write_text(json.dumps(spread, indent=1))
+                    (out / "draws.json").write_text(json.dumps(points, indent=1))
 
 
 if __name__ == "__main__":
