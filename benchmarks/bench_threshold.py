@@ -52,9 +52,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+from sklearn.metrics import f1_score  # noqa: E402
 
 from anomaly_hooks.detector import Detector  # noqa: E402
 from anomaly_hooks.evaluation.datasets import open_dataset  # noqa: E402
+from anomaly_hooks.evaluation.metrics import f1_max  # noqa: E402
 from anomaly_hooks.evaluation.runner import draw_threshold_defects, evaluate  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
@@ -167,18 +169,6 @@ def reshoot(src: Path, dst: Path, parts: int, shots: int) -> Path:
     return dst
 
 
-def f1_at(labels: np.ndarray, flagged: np.ndarray) -> float:
-    """Image F1 of the ``flagged`` images against ``labels`` (1 = defective)."""
-    tp = int((flagged & (labels == 1)).sum())
-    return 2 * tp / max(1, 2 * tp + int((flagged & (labels == 0)).sum())
-                        + int((~flagged & (labels == 1)).sum()))
-
-
-def f1_max(labels: np.ndarray, scores: np.ndarray) -> float:
-    """The largest image F1 over every threshold between the scores (brute force)."""
-    return max(f1_at(labels, scores > t) for t in np.r_[-np.inf, np.unique(scores)])
-
-
 def draws(root: Path, method: str, args: argparse.Namespace) -> list:
     """``--draws`` operating points per objective ``f1`` / ``recall`` from one fit (see the
     module docstring): one dict per objective with the per-draw figures."""
@@ -211,7 +201,7 @@ def draws(root: Path, method: str, args: argparse.Namespace) -> list:
             flagged, lab = scores[keep] > thr.value, labels[keep]
             runs.append({"far": float(flagged[lab == 0].mean()),
                          "recall": float(flagged[lab == 1].mean()),
-                         "f1_gap": f1_max(lab, scores[keep]) - f1_at(lab, flagged)})
+                         "f1_gap": f1_max(lab, scores[keep])[0] - f1_score(lab, flagged)})
         name = objective if share is None else f"{objective}, {share} share"
         out.append({"dataset": dataset.name, "method": method, "objective": name,
                     "draws": runs})
