@@ -1,6 +1,8 @@
 """Heatmap, overlay and mask images for people to look at."""
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -20,13 +22,27 @@ _JET = (((0, 0), (0.35, 0), (0.66, 1), (0.89, 1), (1, 0.5)),
         ((0, 0.5), (0.11, 1), (0.34, 1), (0.65, 0), (1, 0)))
 
 
+@functools.cache
+def matplotlib_colormaps():
+    """matplotlib's colour-map registry (ImportError without matplotlib), imported on first
+    use. That first import leaves reference cycles through exceptions caught inside it (its
+    pyparsing grammars'), whose frames reach up the calling stack: collected at once, or the
+    caller's arrays (a full-size heatmap: 400 MB at 100 MP) stay alive until the next
+    garbage collection, and a score's peak memory depends on when that comes. Cached (an
+    ImportError is not: ``cache_clear()`` forgets the registry)."""
+    from matplotlib import colormaps
+
+    gc.collect()
+    return colormaps
+
+
 def colorize(heatmap: np.ndarray, vmin: float, vmax: float, cmap: str = "jet") -> np.ndarray:
     """``[H, W]`` float map -> ``[H, W, 3]`` uint8 RGB with a matplotlib colour map (``jet``
     also without matplotlib)."""
     span = max(vmax - vmin, 1e-12)
     norm = np.clip((heatmap.astype(np.float32) - vmin) / span, 0.0, 1.0)
     try:
-        from matplotlib import colormaps
+        colormaps = matplotlib_colormaps()
     except ImportError:
         if cmap != "jet":
             raise
