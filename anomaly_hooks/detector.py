@@ -116,7 +116,9 @@ class Detector:
         self.layers: List[str] = resolve_layer_names(cfg)
         model = backbone if backbone is not None else build_backbone(
             cfg.backbone.name, cfg.backbone.weights, cfg.seed)
-        self._backbone_fingerprint: Optional[str] = None  # on first use (see the property)
+        # on first use (see the property); of the weights as given, before any folding
+        self._backbone_fingerprint: Optional[str] = (
+            fingerprint(model) if cfg.backbone.fold_batchnorm else None)
         # a module the caller gave is copied (theirs is left as it was, see docs/python-api.md);
         # one this detector built is its own
         self.extractor = HookFeatureExtractor(model, self.layers, self.device,
@@ -125,7 +127,8 @@ class Detector:
                                               precision=cfg.backbone.precision,
                                               channels_last=channels_last_for(
                                                   cfg.backbone.channels_last, self.device),
-                                              copy_module=backbone is not None)
+                                              copy_module=backbone is not None,
+                                              fold_batchnorm=cfg.backbone.fold_batchnorm)
         # high-resolution mode (tiling.enabled): the working frame's preprocessing and the
         # tiles around the backbone (anomaly_hooks.tiling); None: the resize-crop framing
         self.tiling: Optional[Tiling] = None
@@ -139,8 +142,10 @@ class Detector:
     @property
     def backbone_fingerprint(self) -> str:
         """SHA-256 of the backbone's parameters and buffers (:func:`backbones.fingerprint`),
-        stored in the model file. Computed on first use (a save, an export, a load's check), not
-        at construction: ~30 ms for a ResNet18, 0.2 s for a WRN50."""
+        stored in the model file: of the weights as given, so that folding the BatchNorms
+        (``backbone.fold_batchnorm``) does not change it. Computed at construction where they
+        are folded (before the folding), else on first use (a save, an export, a load's
+        check): ~30 ms for a ResNet18, 0.2 s for a WRN50."""
         if self._backbone_fingerprint is None:
             self._backbone_fingerprint = fingerprint(self.extractor.model)
         return self._backbone_fingerprint

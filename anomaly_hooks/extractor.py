@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from anomaly_hooks import fusion
 from anomaly_hooks.devices import ieee_float32
 from anomaly_hooks.errors import BackboneError, ConfigError
 
@@ -108,6 +109,11 @@ class HookFeatureExtractor:
         precision: ``float32`` (IEEE float32: no TF32, see :func:`devices.ieee_float32`),
             ``bfloat16`` or ``float16`` (autocast of the forward).
         channels_last: run the model in channels-last memory format.
+        fold_batchnorm: fold each eval-mode BatchNorm into the convolution that feeds it
+            alone (:func:`~anomaly_hooks.fusion.fold_batchnorm`; the hooked layers keep their
+            outputs, to float32 rounding): one pass over the activations fewer per pair. It
+            changes the module the extractor runs, so with ``copy_module=False`` the caller's
+            (its BatchNorms become ``nn.Identity``).
         copy_module: False (the default): ``model`` itself is put in eval mode, moved to
             ``device`` and hooked, in place (a module shared with other code changes for it
             too). True: the extractor works on a deep copy, so the caller's module keeps its
@@ -129,6 +135,7 @@ class HookFeatureExtractor:
         precision: str = "float32",
         channels_last: bool = False,
         copy_module: bool = False,
+        fold_batchnorm: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
@@ -137,6 +144,10 @@ class HookFeatureExtractor:
         self.layers = list(layers)
         resolve_layers(model, self.layers)  # a bad name fails before any copy is made
         self.model = (_copy_module(model) if copy_module else model).eval().to(device)
+        # the BatchNorms folded away (their names; before the memory format: new weights)
+        self.folded: List[str] = (
+            fusion.fold_batchnorm(self.model, torch.zeros(1, 3, *probe_size, device=device),
+                            keep=self.layers) if fold_batchnorm else [])
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.device = torch.device(device)

@@ -151,8 +151,9 @@ def bare_backbone(cfg: Any, layers: Sequence[str], device: Any) -> Callable[[Any
     """torchvision's own ``create_feature_extractor`` up to the deepest of ``layers``, on a
     separately built copy of the config's backbone (no hooks), run as the detector's extractor
     runs its own: the same ``backbone.precision`` (autocast, or IEEE float32: no TF32) and
-    ``backbone.channels_last``. Give it images already on ``device``: the copy from the host
-    is not the backbone's time."""
+    ``backbone.channels_last``, but its BatchNorms as they are (the forward the peers run; the
+    detector folds them, ``backbone.fold_batchnorm``). Give it images already on ``device``:
+    the copy from the host is not the backbone's time."""
     import contextlib
 
     import torch

@@ -1,0 +1,185 @@
+"""Fold inference-mode BatchNorm layers into the convolutions that feed them.
+
+In eval mode ``BatchNorm2d`` is a per-channel affine map ``y = a x + b`` of its input, so a
+convolution whose output goes *only* to it can take it on: ``W' = a W``, ``b' = a b_conv + b``
+(``torch.nn.utils.fusion.fuse_conv_bn_weights``), and the BatchNorm becomes ``nn.Identity``.
+One pass over every activation fewer per pair: the backbone's forward runs 1.2-1.4 times as
+fast on a CPU (``benchmarks/bench_memory_format.py --setting backbone.fold_batchnorm``).
+
+Which pairs are safe is read from the model's data flow in one probe forward pass, not from
+its attribute order: forward hooks on the model's own modules see each convolution's output
+and each BatchNorm's input, and a :class:`~torch.overrides.TorchFunctionMode` (thread-local:
+other threads running models meanwhile are not touched, unlike ``torch.fx``'s tracer, which
+patches ``nn.Module.__call__`` for the whole process) counts every other torch call that takes
+that output. A pair is folded where the BatchNorm's input *is* the convolution's output, no
+other call reads it (an in-place op, a residual sum, a view), no module but the convolution
+and the non-hooked containers between it and the BatchNorm returns it (not the model itself:
+its caller is out of sight), and each of the two runs once. Everything else is
+left alone: a convolution that is a hooked layer keeps its own output; modules that carry
+hooks or parametrisations, or BatchNorms without running statistics, are not touched. A
+hooked BatchNorm layer becomes ``nn.Identity`` under the same name and its output (the folded
+convolution's) is the one it had. The module names stay as they were.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter, defaultdict
+from functools import partial
+from typing import Any, Collection, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.fusion import fuse_conv_bn_weights
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` and in the tuples, lists and dicts within it."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether someone hooked ``module`` (its hook tables: nn.Module has no public query)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or getattr(module, "_forward_hooks_with_kwargs", None)
+                or getattr(module, "_backward_hooks", None))
+
+
+def _foldable(conv: nn.Module, bn: nn.Module) -> bool:
+    """Plain modules whose folded form is exact in eval mode."""
+    return (isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d)
+            and not bn.training and bn.running_mean is not None
+            and bn.running_var is not None and bn.num_features == conv.out_channels
+            and not parametrize.is_parametrized(conv)
+            and isinstance(conv.weight, nn.Parameter)
+            and not (_has_hooks(conv) or _has_hooks(bn)))
+
+
+class _Probe(TorchFunctionMode):
+    """The data flow of one forward pass (see the module docstring): which tensor each
+    convolution returned, which each BatchNorm took, which modules returned each tensor, how
+    often each module ran, and how many torch calls outside the BatchNorms read each
+    convolution's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_out: Dict[int, str] = {}  # id(output) -> convolution name
+        self.bn_in: Dict[str, int] = {}  # BatchNorm name -> id(its input)
+        # id(tensor) -> (module, weak reference): ids of freed tensors are reused
+        self.returned_by: Dict[int, List[Tuple[str, weakref.ref]]] = defaultdict(list)
+        self.calls: Counter = Counter()  # module name -> forward calls
+        self.reads: Counter = Counter()  # convolution name -> torch calls reading its output
+        self.alive: List[torch.Tensor] = []  # the watched tensors (their ids stay theirs)
+        self.alive_index: Dict[int, int] = {}
+        self.in_bn = 0  # inside a BatchNorm's forward (its own reads of its input)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_bn and self.conv_out:
+            for tensor in _tensors((args, kwargs)):
+                name = self.conv_out.get(id(tensor))
+                if name is not None:
+                    self.reads[name] += 1
+        return func(*args, **kwargs)
+
+    def returned(self, tensor_id: int) -> List[str]:
+        """The modules that returned the live watched tensor ``tensor_id``."""
+        tensor = self.alive[self.alive_index[tensor_id]]
+        return [name for name, ref in self.returned_by[tensor_id] if ref() is tensor]
+
+    def attach(self, model: nn.Module) -> List[Any]:
+        """Forward (pre-)hooks on every module of ``model``; returns their handles."""
+        handles = []
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(partial(self._pre, name)))
+            handles.append(module.register_forward_hook(partial(self._post, name)))
+        return handles
+
+    def _pre(self, name: str, module: nn.Module, args: tuple) -> None:
+        self.calls[name] += 1
+        if isinstance(module, nn.BatchNorm2d):
+            self.in_bn += 1
+            if args and isinstance(args[0], torch.Tensor):
+                self.bn_in[name] = id(args[0])
+
+    def _post(self, name: str, module: nn.Module, _args: tuple, output: Any) -> None:
+        if isinstance(module, nn.BatchNorm2d):
+            self.in_bn -= 1
+        for tensor in _tensors(output):
+            self.returned_by[id(tensor)].append((name, weakref.ref(tensor)))
+        if isinstance(module, nn.Conv2d) and isinstance(output, torch.Tensor):
+            self.conv_out[id(output)] = name
+            self.alive_index[id(output)] = len(self.alive)
+            self.alive.append(output)
+
+
+def _inner_ancestor(name: str, of: str) -> bool:
+    """Whether module ``name`` contains module ``of`` and is not the model itself (whose
+    output goes to the caller, out of sight)."""
+    return name != "" and of.startswith(name + ".")
+
+
+def conv_bn_pairs(model: nn.Module, probe: torch.Tensor,
+                  keep: Collection[str] = ()) -> List[Tuple[str, str]]:
+    """The ``(convolution, BatchNorm)`` name pairs of ``model`` (in eval mode) that
+    :func:`fold_batchnorm` folds, read from a forward pass on ``probe`` ``[B, 3, H, W]`` (see
+    the module docstring; none where the forward fails). ``keep``: module names whose output
+    must stay as it is (a convolution named here, or an ancestor that returns its output)."""
+    modules = dict(model.named_modules())
+    hooked = {name for name, m in modules.items() if _has_hooks(m)}
+    flow = _Probe()
+    handles = flow.attach(model)
+    try:
+        with torch.inference_mode(), flow:
+            model(probe)
+    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports it)
+        log.debug("BatchNorm folding skipped: the probe forward failed (%s: %s)",
+                  type(exc).__name__, exc)
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    pairs = []
+    for bn_name, tensor_id in flow.bn_in.items():
+        conv_name = flow.conv_out.get(tensor_id)
+        if (conv_name is None or conv_name in keep or {conv_name, bn_name} & hooked
+                or flow.calls[conv_name] != 1 or flow.calls[bn_name] != 1
+                or flow.reads[conv_name]):
+            continue
+        others = [n for n in flow.returned(tensor_id) if n != conv_name]
+        if any(n in keep or not _inner_ancestor(n, conv_name) for n in others):
+            continue
+        if _foldable(modules[conv_name], modules[bn_name]):
+            pairs.append((conv_name, bn_name))
+    return pairs
+
+
+@torch.no_grad()
+def fold_batchnorm(model: nn.Module, probe: torch.Tensor,
+                   keep: Collection[str] = ()) -> List[str]:
+    """Fold every eval-mode BatchNorm of ``model`` into the convolution that feeds it alone
+    (in place; see the module docstring) and return the BatchNorms' names. ``model`` must be
+    in eval mode already (a BatchNorm in training mode is left alone); ``probe``: an input
+    ``[B, 3, H, W]`` on the model's device for the data-flow pass; ``keep``: module names
+    whose output must stay as it is (hooked layers)."""
+    folded = []
+    for conv_name, bn_name in conv_bn_pairs(model, probe, keep):
+        conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
+        weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean,
+                                            bn.running_var, bn.eps, bn.weight, bn.bias)
+        conv.weight, conv.bias = weight, bias
+        parent, _, name = bn_name.rpartition(".")
+        setattr(model.get_submodule(parent), name, nn.Identity())
+        folded.append(bn_name)
+    return folded
