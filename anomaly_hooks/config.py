@@ -54,7 +54,7 @@ class BackboneConfig:
     # not on GPUs (devices.channels_last_for)
     channels_last: Optional[bool] = None
     # fold each BatchNorm into the convolution that feeds it alone (anomaly_hooks.fusion): the
-    # same features to float32 rounding, 1.2-1.4 x faster forward passes on CPUs
+    # same features to float32 rounding, 1.1-1.3 x faster forward passes on CPUs
     fold_batchnorm: bool = True
 
 

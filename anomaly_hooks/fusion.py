@@ -3,21 +3,21 @@
 In eval mode ``BatchNorm2d`` is a per-channel affine map ``y = a x + b`` of its input, so a
 convolution whose output goes *only* to it can take it on: ``W' = a W``, ``b' = a b_conv + b``
 (``torch.nn.utils.fusion.fuse_conv_bn_weights``), and the BatchNorm becomes ``nn.Identity``.
-One pass over every activation fewer per pair: the backbone's forward runs 1.2-1.4 times as
+One pass over every activation fewer per pair: the backbone's forward runs 1.1-1.3 times as
 fast on a CPU (``benchmarks/bench_memory_format.py --setting backbone.fold_batchnorm``).
 
-Which pairs are safe is read from the model's data flow in one probe forward pass, not from
-its attribute order: forward hooks on the model's own modules see each convolution's output
-and each BatchNorm's input, and a :class:`~torch.overrides.TorchFunctionMode` (thread-local:
-other threads running models meanwhile are not touched, unlike ``torch.fx``'s tracer, which
-patches ``nn.Module.__call__`` for the whole process) counts every other torch call that takes
-that output. A pair is folded where the BatchNorm's input *is* the convolution's output, no
-other call reads it (an in-place op, a residual sum, a view), no module but the convolution
-and the non-hooked containers between it and the BatchNorm returns it (not the model itself:
-its caller is out of sight), and each of the two runs once. Everything else is
-left alone: a convolution that is a hooked layer keeps its own output; modules that carry
-hooks or parametrisations, or BatchNorms without running statistics, are not touched. A
-hooked BatchNorm layer becomes ``nn.Identity`` under the same name and its output (the folded
+Which pairs are safe is read from the model's data flow in one probe forward pass, not from its
+attribute order: forward hooks on the model's own modules see each convolution's output and
+each BatchNorm's input, and a :class:`~torch.overrides.TorchFunctionMode` (thread-local: other
+threads running models meanwhile are not touched, unlike ``torch.fx``'s tracer, which patches
+``nn.Module.__call__`` for the whole process) counts every other torch call that takes that
+output. A pair is folded where the BatchNorm's input *is* the convolution's output, no other
+call reads it (an in-place op, a residual sum, a view, a second BatchNorm), no module but the
+convolution and the non-hooked containers between it and the BatchNorm returns it (not the
+model itself: its caller is out of sight), and each of the two runs once. Everything else is
+left alone: a convolution that is a hooked layer keeps its own output; modules that carry hooks
+or parametrisations, or BatchNorms without running statistics, are not touched. A hooked
+BatchNorm layer becomes ``nn.Identity`` under the same name and its output (the folded
 convolution's) is the one it had. The module names stay as they were.
 """
 from __future__ import annotations
@@ -75,7 +75,10 @@ class _Probe(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.conv_out: Dict[int, str] = {}  # id(output) -> convolution name
-        self.bn_in: Dict[str, int] = {}  # BatchNorm name -> id(its input)
+        # BatchNorm name -> (the convolution whose output it took, id of that output),
+        # resolved when it runs (while that output is alive: ids are not yet reused)
+        self.bn_in: Dict[str, Tuple[str, int]] = {}
+        self.bn_reads: Counter = Counter()  # convolution name -> BatchNorms reading its output
         # id(tensor) -> (module, weak reference): ids of freed tensors are reused
         self.returned_by: Dict[int, List[Tuple[str, weakref.ref]]] = defaultdict(list)
         self.calls: Counter = Counter()  # module name -> forward calls
@@ -110,8 +113,10 @@ class _Probe(TorchFunctionMode):
         self.calls[name] += 1
         if isinstance(module, nn.BatchNorm2d):
             self.in_bn += 1
-            if args and isinstance(args[0], torch.Tensor):
-                self.bn_in[name] = id(args[0])
+            conv = self.conv_out.get(id(args[0])) if args else None
+            if conv is not None:
+                self.bn_in[name] = (conv, id(args[0]))
+                self.bn_reads[conv] += 1
 
     def _post(self, name: str, module: nn.Module, _args: tuple, output: Any) -> None:
         if isinstance(module, nn.BatchNorm2d):
@@ -151,11 +156,10 @@ def conv_bn_pairs(model: nn.Module, probe: torch.Tensor,
         for handle in handles:
             handle.remove()
     pairs = []
-    for bn_name, tensor_id in flow.bn_in.items():
-        conv_name = flow.conv_out.get(tensor_id)
-        if (conv_name is None or conv_name in keep or {conv_name, bn_name} & hooked
+    for bn_name, (conv_name, tensor_id) in flow.bn_in.items():
+        if (conv_name in keep or {conv_name, bn_name} & hooked
                 or flow.calls[conv_name] != 1 or flow.calls[bn_name] != 1
-                or flow.reads[conv_name]):
+                or flow.reads[conv_name] or flow.bn_reads[conv_name] != 1):
             continue
         others = [n for n in flow.returned(tensor_id) if n != conv_name]
         if any(n in keep or not _inner_ancestor(n, conv_name) for n in others):

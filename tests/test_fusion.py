@@ -130,6 +130,18 @@ class Returned(Residual):
         return self.bn(y), y
 
 
+class TwoNorms(Residual):
+    """Two BatchNorms read the one output: neither can take the convolution alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn2 = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + self.bn2(y)
+
+
 class NoStats(Residual):
     """A BatchNorm without running statistics normalises with each batch's own."""
 
@@ -161,7 +173,8 @@ class Hooked(NoStats):
         self.conv.register_forward_hook(lambda m, i, o: self.seen.append(o))
 
 
-@pytest.mark.parametrize("cls", [Residual, InPlace, Shared, Returned, NoStats, Hooked])
+@pytest.mark.parametrize("cls", [Residual, InPlace, Shared, Returned, TwoNorms, NoStats,
+                                 Hooked])
 def test_pairs_whose_folding_would_change_something_are_left(cls):
     model = trained_like(cls())
     x = torch.rand(2, 3, 8, 8)
