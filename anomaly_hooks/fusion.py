@@ -101,13 +101,12 @@ class _Probe(TorchFunctionMode):
         tensor = self.alive[self.alive_index[tensor_id]]
         return [name for name, ref in self.returned_by[tensor_id] if ref() is tensor]
 
-    def attach(self, model: nn.Module) -> List[Any]:
-        """Forward (pre-)hooks on every module of ``model``; returns their handles."""
-        handles = []
+    def attach(self, model: nn.Module, handles: List[Any]) -> None:
+        """Forward (pre-)hooks on every module of ``model``, their handles appended to
+        ``handles`` as they are placed (all of them removable should one fail)."""
         for name, module in model.named_modules():
             handles.append(module.register_forward_pre_hook(partial(self._pre, name)))
             handles.append(module.register_forward_hook(partial(self._post, name)))
-        return handles
 
     def _pre(self, name: str, module: nn.Module, args: tuple) -> None:
         self.calls[name] += 1
@@ -139,16 +138,17 @@ def conv_bn_pairs(model: nn.Module, probe: torch.Tensor,
                   keep: Collection[str] = ()) -> List[Tuple[str, str]]:
     """The ``(convolution, BatchNorm)`` name pairs of ``model`` (in eval mode) that
     :func:`fold_batchnorm` folds, read from a forward pass on ``probe`` ``[B, 3, H, W]`` (see
-    the module docstring; none where the forward fails). ``keep``: module names whose output
-    must stay as it is (a convolution named here, or an ancestor that returns its output)."""
+    the module docstring; none where the model cannot be hooked or the forward fails).
+    ``keep``: module names whose output must stay as it is (a convolution named here, or a
+    container that returns its output)."""
     modules = dict(model.named_modules())
     hooked = {name for name, m in modules.items() if _has_hooks(m)}
-    flow = _Probe()
-    handles = flow.attach(model)
+    flow, handles = _Probe(), []
     try:
+        flow.attach(model, handles)
         with torch.inference_mode(), flow:
             model(probe)
-    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports it)
+    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports a failure)
         log.debug("BatchNorm folding skipped: the probe forward failed (%s: %s)",
                   type(exc).__name__, exc)
         return []
