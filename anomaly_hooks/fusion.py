@@ -83,8 +83,8 @@ class _Probe(TorchFunctionMode):
         self.returned_by: Dict[int, List[Tuple[str, weakref.ref]]] = defaultdict(list)
         self.calls: Counter = Counter()  # module name -> forward calls
         self.reads: Counter = Counter()  # convolution name -> torch calls reading its output
-        self.alive: List[torch.Tensor] = []  # the watched tensors (their ids stay theirs)
-        self.alive_index: Dict[int, int] = {}
+        # id(output) -> each convolution's output, held so that its id stays its own
+        self.outputs: Dict[int, torch.Tensor] = {}
         self.in_bn = 0  # inside a BatchNorm's forward (its own reads of its input)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -98,7 +98,7 @@ class _Probe(TorchFunctionMode):
 
     def returned(self, tensor_id: int) -> List[str]:
         """The modules that returned the live watched tensor ``tensor_id``."""
-        tensor = self.alive[self.alive_index[tensor_id]]
+        tensor = self.outputs[tensor_id]
         return [name for name, ref in self.returned_by[tensor_id] if ref() is tensor]
 
     def attach(self, model: nn.Module, handles: List[Any]) -> None:
@@ -124,8 +124,7 @@ class _Probe(TorchFunctionMode):
             self.returned_by[id(tensor)].append((name, weakref.ref(tensor)))
         if isinstance(module, nn.Conv2d) and isinstance(output, torch.Tensor):
             self.conv_out[id(output)] = name
-            self.alive_index[id(output)] = len(self.alive)
-            self.alive.append(output)
+            self.outputs[id(output)] = output
 
 
 def _inner_ancestor(name: str, of: str) -> bool:
