@@ -145,9 +145,9 @@ class HookFeatureExtractor:
         resolve_layers(model, self.layers)  # a bad name fails before any copy is made
         self.model = (_copy_module(model) if copy_module else model).eval().to(device)
         # the BatchNorms folded away (their names; before the memory format: new weights)
-        self.folded: List[str] = (
-            fusion.fold_batchnorm(self.model, torch.zeros(1, 3, *probe_size, device=device),
-                            keep=self.layers) if fold_batchnorm else [])
+        probe = torch.zeros(1, 3, *probe_size, device=device)
+        self.folded: List[str] = (fusion.fold_batchnorm(self.model, probe, keep=self.layers)
+                                  if fold_batchnorm else [])
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.device = torch.device(device)
