@@ -16,6 +16,9 @@
 #   memfmt     bench_memory_format on cuda: contiguous against channels-last, PaDiM
 #              EfficientNet-Lite0 and WRN50 on battery_weld (backbone.channels_last: null
 #              keeps GPUs contiguous until this shows channels-last faster in float32)
+#   fold       bench_memory_format --setting backbone.fold_batchnorm on cuda: the BatchNorms
+#              folded into the convolutions or not, PaDiM EfficientNet-Lite0 and WRN50 on
+#              battery_weld
 # Each writes one text file under $OUT (the device tool brings back at most eight files).
 #   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
 #                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB); for loop and
@@ -91,6 +94,13 @@ if has memfmt; then
     run memfmt 150 python3 benchmarks/bench_memory_format.py --data "$battery" \
       --config configs/$cfg.yaml --fit 37 --predict 128 --repeats 3 device=cuda \
       data.num_workers=$workers
+  done
+fi
+if has fold; then
+  for cfg in padim_effnet_lite0 padim; do
+    run fold 120 python3 benchmarks/bench_memory_format.py --data "$battery" \
+      --config configs/$cfg.yaml --setting backbone.fold_batchnorm --fit 37 --predict 128 \
+      --repeats 3 device=cuda data.num_workers=$workers
   done
 fi
 if has macaroni; then
