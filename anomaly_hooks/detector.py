@@ -128,7 +128,10 @@ class Detector:
                                               channels_last=channels_last_for(
                                                   cfg.backbone.channels_last, self.device),
                                               copy_module=backbone is not None,
-                                              fold_batchnorm=cfg.backbone.fold_batchnorm)
+                                              fold_batchnorm=cfg.backbone.fold_batchnorm,
+                                              fold_padding=cfg.backbone.fold_padding,
+                                              inplace_activations=(
+                                                  cfg.backbone.inplace_activations))
         # high-resolution mode (tiling.enabled): the working frame's preprocessing and the
         # tiles around the backbone (anomaly_hooks.tiling); None: the resize-crop framing
         self.tiling: Optional[Tiling] = None

@@ -114,6 +114,12 @@ class HookFeatureExtractor:
             outputs, to float32 rounding): one pass over the activations fewer per pair. It
             changes the module the extractor runs, so with ``copy_module=False`` the caller's
             (its BatchNorms become ``nn.Identity``).
+        fold_padding: fold each convolution's symmetric ``nn.ZeroPad2d`` child into its own
+            padding (:func:`~anomaly_hooks.fusion.fold_padding`): one copy of each padded
+            activation fewer.
+        inplace_activations: run each activation module whose input nothing else reads in
+            place (:func:`~anomaly_hooks.fusion.inplace_activations`; the same values): no new
+            tensor per activation.
         copy_module: False (the default): ``model`` itself is put in eval mode, moved to
             ``device`` and hooked, in place (a module shared with other code changes for it
             too). True: the extractor works on a deep copy, so the caller's module keeps its
@@ -136,6 +142,8 @@ class HookFeatureExtractor:
         channels_last: bool = False,
         copy_module: bool = False,
         fold_batchnorm: bool = False,
+        fold_padding: bool = False,
+        inplace_activations: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r}: one of {sorted(PRECISIONS)}")
@@ -148,6 +156,12 @@ class HookFeatureExtractor:
         probe = torch.zeros(1, 3, *probe_size, device=device)
         self.folded: List[str] = (fusion.fold_batchnorm(self.model, probe, keep=self.layers)
                                   if fold_batchnorm else [])
+        # the convolutions that took their padding layer; the activations run in place
+        self.folded_padding: List[str] = (
+            fusion.fold_padding(self.model, probe, keep=self.layers) if fold_padding else [])
+        self.in_place: List[str] = (
+            fusion.inplace_activations(self.model, probe, keep=self.layers)
+            if inplace_activations else [])
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.device = torch.device(device)

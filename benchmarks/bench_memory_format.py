@@ -7,8 +7,10 @@ Usage::
         --config configs/padim_effnet_lite0.yaml [--setting backbone.channels_last] \\
         [--fit 100] [--predict 60] [--repeats 2] [key=value ...] [--json out.json]
 
-``--setting``: ``backbone.channels_last`` (the default: contiguous against channels-last) or
-``backbone.fold_batchnorm`` (BatchNorms kept against folded into their convolutions). For
+``--setting``: ``backbone.channels_last`` (the default: contiguous against channels-last),
+``backbone.fold_batchnorm`` (BatchNorms kept against folded into their convolutions),
+``backbone.fold_padding`` (zero-padding layers kept against folded into the convolutions) or
+``backbone.inplace_activations`` (activations out of place against in place). For
 each of ``false`` and ``true`` (in turns, ``--repeats`` times): a fit on the first ``--fit``
 training images and ``decision_function`` on the first ``--predict`` test images. Printed per
 value: the medians of the fit's seconds, of its backbone seconds (``fit_timings_``,
@@ -39,7 +41,9 @@ from benchmarks.measure import machine, write_json  # noqa: E402
 VALUES = (False, True)
 # what false and true are called in the output, per setting
 SETTINGS = {"backbone.channels_last": ("contiguous", "channels_last"),
-            "backbone.fold_batchnorm": ("unfolded", "folded")}
+            "backbone.fold_batchnorm": ("unfolded", "folded"),
+            "backbone.fold_padding": ("padded", "pad folded"),
+            "backbone.inplace_activations": ("out of place", "in place")}
 
 
 def one_run(config: str, overrides: List[str], setting: str, value: bool, train: List[str],

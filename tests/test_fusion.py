@@ -1,5 +1,6 @@
-"""BatchNorm folding (anomaly_hooks.fusion): the same features as the unfolded backbone, and
-every pair whose folding would change something left alone."""
+"""The backbone's rewrites (anomaly_hooks.fusion): BatchNorms folded into convolutions, zero
+padding into convolutions, activations in place. The same features as the model as given, and
+every rewrite that would change something left undone."""
 from __future__ import annotations
 
 import copy
@@ -7,13 +8,14 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import backbone_rtol
 from torch import nn
 
 from anomaly_hooks import Detector
 from anomaly_hooks.backbones import fingerprint
 from anomaly_hooks.extractor import HookFeatureExtractor
-from anomaly_hooks.fusion import conv_bn_pairs, fold_batchnorm
+from anomaly_hooks.fusion import conv_bn_pairs, fold_batchnorm, fold_padding, inplace_activations
 
 LAYERS = ["layer1", "layer2", "layer3"]
 PROBE = (64, 80)
@@ -249,3 +251,212 @@ def test_detector_folds_by_default_and_keeps_the_weights_fingerprint(small_cfg, 
     given = Detector.from_config(small_cfg, backbone=resnet18)
     assert given.backbone_fingerprint == fingerprint(resnet18)
     assert n_batchnorms(resnet18) == 20  # the caller's module is not folded
+
+
+# -- zero padding folded into the convolution ----------------------------------------------
+class SamePadConv(nn.Conv2d):
+    """A convolution that pads with a ZeroPad2d child, as EfficientNet-Lite's static "same"
+    padding does."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int = 1, pad=None,
+                 groups: int = 1) -> None:
+        super().__init__(cin, cout, k, stride, groups=groups)
+        self.static_padding = nn.ZeroPad2d(pad if pad is not None else (k // 2,) * 4)
+
+    def forward(self, x):
+        return F.conv2d(self.static_padding(x), self.weight, self.bias, self.stride,
+                        self.padding, self.dilation, self.groups)
+
+
+class IgnoresPadding(SamePadConv):
+    """Convolves without its own ``padding``: folding the pad would drop it."""
+
+    def forward(self, x):
+        return F.conv2d(self.static_padding(x), self.weight, self.bias, self.stride, 0,
+                        self.dilation, self.groups)
+
+
+class PadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = SamePadConv(3, 8, 3, stride=2, pad=(0, 1, 0, 1))  # asymmetric
+        self.dw = SamePadConv(8, 8, 5, groups=8)
+        self.pw = SamePadConv(8, 8, 3)
+        self.odd = IgnoresPadding(8, 8, 3)
+        self.act = nn.ReLU6()
+
+    def forward(self, x):
+        x = self.act(self.stem(x))
+        return self.odd(self.pw(self.act(self.dw(x))))
+
+
+def test_symmetric_padding_layers_are_folded_and_the_rest_left(device):
+    model = PadNet().eval().to(device)
+    x = torch.rand(2, 3, 16, 20, device=device)
+    with torch.no_grad():
+        before = model(x)
+        assert fold_padding(model, torch.zeros(1, 3, 16, 20, device=device)) == ["dw", "pw"]
+        after = model(x)
+    for name in ("dw", "pw"):
+        conv = model.get_submodule(name)
+        k = conv.kernel_size[0] // 2
+        assert isinstance(conv.static_padding, nn.Identity) and conv.padding == (k, k)
+    assert isinstance(model.stem.static_padding, nn.ZeroPad2d)  # (0, 1): no conv padding is that
+    assert isinstance(model.odd.static_padding, nn.ZeroPad2d)  # checked and undone
+    assert model.odd.padding == (0, 0)
+    # the same sums, maybe by another kernel: float32 rounding of 4 layers of <= 72 terms
+    assert after.shape == before.shape
+    err = (after - before).abs().max().item()
+    assert err <= backbone_rtol(4, 72) * before.abs().max().item()
+
+
+def test_padding_is_left_where_kept_or_hooked():
+    model = PadNet().eval()
+    model.pw.register_forward_hook(lambda *a: None)
+    assert fold_padding(model, torch.zeros(1, 3, 16, 20), keep=["dw.static_padding"]) == []
+
+
+# -- activations in place ------------------------------------------------------------------
+class ActNet(nn.Module):
+    """Convolutions each followed by a ReLU6; one activation module used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.act = nn.ReLU6()  # after bn1 and after conv2
+        self.silu = nn.SiLU()
+
+    def forward(self, x):
+        x = self.act(self.bn1(self.conv1(x)))
+        return self.silu(self.act(self.conv2(x)) - 3)
+
+
+def test_activations_run_in_place_with_the_same_values(device):
+    model = trained_like(ActNet()).to(device)
+    x = torch.rand(2, 3, 8, 8, device=device)
+    with torch.no_grad():
+        before = model(x)
+        assert inplace_activations(model, torch.zeros(1, 3, 8, 8, device=device)) == ["act",
+                                                                                      "silu"]
+        after = model(x)
+    assert model.act.inplace and model.silu.inplace
+    assert torch.equal(after, before)  # the same kernels: to the bit
+    assert torch.equal(x, x.clone()) and x.min() >= 0  # the caller's input untouched
+
+
+class OnInput(nn.Module):
+    """The activation takes the model's input: the caller's tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU6()
+
+    def forward(self, x):
+        return self.act(x)
+
+
+class ReadTwice(OnInput):
+    """The activation's input also goes to a residual sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.act(y) + y
+
+
+class OnView(ReadTwice):
+    """The activation takes a view: overwriting it changes the tensor it views."""
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.act(y[:, :2]), y
+
+
+class ReturnsInput(ReadTwice):
+    """The activation's input is returned by the model too."""
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.act(y), y
+
+
+class OneUnsafeCall(ReadTwice):
+    """One activation module, one of whose two inputs is read again."""
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = self.conv(self.act(y))
+        return self.act(z) + z
+
+
+class Watched(ReadTwice):
+    """Someone's hook keeps the convolution's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+        self.conv.register_forward_hook(lambda m, i, o: self.seen.append(o))
+
+    def forward(self, x):
+        return self.act(self.conv(x))
+
+
+@pytest.mark.parametrize("cls", [OnInput, ReadTwice, OnView, ReturnsInput, OneUnsafeCall,
+                                 Watched])
+def test_activations_whose_input_is_needed_stay_out_of_place(cls):
+    model = cls().eval()
+    x = torch.rand(2, 3, 8, 8) * 10
+    with torch.no_grad():
+        before = model(x)
+    x_copy = x.clone()
+    assert inplace_activations(model, torch.zeros(1, 3, 8, 8)) == []
+    assert not model.act.inplace
+    with torch.no_grad():
+        after = model(x)
+    assert torch.equal(x, x_copy)
+    for a, b in zip(before if isinstance(before, tuple) else [before],
+                    after if isinstance(after, tuple) else [after]):
+        assert torch.equal(a, b)
+
+
+def test_a_kept_layer_output_is_not_overwritten():
+    model = trained_like(ActNet())
+    probe = torch.zeros(1, 3, 8, 8)
+    assert inplace_activations(copy.deepcopy(model), probe, keep=["bn1"]) == ["silu"]
+    x = torch.rand(2, 3, 8, 8)
+    with HookFeatureExtractor(model, ["bn1", "conv2"], probe_size=(8, 8), copy_module=True,
+                              inplace_activations=True) as ext:
+        got = ext(x)
+    with torch.no_grad():
+        y = model.bn1(model.conv1(x))
+        assert torch.equal(got["bn1"], y)  # the hooked output, not its ReLU6
+        assert torch.equal(got["conv2"], model.conv2(model.act(y)))
+
+
+def test_efficientnet_lite0_gives_the_same_features_rewritten(device):
+    """The packaged backbone the [effnet] configs use: every symmetric padding folded, every
+    ReLU6 in place, the hooked blocks' features within float32 rounding of the model as
+    given."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    from anomaly_hooks.backbones import build_backbone
+
+    model = build_backbone("efficientnet_lite0", None, 0).eval()
+    layers = ["_blocks.2", "_blocks.4", "_blocks.10"]
+    x = torch.rand(2, 3, 96, 96)
+    outs = {}
+    for rewrite in (False, True):
+        with HookFeatureExtractor(model, layers, device, probe_size=(96, 96), copy_module=True,
+                                  fold_padding=rewrite, inplace_activations=rewrite) as ext:
+            outs[rewrite] = ext(x)
+            if rewrite:
+                assert len(ext.folded_padding) == 12 and len(ext.in_place) == 17
+    for name in layers:
+        ref = outs[False][name]
+        err = (outs[True][name] - ref).abs().max().item()
+        assert err <= backbone_rtol(30, 1152) * ref.abs().max().item(), name
