@@ -16,9 +16,10 @@
 #   memfmt     bench_memory_format on cuda: contiguous against channels-last, PaDiM
 #              EfficientNet-Lite0 and WRN50 on battery_weld (backbone.channels_last: null
 #              keeps GPUs contiguous until this shows channels-last faster in float32)
-#   fold       bench_memory_format --setting backbone.fold_batchnorm on cuda: the BatchNorms
-#              folded into the convolutions or not, PaDiM EfficientNet-Lite0 and WRN50 on
-#              battery_weld
+#   fold       bench_memory_format --setting on cuda, PaDiM on battery_weld: the BatchNorms
+#              folded into the convolutions or not (EfficientNet-Lite0 and WRN50), the zero
+#              padding folded and the activations in place or not (EfficientNet-Lite0: WRN50
+#              has nothing of either to rewrite)
 # Each writes one text file under $OUT (the device tool brings back at most eight files).
 #   prepare here: bash ../shared/gpu/prepare.sh --effnet (bottle at 256 x 256 in .gpu-data/),
 #                 then cp -r ../shared/data/battery_weld .gpu-data/ (2.3 MB); for loop and
@@ -97,10 +98,13 @@ if has memfmt; then
   done
 fi
 if has fold; then
-  for cfg in padim_effnet_lite0 padim; do
-    run fold 120 python3 benchmarks/bench_memory_format.py --data "$battery" \
-      --config configs/$cfg.yaml --setting backbone.fold_batchnorm --fit 37 --predict 128 \
-      --repeats 3 device=cuda data.num_workers=$workers
+  for setting in fold_batchnorm fold_padding inplace_activations; do
+    for cfg in padim_effnet_lite0 padim; do
+      [[ $setting != fold_batchnorm && $cfg == padim ]] && continue
+      run fold 120 python3 benchmarks/bench_memory_format.py --data "$battery" \
+        --config configs/$cfg.yaml --setting backbone.$setting --fit 37 --predict 128 \
+        --repeats 3 device=cuda data.num_workers=$workers
+    done
   done
 fi
 if has macaroni; then
