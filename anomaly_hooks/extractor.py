@@ -119,7 +119,8 @@ class HookFeatureExtractor:
             activation fewer.
         inplace_activations: run each activation module whose input nothing else reads in
             place (:func:`~anomaly_hooks.fusion.inplace_activations`; the same values): no new
-            tensor per activation.
+            tensor per activation. Both change the module the extractor runs, as the folding
+            does.
         copy_module: False (the default): ``model`` itself is put in eval mode, moved to
             ``device`` and hooked, in place (a module shared with other code changes for it
             too). True: the extractor works on a deep copy, so the caller's module keeps its
