@@ -145,6 +145,27 @@ class _Probe(TorchFunctionMode):
             self.outputs[id(output)] = output
 
 
+def probe_pass(model: nn.Module, probe: torch.Tensor, flow: TorchFunctionMode,
+               what: str) -> bool:
+    """One forward pass of ``model`` on ``probe`` ``[B, 3, H, W]`` in inference mode, with the
+    hooks ``flow.attach(model, handles)`` places and ``flow`` as the torch-function mode; the
+    hooks removed afterwards, whatever happens. False (logged, ``what`` skipped) where the model
+    cannot be hooked or the forward fails: the extractor's own dry run reports that."""
+    handles: List[Any] = []
+    try:
+        flow.attach(model, handles)
+        with torch.inference_mode(), flow:
+            model(probe)
+    except Exception as exc:  # noqa: BLE001 (reported by the extractor's dry run)
+        log.debug("%s skipped: the probe forward failed (%s: %s)", what,
+                  type(exc).__name__, exc)
+        return False
+    finally:
+        for handle in handles:
+            handle.remove()
+    return True
+
+
 def _inner_ancestor(name: str, of: str) -> bool:
     """Whether module ``name`` contains module ``of`` and is not the model itself (whose
     output goes to the caller, out of sight)."""
@@ -160,18 +181,9 @@ def conv_bn_pairs(model: nn.Module, probe: torch.Tensor,
     container that returns its output)."""
     modules = dict(model.named_modules())
     hooked = {name for name, m in modules.items() if _has_hooks(m)}
-    flow, handles = _Probe(), []
-    try:
-        flow.attach(model, handles)
-        with torch.inference_mode(), flow:
-            model(probe)
-    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports a failure)
-        log.debug("BatchNorm folding skipped: the probe forward failed (%s: %s)",
-                  type(exc).__name__, exc)
+    flow = _Probe()
+    if not probe_pass(model, probe, flow, "BatchNorm folding"):
         return []
-    finally:
-        for handle in handles:
-            handle.remove()
     pairs = []
     for bn_name, (conv_name, tensor_id) in flow.bn_in.items():
         if (conv_name in keep or {conv_name, bn_name} & hooked
@@ -229,28 +241,26 @@ def _padding_candidates(model: nn.Module, keep: Collection[str]) -> Dict[str, st
     return out
 
 
-def _input_shapes(model: nn.Module, probe: torch.Tensor,
-                  names: Collection[str]) -> Dict[str, torch.Size]:
-    """The input shape of each module in ``names`` at its first call in a forward pass on
-    ``probe`` (none where the forward fails)."""
-    shapes: Dict[str, torch.Size] = {}
+class _Shapes(TorchFunctionMode):
+    """The input shape of each module in ``names`` at its first call (the mode itself passes
+    every torch call through)."""
 
-    def pre(name: str, _module: nn.Module, args: tuple) -> None:
-        if name not in shapes and args and isinstance(args[0], torch.Tensor):
-            shapes[name] = args[0].shape
+    def __init__(self, names: Collection[str]) -> None:
+        super().__init__()
+        self.names = names
+        self.shapes: Dict[str, torch.Size] = {}
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(partial(pre, n)) for n in names]
-    try:
-        with torch.inference_mode():
-            model(probe)
-    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports a failure)
-        log.debug("padding folding skipped: the probe forward failed (%s: %s)",
-                  type(exc).__name__, exc)
-        return {}
-    finally:
-        for handle in handles:
-            handle.remove()
-    return shapes
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+    def attach(self, model: nn.Module, handles: List[Any]) -> None:
+        for name in self.names:
+            handles.append(model.get_submodule(name).register_forward_pre_hook(
+                partial(self._pre, name)))
+
+    def _pre(self, name: str, _module: nn.Module, args: tuple) -> None:
+        if name not in self.shapes and args and isinstance(args[0], torch.Tensor):
+            self.shapes[name] = args[0].shape
 
 
 def _same_output(conv: nn.Module, x: torch.Tensor, before: torch.Tensor,
@@ -276,7 +286,9 @@ def fold_padding(model: nn.Module, probe: torch.Tensor, keep: Collection[str] = 
     ``probe``: an input ``[B, 3, H, W]`` on the model's device, for the sizes the checks use;
     ``keep``: module names whose output must stay as it is."""
     candidates = _padding_candidates(model, keep)
-    shapes = _input_shapes(model, probe, candidates) if candidates else {}
+    flow = _Shapes(candidates)
+    shapes = flow.shapes if candidates and probe_pass(model, probe, flow, "padding folding") \
+        else {}
     gen = torch.Generator(device=probe.device).manual_seed(PADDING_CHECK_SEED)
     folded = []
     for name, child in candidates.items():
@@ -379,18 +391,9 @@ def inplace_activations(model: nn.Module, probe: torch.Tensor,
         return []
     modules = dict(model.named_modules())
     hooked = {name for name, m in modules.items() if _has_hooks(m)}
-    flow, handles = _Reads(watched), []
-    try:
-        flow.attach(model, handles)
-        with torch.inference_mode(), flow:
-            model(probe)
-    except Exception as exc:  # noqa: BLE001 (the extractor's own dry run reports a failure)
-        log.debug("in-place activations skipped: the probe forward failed (%s: %s)",
-                  type(exc).__name__, exc)
+    flow = _Reads(watched)
+    if not probe_pass(model, probe, flow, "in-place activations"):
         return []
-    finally:
-        for handle in handles:
-            handle.remove()
     done = []
     for name in watched:
         inputs = flow.inputs.get(name)
