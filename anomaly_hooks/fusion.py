@@ -287,8 +287,9 @@ def fold_padding(model: nn.Module, probe: torch.Tensor, keep: Collection[str] = 
     ``keep``: module names whose output must stay as it is."""
     candidates = _padding_candidates(model, keep)
     flow = _Shapes(candidates)
-    shapes = flow.shapes if candidates and probe_pass(model, probe, flow, "padding folding") \
-        else {}
+    if not candidates or not probe_pass(model, probe, flow, "padding folding"):
+        return []
+    shapes = flow.shapes
     gen = torch.Generator(device=probe.device).manual_seed(PADDING_CHECK_SEED)
     folded = []
     for name, child in candidates.items():
@@ -341,8 +342,7 @@ class _Reads(TorchFunctionMode):
         kwargs = kwargs or {}
         given = list(_tensors((args, kwargs)))
         for t in given:
-            ref, n = self.reads.get(id(t), (None, 0))
-            self.reads[id(t)] = (weakref.ref(t), n + 1 if ref is not None and ref() is t else 1)
+            self.reads[id(t)] = (weakref.ref(t), self.reads_of(t) + 1)
         out = func(*args, **kwargs)
         taken = {_storage(t) for t in given}
         for t in _tensors(out):  # (torch calls made here are not seen by the mode)
@@ -352,11 +352,15 @@ class _Reads(TorchFunctionMode):
                     self.fresh[id(t)] = weakref.ref(t)
         return out
 
-    def count(self, table: Dict[int, Any], t: torch.Tensor) -> Any:
-        """``t``'s live entry of ``table`` (``reads`` or ``fresh``), or None."""
-        entry = table.get(id(t))
-        ref = entry[0] if isinstance(entry, tuple) else entry
-        return entry if ref is not None and ref() is t else None
+    def reads_of(self, t: torch.Tensor) -> int:
+        """How many torch calls read the live tensor ``t``."""
+        ref, n = self.reads.get(id(t), (None, 0))
+        return n if ref is not None and ref() is t else 0
+
+    def is_fresh(self, t: torch.Tensor) -> bool:
+        """Whether a torch call made the live tensor ``t`` in memory of its own."""
+        ref = self.fresh.get(id(t))
+        return ref is not None and ref() is t
 
     def attach(self, model: nn.Module, handles: List[Any]) -> None:
         for name, module in model.named_modules():
@@ -409,8 +413,7 @@ def _overwritable(flow: _Reads, t: torch.Tensor, keep: Collection[str],
     """Whether an activation may overwrite its input ``t``: made by a torch call in memory of
     its own, read by that activation's call alone, and returned by no module whose output
     someone takes (a kept or hooked module, the model itself)."""
-    reads = flow.count(flow.reads, t)
-    if flow.count(flow.fresh, t) is None or reads is None or reads[1] != 1:
+    if not flow.is_fresh(t) or flow.reads_of(t) != 1:
         return False
     takers = [n for n, ref in flow.returned_by.get(id(t), []) if ref() is t]
     return not any(n == "" or n in keep or n in hooked for n in takers)
