@@ -32,7 +32,13 @@ from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFitte
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitRun
 from anomaly_hooks.heatmap import anomaly_maps
-from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image
+from anomaly_hooks.images import (
+    ImageInput,
+    ImageReadError,
+    decode_threads,
+    is_one_image,
+    load_all,
+)
 from anomaly_hooks.modelfile import content_checksum, file_checksum, load_model, save_model
 from anomaly_hooks.modelmeta import check_lineage
 from anomaly_hooks.monitor import fitting as drift
@@ -338,10 +344,13 @@ class Detector:
     def prepare(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
         """Decode and preprocess images: the network inputs ``[B, 3, h, w]`` (page-locked when
         the model runs on a GPU, so that the copy to it does not block the host) and each
-        image's own (H, W). Each image is decoded, preprocessed and dropped before the next (a
-        batch never holds full images). Raises :class:`ImageReadError` for an unreadable one."""
-        loaded = [load_preprocessed(item, self.preprocessor, self.cfg.data.max_pixels)
-                  for item in items]
+        image's own (H, W). ``data.decode_threads`` threads decode at once (``images.load_all``),
+        each image decoded, preprocessed and dropped by its thread (a batch never holds more
+        full images than threads). Raises :class:`ImageReadError` for an unreadable one (the
+        first in input order)."""
+        data = self.cfg.data
+        loaded = load_all(lambda item: load_preprocessed(item, self.preprocessor, data.max_pixels),
+                          items, decode_threads(data.decode_threads))
         pre = [t for t, _ in loaded]
         out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
                           pin_memory=self.device.type == "cuda")

@@ -686,3 +686,95 @@ def test_fuzz_tensors(t):
     assert img.dtype == torch.float32 and img.dim() == 3 and img.shape[0] == 3
     assert bool(torch.isfinite(img).all())
     assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
+
+
+# ---- decoding a batch on threads ---------------------------------------------------------
+def test_load_all_keeps_input_order_and_raises_the_first_error_in_it():
+    """The results come back in input order whatever order the threads finish in; when two
+    items fail, the error raised is the earlier item's even when the later one failed first."""
+    import threading
+    import time
+
+    from anomaly_hooks.images import load_all
+
+    def slow_first(x: int) -> int:
+        time.sleep(0.02 if x == 0 else 0.0)
+        return x * x
+
+    assert load_all(slow_first, list(range(9)), threads=3) == [x * x for x in range(9)]
+    assert load_all(slow_first, [], threads=3) == []
+    later_failed = threading.Event()
+
+    def load(x: str) -> str:
+        if x == "a":  # fails only after "b" has
+            assert later_failed.wait(10)
+            raise ImageReadError("a: broken")
+        if x == "b":
+            later_failed.set()
+            raise ImageReadError("b: broken")
+        return x
+
+    with pytest.raises(ImageReadError, match="a: broken"):
+        load_all(load, ["a", "b", "c"], threads=2)
+    assert later_failed.is_set()
+
+
+def test_load_all_leaves_the_items_after_an_error_unread():
+    import threading
+
+    from anomaly_hooks.images import load_all
+
+    started = []
+    lock = threading.Lock()
+
+    def load(x: int) -> int:
+        with lock:
+            started.append(x)
+        if x == 0:
+            raise ImageReadError("0: broken")
+        threading.Event().wait(0.2)  # still running when the error arrives
+        return x
+
+    with pytest.raises(ImageReadError, match="0: broken"):
+        load_all(load, list(range(21)), threads=2)
+    assert len(started) <= 4  # the failed item, the other thread's, at most two in the race
+
+
+def test_decode_threads_default_and_asked():
+    from anomaly_hooks.images import DECODE_THREADS, decode_threads
+
+    assert decode_threads(3) == 3
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert decode_threads() == max(1, min(DECODE_THREADS, cpus))
+
+
+def test_threaded_prepare_equals_one_thread(small_cfg, tmp_path):
+    """``data.decode_threads``: the network inputs, sizes and predictions of a batch decoded
+    on several threads are those of one thread, for every input form (a lazily opened PIL
+    image twice in the batch: one object shared by two threads); an unreadable item raises
+    the error of the first in input order."""
+    imgs = textured_images(6, size=(60, 70), seed=5)
+    paths = []
+    for i, img in enumerate(imgs[:3]):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(img).save(paths[-1])
+    jpeg = tmp_path / "j.jpg"
+    Image.fromarray(imgs[3]).save(jpeg, quality=90)
+    lazy = Image.open(paths[0])
+    items = [paths[0], str(paths[1]), jpeg, lazy, imgs[4], lazy, paths[2].read_bytes(),
+             torch.from_numpy(imgs[5]).permute(2, 0, 1).contiguous(), Image.fromarray(imgs[1])]
+    dets = {n: Detector.from_config(small_cfg, data__decode_threads=n)
+            .fit(textured_images(8), progress=False) for n in (1, 4)}
+    one, sizes1 = dets[1].prepare(items)
+    many, sizes4 = dets[4].prepare(items)
+    assert torch.equal(one, many) and sizes1 == sizes4
+    p1, p4 = dets[1].predict(items), dets[4].predict(items)
+    assert [p.score for p in p1] == [p.score for p in p4]
+    assert all(np.array_equal(a.heatmap, b.heatmap) for a, b in zip(p1, p4))
+    np.testing.assert_array_equal(dets[4].decision_function(items), [p.score for p in p1])
+    bad1, bad2 = tmp_path / "bad1.png", tmp_path / "bad2.png"
+    bad1.write_bytes(b"not an image")
+    bad2.write_bytes(b"nor this")
+    with pytest.raises(ImageReadError, match="bad1.png"):
+        dets[4].predict([paths[0], bad1, paths[1], bad2])
+    lazy.close()

@@ -116,6 +116,19 @@ def test_thread_safe(model):
         np.testing.assert_array_equal(scores, ref)
 
 
+def test_decode_threads_give_the_one_thread_batch(model):
+    """A batch decoded on several threads is the batch of one thread, in input order."""
+    _, _, path, folder = model
+    files = sorted(folder.iterdir())
+    one = OnnxDetector.load(path, decode_threads=1)
+    many = OnnxDetector.load(path, decode_threads=3)
+    assert (one.decode_threads, many.decode_threads) == (1, 3)
+    (a, sizes_a), (b, sizes_b) = one.prepare(files), many.prepare(files)
+    np.testing.assert_array_equal(a, b)
+    assert sizes_a == sizes_b
+    np.testing.assert_array_equal(many.decision_function(files), one.decision_function(files))
+
+
 @pytest.mark.slow
 def test_runs_where_torch_cannot_be_imported(model):
     """A subprocess in which ``import torch`` fails: the runtime still predicts."""

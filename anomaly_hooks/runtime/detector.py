@@ -48,7 +48,8 @@ import numpy as np
 
 from anomaly_hooks.errors import ImageReadError, ModelFileError, NotFittedError
 from anomaly_hooks.framing import Frame
-from anomaly_hooks.images import decode_reduced, is_one_image
+from anomaly_hooks.images import decode_reduced, is_one_image, load_all
+from anomaly_hooks.images import decode_threads as images_decode_threads
 from anomaly_hooks.modelmeta import about
 from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.prediction import Prediction
@@ -108,7 +109,8 @@ class OnnxDetector:
     """A predict-only detector on an ONNX file written by ``anomaly-hooks export``."""
 
     def __init__(self, session: Any, model: ExportedModel, batch_size: int = DEFAULT_BATCH,
-                 preprocess_method: str = "numpy") -> None:
+                 preprocess_method: str = "numpy", decode_threads: Optional[int] = None
+                 ) -> None:
         self.session = session
         self.model = model
         self.meta = dict(model.meta)
@@ -123,6 +125,7 @@ class OnnxDetector:
         self.layers = model.layers
         self.max_pixels = model.max_pixels
         self.batch_size = batch_size
+        self.decode_threads = images_decode_threads(decode_threads)
         self.input_name = model.input_name
         #: the drift reference saved with the source model (None: see ``drift_unavailable``)
         self.drift_reference_ = model.drift
@@ -141,7 +144,7 @@ class OnnxDetector:
     def load(cls, path: Union[str, os.PathLike], *, providers: Optional[Sequence[Any]] = None,
              threads: Optional[int] = None, batch_size: int = DEFAULT_BATCH,
              preprocess_method: str = "numpy", engine: str = "onnxruntime",
-             spin: bool = True) -> "OnnxDetector":
+             spin: bool = True, decode_threads: Optional[int] = None) -> "OnnxDetector":
         """Open ``path`` (``.onnx``; its ``.onnx.data`` side file, if any, next to it), after
         :func:`~anomaly_hooks.runtime.metadata.read_exported` has verified its checksum and
         metadata and before any image is read; the metadata must agree with the graph
@@ -158,6 +161,8 @@ class OnnxDetector:
                 latency on an idle machine); False frees the CPU for other threads (the
                 service's decode pool: measured 1.2x images per CPU-second on a loaded 2-core
                 box).
+            decode_threads: threads that decode a batch in :meth:`prepare` (default: the
+                CPUs, at most :data:`~anomaly_hooks.images.DECODE_THREADS`).
 
         Raises:
             ModelFileError: missing, damaged (checksum), not an anomaly_hooks export, another
@@ -174,7 +179,7 @@ class OnnxDetector:
         if not unchanged(model.content):  # the engine read the files again
             raise ModelFileError(f"{path}: the file changed while it was being loaded; try "
                                  "again once it is complete")
-        return cls(sess, model, batch_size, preprocess_method)
+        return cls(sess, model, batch_size, preprocess_method, decode_threads)
 
     def drift_monitor(self) -> DriftMonitor:
         """Attach a new drift monitor to this detector and return it: a sliding window over
@@ -246,8 +251,9 @@ class OnnxDetector:
         return self.preprocess(image, size), size
 
     def prepare(self, items: Sequence[Any]) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
-        """Normalised ``[B, 3, h, w]`` and the (H, W) of each image."""
-        loaded = [self.load_image(item) for item in items]
+        """Normalised ``[B, 3, h, w]`` and the (H, W) of each image, decoded on
+        ``decode_threads`` threads (:func:`~anomaly_hooks.images.load_all`)."""
+        loaded = load_all(self.load_image, items, self.decode_threads)
         return np.stack([x for x, _ in loaded]), [size for _, size in loaded]
 
     def heatmap(self, heat: np.ndarray, size: Sequence[int]) -> np.ndarray:
