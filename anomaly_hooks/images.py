@@ -89,6 +89,7 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 
 _CALLER_PIL_LOCK = threading.Lock()
 DECODE_THREADS = 8  # the most threads one call decodes a batch on, when the config leaves it
+DECODE_BUDGET_PIXELS = 2 * 4096 * 4096  # pixels one load_all call decodes at once (~0.5 GB)
 T = TypeVar("T")
 
 
@@ -104,20 +105,72 @@ def decode_threads(requested: Optional[int] = None) -> int:
     return max(1, min(DECODE_THREADS, cpus))
 
 
-def load_all(load: Callable[[Any], T], items: Sequence[Any], threads: int) -> List[T]:
+class PixelBudget:
+    """Pixels being decoded at once by the threads of one :func:`load_all` call: a decode
+    reserves its image's pixels (as decoded: after a reduced JPEG decode's scaling) before
+    the pixel data is read and holds them until its item is done (preprocessed too), so a
+    batch of huge images decodes about as one thread would, and small ones all at once. A
+    request above the whole budget waits until nothing else is held, then runs alone."""
+
+    def __init__(self, total: int = DECODE_BUDGET_PIXELS) -> None:
+        self.total = total
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, pixels: int, wait: bool = True) -> int:
+        """Reserve ``pixels`` (at most the whole budget); returns what was reserved.
+        ``wait=False``: at once, even beyond the budget (a thread already holding some
+        never waits for more: no thread holds while it waits)."""
+        want = max(0, min(pixels, self.total))
+        with self._cond:
+            while wait and self.used and self.used + want > self.total:
+                self._cond.wait()
+            self.used += want
+        return want
+
+    def release(self, pixels: int) -> None:
+        with self._cond:
+            self.used -= pixels
+            self._cond.notify_all()
+
+
+_held = threading.local()  # this thread's PixelBudget and what it holds of it, in load_all
+
+
+def _reserve(pixels: int) -> None:
+    """Reserve ``pixels`` of this thread's :class:`PixelBudget` before decoding them (nothing
+    outside :func:`load_all`'s threads)."""
+    budget = getattr(_held, "budget", None)
+    if budget is not None:
+        _held.pixels += budget.acquire(pixels, wait=not _held.pixels)
+
+
+def load_all(load: Callable[[Any], T], items: Sequence[Any], threads: int,
+             budget_pixels: int = DECODE_BUDGET_PIXELS) -> List[T]:
     """``[load(item) for item in items]``, in input order, on up to ``threads`` threads.
 
     Pillow's decoders and resizes release the GIL, so a batch of JPEGs decodes on several
     cores (visa_macaroni1's 1500 x 1000 images: 9.5 ms each on one thread, 6.9 ms on two
-    of 2 cores). At most ``threads`` images are in flight at once (each decoded, preprocessed
-    and dropped by its thread). The first item that fails, in input order, raises its error;
-    the items not started yet are not read."""
+    of 2 cores). At most ``threads`` items are in flight at once, and the images they decode
+    (:func:`decode` and the functions built on it) hold at most ``budget_pixels`` between
+    them (:class:`PixelBudget`). The first item that fails, in input order, raises its
+    error; the items not started yet are not read."""
     n = min(threads, len(items))
     if n <= 1:
         return [load(item) for item in items]
+    budget = PixelBudget(budget_pixels)
+
+    def run(item: Any) -> T:
+        _held.budget, _held.pixels = budget, 0
+        try:
+            return load(item)
+        finally:
+            budget.release(_held.pixels)
+            _held.budget = None
+
     pool = ThreadPoolExecutor(n, thread_name_prefix="anomaly-hooks-decode")
     try:
-        futures = [pool.submit(load, item) for item in items]
+        futures = [pool.submit(run, item) for item in items]
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -335,13 +388,15 @@ def _decode_pil(img: Image.Image, label: str, max_pixels: int,
         width, height = height, width
     _check_pixels(width, height, max_pixels, label)
     k = _factor((height, width), min_size)
-    if k > 1 and own and img.format in ("JPEG", "MPO") and getattr(img, "tile", None):
+    drafted = k > 1 and own and img.format in ("JPEG", "MPO") and getattr(img, "tile", None)
+    if drafted:
         # libjpeg scales by 1/2, 1/4 or 1/8 while decoding (at most k): never the full image
         img.draft(None, (math.ceil(img.size[0] / k), math.ceil(img.size[1] / k)))
-        img.load()
+    _reserve(img.size[0] * img.size[1])  # the pixels the load reads (after the draft's scaling)
+    img.load()
+    if drafted:
         h1, w1 = img.size[::-1] if orientation < 5 else img.size
         k = max(1, min(h1 // min_size[0], w1 // min_size[1]))  # type: ignore[index]
-    img.load()
     _check_int_depth(img, label)
     if k > 1:
         w, h = img.size
@@ -546,6 +601,7 @@ def _decode(image: ImageInput, max_pixels: int, min_size: Optional[Tuple[int, in
     size = (int(arr.shape[0]), int(arr.shape[1]))
     _check_pixels(size[1], size[0], max_pixels, label)
     k = _factor(size, min_size)
+    _reserve((size[0] // k) * (size[1] // k))  # the float32 copy made below
     if k > 1:
         _channels(arr[:1], label)  # the shape check, before any work
         return _block_mean(lambda y0, y1: arr[y0:y1], size[0], size[1], k, label), size

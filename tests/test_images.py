@@ -778,3 +778,54 @@ def test_threaded_prepare_equals_one_thread(small_cfg, tmp_path):
     with pytest.raises(ImageReadError, match="bad1.png"):
         dets[4].predict([paths[0], bad1, paths[1], bad2])
     lazy.close()
+
+
+def test_pixel_budget_waits_only_while_others_hold():
+    """A reservation waits while it would exceed the budget and others hold some; one above
+    the whole budget runs alone; ``wait=False`` never waits."""
+    import threading
+
+    from anomaly_hooks.images import PixelBudget
+
+    budget = PixelBudget(100)
+    assert budget.acquire(60) == 60
+    assert budget.acquire(500, wait=False) == 100  # capped at the budget, at once
+    budget.release(100)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire(50)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # 60 + 50 > 100: waits
+    budget.release(60)
+    waiter.join(10)
+    assert got == [50] and budget.used == 50
+    budget.release(50)
+    assert budget.acquire(10**9) == 100 and budget.used == 100  # alone, the whole budget
+    budget.release(100)
+
+
+@pytest.mark.parametrize("images_at_once", [1, 2])
+def test_load_all_decodes_within_the_pixel_budget(images_at_once):
+    """Items whose decodes would exceed ``budget_pixels`` together do not run at once: each
+    holds its image's pixels until its item is done."""
+    import threading
+    import time
+
+    from anomaly_hooks.images import load_all
+
+    arr = np.zeros((20, 30, 3), dtype=np.uint8)  # 600 pixels
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def load(a: np.ndarray) -> float:
+        out = decode(a)
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.03)
+        with lock:
+            inside[0] -= 1
+        return float(out.sum())
+
+    assert load_all(load, [arr] * 8, threads=4, budget_pixels=600 * images_at_once) == [0.0] * 8
+    assert 1 <= most[0] <= images_at_once
