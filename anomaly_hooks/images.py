@@ -89,7 +89,7 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 
 _CALLER_PIL_LOCK = threading.Lock()
 DECODE_THREADS = 8  # the most threads one call decodes a batch on, when the config leaves it
-DECODE_BUDGET_PIXELS = 2 * 4096 * 4096  # pixels one load_all call decodes at once (~0.5 GB)
+DECODE_BUDGET_PIXELS = 2 * FULL_DECODE_PIXELS  # pixels one load_all call decodes at once (~0.5 GB)
 T = TypeVar("T")
 
 

@@ -49,7 +49,7 @@ import numpy as np
 from anomaly_hooks.errors import ImageReadError, ModelFileError, NotFittedError
 from anomaly_hooks.framing import Frame
 from anomaly_hooks.images import decode_reduced, is_one_image, load_all
-from anomaly_hooks.images import decode_threads as images_decode_threads
+from anomaly_hooks.images import decode_threads as images_decode_threads  # a parameter's name
 from anomaly_hooks.modelmeta import about
 from anomaly_hooks.monitor.monitor import DriftMonitor
 from anomaly_hooks.prediction import Prediction
