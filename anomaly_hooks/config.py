@@ -111,7 +111,8 @@ class DataConfig:
 
     train: Optional[str] = None  # folder of good images (an MVTec root uses train/good)
     batch_size: int = 16
-    num_workers: int = 2
+    num_workers: int = 2  # decoding threads of fit, score and iter_predict (0: the caller's)
+    worker_processes: bool = False  # decode in DataLoader worker processes instead of threads
     decode_threads: Optional[int] = None  # threads decoding a predict batch (null: CPUs, <= 8)
     on_error: OnError = OnError["raise"]  # what fit does with unreadable images
     max_pixels: int = DEFAULT_MAX_PIXELS

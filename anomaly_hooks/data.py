@@ -1,12 +1,15 @@
 """Training/scoring sources -> batches of preprocessed images, with bad files reported by name.
 
-Decoding and preprocessing run in DataLoader worker processes when the items are file paths, so
+Decoding and preprocessing run on ``data.num_workers`` threads ahead of the consumer (or, with
+``data.worker_processes``, in DataLoader worker processes when the items are file paths), so
 decoding overlaps with the backbone.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -15,7 +18,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from anomaly_hooks.errors import DataError, ImageReadError
-from anomaly_hooks.images import describe, is_folder, is_image_file, read_image_reduced
+from anomaly_hooks.images import (
+    PixelBudget,
+    describe,
+    is_folder,
+    is_image_file,
+    read_image_reduced,
+)
 from anomaly_hooks.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -110,10 +119,7 @@ class _ItemDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]:
-        try:
-            return (i, *load_preprocessed(self.items[i], self.pre, self.max_pixels), "")
-        except ImageReadError as exc:
-            return i, None, (0, 0), str(exc)
+        return _load_item(self.items, i, self.pre, self.max_pixels)
 
 
 def _collate(samples: List[Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]]) -> Batch:
@@ -144,13 +150,75 @@ def loader_workers(n_items: int, batch_size: int, num_workers: int) -> Tuple[int
 
 
 def iter_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int, num_workers: int,
-                 max_pixels: int, pin_memory: bool = False) -> Iterator[Batch]:
+                 max_pixels: int, pin_memory: bool = False,
+                 processes: bool = False) -> Iterator[Batch]:
     """Batches of ``batch_size`` items (preprocessed images, in item order); unreadable items
     come back in ``errors``. ``pin_memory`` (for a model on a GPU): the images come in
     page-locked memory, so that copying them to the GPU does not block the host.
 
-    Worker processes are used only when every item is a path (in-memory images are not worth
-    sending to another process); how many: :func:`loader_workers`.
+    ``num_workers`` threads decode ahead of the consumer (:func:`thread_batches`; 0: the
+    caller's thread, as it asks). ``processes``: DataLoader worker processes instead
+    (:func:`process_batches`).
+    """
+    if processes:
+        return process_batches(items, pre, batch_size=batch_size, num_workers=num_workers,
+                               max_pixels=max_pixels, pin_memory=pin_memory)
+    return thread_batches(items, pre, batch_size=batch_size, num_workers=num_workers,
+                          max_pixels=max_pixels, pin_memory=pin_memory)
+
+
+def _load_item(items: Sequence[Any], i: int, pre: Preprocessor, max_pixels: int
+               ) -> Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]:
+    """``(i, image, (H, W), "")`` of item ``i``, or ``(i, None, (0, 0), message)``."""
+    try:
+        return (i, *load_preprocessed(items[i], pre, max_pixels), "")
+    except ImageReadError as exc:
+        return i, None, (0, 0), str(exc)
+
+
+def thread_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int,
+                   num_workers: int, max_pixels: int, pin_memory: bool = False
+                   ) -> Iterator[Batch]:
+    """:func:`iter_batches` on ``num_workers`` threads (0: each batch decoded on the caller's
+    thread when it is asked for).
+
+    While the consumer works on a batch the threads decode the next one: at most two batches
+    of items are submitted ahead, and the images being decoded at once hold at most
+    ``images.DECODE_BUDGET_PIXELS`` between them (:class:`~anomaly_hooks.images.PixelBudget`).
+    No process starts (nothing forked: safe beside the caller's other threads, and no copy of
+    a large process's page tables); on visa_macaroni1 a PaDiM EfficientNet-Lite0 fit on 200
+    images took 5.1 s against 5.7 s with two worker processes. Closing the iterator early
+    leaves the items not started unread.
+    """
+    n = len(items)
+
+    def load(i: int) -> Tuple[int, Optional[torch.Tensor], Tuple[int, int], str]:
+        return _load_item(items, i, pre, max_pixels)
+
+    if num_workers < 1 or n < 2:
+        for lo in range(0, n, batch_size):
+            yield _merge([_collate([load(i) for i in range(lo, min(lo + batch_size, n))])],
+                         pin_memory)
+        return
+    budget = PixelBudget()
+    pool = ThreadPoolExecutor(num_workers, thread_name_prefix="anomaly-hooks-decode")
+    pending: deque = deque()  # the futures of items lo, lo + 1, ...
+    try:
+        for lo in range(0, n, batch_size):
+            while lo + len(pending) < min(n, lo + 2 * batch_size):  # this batch and the next
+                pending.append(pool.submit(budget.run, load, lo + len(pending)))
+            part = [pending.popleft().result() for _ in range(min(batch_size, n - lo))]
+            yield _merge([_collate(part)], pin_memory)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def process_batches(items: Sequence[Any], pre: Preprocessor, *, batch_size: int,
+                    num_workers: int, max_pixels: int, pin_memory: bool = False
+                    ) -> Iterator[Batch]:
+    """:func:`iter_batches` in DataLoader worker processes (``data.worker_processes``), used
+    only when every item is a path (in-memory images are not worth sending to another
+    process); how many: :func:`loader_workers`.
     """
     all_paths = all(isinstance(it, (str, os.PathLike)) for it in items)
     workers, share = loader_workers(len(items) if all_paths else 0, batch_size, num_workers)
@@ -194,4 +262,4 @@ def format_errors(errors: Iterable[str], limit: int = 20) -> str:
 
 
 __all__ = ["Batch", "DataError", "describe", "format_errors", "iter_batches", "list_images",
-           "resolve_items", "train_folder"]
+           "process_batches", "resolve_items", "thread_batches", "train_folder"]

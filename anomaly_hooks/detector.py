@@ -339,7 +339,8 @@ class Detector:
         return iter_batches(list(items), self.preprocessor,
                             batch_size=batch_size or data.batch_size,
                             num_workers=data.num_workers if num_workers is None else num_workers,
-                            max_pixels=data.max_pixels, pin_memory=self.device.type == "cuda")
+                            max_pixels=data.max_pixels, pin_memory=self.device.type == "cuda",
+                            processes=data.worker_processes)
 
     def prepare(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
         """Decode and preprocess images: the network inputs ``[B, 3, h, w]`` (page-locked when
@@ -505,7 +506,8 @@ class Detector:
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
                      num_workers: Optional[int] = None
                      ) -> Iterator[tuple[int, Union[Prediction, ImageReadError]]]:
-        """Predict many images, decoding in worker processes while the model runs.
+        """Predict many images, decoding on ``data.num_workers`` threads (``num_workers``) while
+        the model runs (worker processes with ``data.worker_processes``).
 
         Yields ``(index, Prediction)`` in input order, or ``(index, ImageReadError)`` for an
         item that could not be read — one bad file never stops the rest.

@@ -133,6 +133,16 @@ class PixelBudget:
             self.used -= pixels
             self._cond.notify_all()
 
+    def run(self, load: Callable[[Any], T], item: Any) -> T:
+        """``load(item)`` on this thread, its decodes reserving pixels of this budget (held
+        until it returns)."""
+        _held.budget, _held.pixels = self, 0
+        try:
+            return load(item)
+        finally:
+            self.release(_held.pixels)
+            _held.budget = None
+
 
 _held = threading.local()  # this thread's PixelBudget and what it holds of it, in load_all
 
@@ -159,18 +169,9 @@ def load_all(load: Callable[[Any], T], items: Sequence[Any], threads: int,
     if n <= 1:
         return [load(item) for item in items]
     budget = PixelBudget(budget_pixels)
-
-    def run(item: Any) -> T:
-        _held.budget, _held.pixels = budget, 0
-        try:
-            return load(item)
-        finally:
-            budget.release(_held.pixels)
-            _held.budget = None
-
     pool = ThreadPoolExecutor(n, thread_name_prefix="anomaly-hooks-decode")
     try:
-        futures = [pool.submit(run, item) for item in items]
+        futures = [pool.submit(budget.run, load, item) for item in items]
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

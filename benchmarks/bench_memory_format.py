@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""A backbone setting on or off: fit and predict times, and how much the scores differ.
+"""A backbone or loader setting on or off: fit and predict times, and how much the scores
+differ.
 
 Usage::
 
@@ -10,7 +11,8 @@ Usage::
 ``--setting``: ``backbone.channels_last`` (the default: contiguous against channels-last),
 ``backbone.fold_batchnorm`` (BatchNorms kept against folded into their convolutions),
 ``backbone.fold_padding`` (zero-padding layers kept against folded into the convolutions) or
-``backbone.inplace_activations`` (activations out of place against in place). For
+``backbone.inplace_activations`` (activations out of place against in place) or
+``data.worker_processes`` (the loader's decoding threads against worker processes). For
 each of ``false`` and ``true`` (in turns, ``--repeats`` times): a fit on the first ``--fit``
 training images and ``decision_function`` on the first ``--predict`` test images. Printed per
 value: the medians of the fit's seconds, of its backbone seconds (``fit_timings_``,
@@ -43,7 +45,8 @@ VALUES = (False, True)
 SETTINGS = {"backbone.channels_last": ("contiguous", "channels_last"),
             "backbone.fold_batchnorm": ("unfolded", "folded"),
             "backbone.fold_padding": ("padded", "pad folded"),
-            "backbone.inplace_activations": ("out of place", "in place")}
+            "backbone.inplace_activations": ("out of place", "in place"),
+            "data.worker_processes": ("threads", "processes")}
 
 
 def one_run(config: str, overrides: List[str], setting: str, value: bool, train: List[str],
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--predict", type=int, default=60, help="test images scored")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="backbone.channels_last",
-                        help="the boolean backbone setting compared")
+                        help="the boolean setting compared")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", help="config key=value")
     args = parser.parse_args(argv)

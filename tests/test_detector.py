@@ -302,6 +302,27 @@ def test_fit_skip_reports_how_many(tmp_path, small_cfg):
 
 
 # ---- threads -----------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_fit_decoders_threads_processes_or_none_give_the_same_model(small_cfg, tmp_path):
+    """``data.num_workers`` threads (the default), worker processes
+    (``data.worker_processes``) or the caller's thread alone: the same batches, so the same
+    model to the bit."""
+    paths = []
+    for i, img in enumerate(textured_images(12)):
+        paths.append(tmp_path / f"{i:02d}.png")
+        Image.fromarray(img).save(paths[-1])
+    probe = textured_images(2, seed=7)
+    scores = {}
+    for name, data in {"caller": {"num_workers": 0}, "threads": {"num_workers": 2},
+                       "processes": {"num_workers": 2, "worker_processes": True}}.items():
+        det = Detector.from_config(small_cfg, data={**small_cfg["data"], **data})
+        scores[name] = det.fit(paths, progress=False).decision_function(probe)
+        scores[name + " threshold"] = det.threshold_.value
+    assert scores["threads"].tolist() == scores["caller"].tolist() == scores["processes"].tolist()
+    assert scores["threads threshold"] == scores["caller threshold"] == \
+        scores["processes threshold"]
+
+
 def test_predict_from_8_threads_equals_serial(fitted, tmp_path):
     rgb = textured_images(3, seed=3)
     path = tmp_path / "in.png"

@@ -134,13 +134,17 @@ def test_preprocess_geometry_and_inverse():
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize("workers", [2, 3])
-def test_worker_batches_equal_serial_batches(tmp_path, workers):
-    """Each worker decodes a share of a batch; the batches (size, order, unreadable items)
-    are those of a serial pass."""
-    from anomaly_hooks.data import iter_batches
+@pytest.mark.parametrize("processes", [False, True])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_worker_batches_equal_serial_batches(tmp_path, workers, processes):
+    """Threads decode ahead (``processes``: each worker process decodes a share of a batch);
+    the batches (size, order, unreadable items) are those of a serial pass."""
+    from functools import partial
+
+    from anomaly_hooks.data import iter_batches as any_batches
     from anomaly_hooks.preprocess import Preprocessor
 
+    iter_batches = partial(any_batches, processes=processes)
     items = []
     for i, img in enumerate(textured_images(13, size=(40, 48))):
         items.append(tmp_path / f"{i:02d}.png")
@@ -154,11 +158,36 @@ def test_worker_batches_equal_serial_batches(tmp_path, workers):
     assert [i for b in par for i, _ in b.errors] == [5]
     for a, b in zip(serial, par):
         assert torch.equal(a.images, b.images) and a.sizes == b.sizes
-    # one batch and one image: a worker per share (the whole batches would give one)
+    # one batch and one image (worker processes: one per share, not per whole batch)
     short = list(iter_batches(items[:7], Preprocessor(), num_workers=workers, **kw))
     assert [b.indices for b in short] == [[0, 1, 2, 3, 4], [6]]
     assert [i for b in short for i, _ in b.errors] == [5]
     assert torch.equal(short[0].images, serial[0].images)
+
+
+def test_thread_batches_closed_early_leave_the_rest_unread(monkeypatch):
+    """A consumer that stops after the first batch (a fit that fails there) leaves the items
+    beyond the next batch unread: the threads decode at most two batches ahead."""
+    import threading
+
+    from anomaly_hooks import data
+
+    seen = []
+    lock = threading.Lock()
+    real = data.load_preprocessed
+
+    def counting(item, pre, max_pixels):
+        with lock:
+            seen.append(item)
+        return real(item, pre, max_pixels)
+
+    monkeypatch.setattr(data, "load_preprocessed", counting)
+    batches = data.iter_batches(textured_images(40, size=(24, 32)), Preprocessor(),
+                                batch_size=4, num_workers=2, max_pixels=10**8)
+    first = next(batches)
+    batches.close()
+    assert first.indices == [0, 1, 2, 3]
+    assert 4 <= len(seen) <= 8 and len(set(map(id, seen))) == len(seen)
 
 
 @pytest.mark.parametrize("n, batch, asked, expected", [
