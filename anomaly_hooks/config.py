@@ -111,9 +111,8 @@ class DataConfig:
 
     train: Optional[str] = None  # folder of good images (an MVTec root uses train/good)
     batch_size: int = 16
-    num_workers: int = 2  # decoding threads of fit, score and iter_predict (0: the caller's)
+    num_workers: int = 2  # decoding threads of fit, predict and score (0: the caller's thread)
     worker_processes: bool = False  # decode in DataLoader worker processes instead of threads
-    decode_threads: Optional[int] = None  # threads decoding a predict batch (null: CPUs, <= 8)
     on_error: OnError = OnError["raise"]  # what fit does with unreadable images
     max_pixels: int = DEFAULT_MAX_PIXELS
 
@@ -482,8 +481,6 @@ def validate_config(cfg: DictConfig) -> None:
     data = cfg.data
     check(1 <= data.batch_size <= 65_536, "data.batch_size", "1 to 65536", data.batch_size)
     check(0 <= data.num_workers <= 256, "data.num_workers", "0 to 256", data.num_workers)
-    check(data.decode_threads is None or 1 <= data.decode_threads <= 256, "data.decode_threads",
-          "null or 1 to 256", data.decode_threads)
     check(1 <= data.max_pixels <= MAX_PIXELS, "data.max_pixels", "1 to 2**40", data.max_pixels)
     res = cfg.resources
     if res.memory_limit_gb is not None:

@@ -35,7 +35,6 @@ from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import (
     ImageInput,
     ImageReadError,
-    decode_threads,
     is_one_image,
     load_all,
 )
@@ -345,13 +344,13 @@ class Detector:
     def prepare(self, items: Sequence[ImageInput]) -> tuple[torch.Tensor, List[tuple[int, int]]]:
         """Decode and preprocess images: the network inputs ``[B, 3, h, w]`` (page-locked when
         the model runs on a GPU, so that the copy to it does not block the host) and each
-        image's own (H, W). ``data.decode_threads`` threads decode at once (``images.load_all``),
+        image's own (H, W). ``data.num_workers`` threads decode at once (``images.load_all``),
         each image decoded, preprocessed and dropped by its thread (a batch never holds more
         full images than threads). Raises :class:`ImageReadError` for an unreadable one (the
         first in input order)."""
         data = self.cfg.data
         loaded = load_all(lambda item: load_preprocessed(item, self.preprocessor, data.max_pixels),
-                          items, decode_threads(data.decode_threads))
+                          items, data.num_workers)
         pre = [t for t, _ in loaded]
         out = torch.empty((len(pre), *pre[0].shape), dtype=pre[0].dtype,
                           pin_memory=self.device.type == "cuda")

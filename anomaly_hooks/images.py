@@ -88,14 +88,15 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               8: Image.Transpose.ROTATE_90}
 
 _CALLER_PIL_LOCK = threading.Lock()
-DECODE_THREADS = 8  # the most threads one call decodes a batch on, when the config leaves it
+DECODE_THREADS = 8  # the most threads decode_threads() gives by default
 DECODE_BUDGET_PIXELS = 2 * FULL_DECODE_PIXELS  # pixels one load_all call decodes at once (~0.5 GB)
 T = TypeVar("T")
 
 
 def decode_threads(requested: Optional[int] = None) -> int:
-    """Threads that decode one batch of images (``data.decode_threads``): ``requested``, or
-    (None) the CPUs this process may run on, at most :data:`DECODE_THREADS`."""
+    """Threads that decode one batch of images where no count is configured (the ONNX
+    runtime's ``decode_threads``): ``requested``, or (None) the CPUs this process may run on,
+    at most :data:`DECODE_THREADS`."""
     if requested is not None:
         return max(1, requested)
     try:

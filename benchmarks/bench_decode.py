@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """``predict`` on a list of images with the batch decoded on one thread and on several
-(``data.decode_threads``), in turns in one process, the same model: seconds, images a second,
+(``data.num_workers``), in turns in one process, the same model: seconds, images a second,
 the ratio, and that the scores are the same to the bit.
 
     python benchmarks/bench_decode.py --data ../shared/data/visa_macaroni1 \\
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from omegaconf import read_write  # noqa: E402
 
 from anomaly_hooks import Detector, load_config  # noqa: E402
-from anomaly_hooks.images import decode_threads, is_image_file  # noqa: E402
+from anomaly_hooks.images import is_image_file  # noqa: E402
 from benchmarks.measure import chunks, machine, timed_repeats, write_json  # noqa: E402
 
 
@@ -46,14 +46,14 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=64, help="test images to score")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=None,
-                    help="decode threads to compare (default: 1 and this machine's default)")
+                    help="decode threads to compare (default: 1 and the config's data.num_workers)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, ["device=cpu", *args.overrides])
     det = Detector(cfg).fit(images_of(args.data / "train" / "good", args.fit), progress=False)
     items = images_of(args.data / "test", args.images)
-    threads = args.threads or sorted({1, decode_threads()})
+    threads = args.threads or sorted({1, cfg.data.num_workers})
     size = cfg.data.batch_size
 
     def prepare_all() -> None:
@@ -65,7 +65,7 @@ def main(argv: List[str] | None = None) -> int:
     for _ in range(args.repeats):  # in turns: the machine's drift touches every setting alike
         for n in threads:
             with read_write(det.cfg):
-                det.cfg.data.decode_threads = n
+                det.cfg.data.num_workers = n
             walls[n]["predict"] += timed_repeats(
                 lambda n=n: scores.__setitem__(n, det.decision_function(items)), 1,
                 warmup=0).walls

@@ -60,7 +60,6 @@ def test_config_errors_name_key_and_allowed(source, overrides, kw, key, allowed)
     ("device=cudax", "device='cudax' is not allowed"),
     ("device=cuda:-1", "device='cuda:-1' is not allowed"),
     ("data.num_workers=100000", "data.num_workers=100000 is not allowed: 0 to 256"),
-    ("data.decode_threads=0", "data.decode_threads=0 is not allowed: null or 1 to 256"),
     ("preprocess.resize=100000", "preprocess.resize=[100000, 100000] is not allowed: an int or "
                                  "[height, width] of ints in 1..8192"),
     ("seed=[1,", "cannot parse overrides ['seed=[1,']: "),

@@ -778,7 +778,7 @@ def test_decode_threads_default_and_asked():
 
 
 def test_threaded_prepare_equals_one_thread(small_cfg, tmp_path):
-    """``data.decode_threads``: the network inputs, sizes and predictions of a batch decoded
+    """``data.num_workers``: the network inputs, sizes and predictions of a batch decoded
     on several threads are those of one thread, for every input form (a lazily opened PIL
     image twice in the batch: one object shared by two threads); an unreadable item raises
     the error of the first in input order."""
@@ -792,7 +792,7 @@ def test_threaded_prepare_equals_one_thread(small_cfg, tmp_path):
     lazy = Image.open(paths[0])
     items = [paths[0], str(paths[1]), jpeg, lazy, imgs[4], lazy, paths[2].read_bytes(),
              torch.from_numpy(imgs[5]).permute(2, 0, 1).contiguous(), Image.fromarray(imgs[1])]
-    dets = {n: Detector.from_config(small_cfg, data__decode_threads=n)
+    dets = {n: Detector.from_config(small_cfg, data={**small_cfg["data"], "num_workers": n})
             .fit(textured_images(8), progress=False) for n in (1, 4)}
     one, sizes1 = dets[1].prepare(items)
     many, sizes4 = dets[4].prepare(items)
