@@ -188,6 +188,10 @@ def test_thread_batches_closed_early_leave_the_rest_unread(monkeypatch):
     batches.close()
     assert first.indices == [0, 1, 2, 3]
     assert 4 <= len(seen) <= 8 and len(set(map(id, seen))) == len(seen)
+    # and its threads are gone, as after a loader run to its end
+    assert list(data.iter_batches(textured_images(9, size=(24, 32)), Preprocessor(),
+                                  batch_size=4, num_workers=3, max_pixels=10**8))
+    assert not [t for t in threading.enumerate() if t.name.startswith("anomaly-hooks-decode")]
 
 
 @pytest.mark.parametrize("n, batch, asked, expected", [
