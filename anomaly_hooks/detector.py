@@ -32,12 +32,7 @@ from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFitte
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitRun
 from anomaly_hooks.heatmap import anomaly_maps
-from anomaly_hooks.images import (
-    ImageInput,
-    ImageReadError,
-    is_one_image,
-    load_all,
-)
+from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image, load_all
 from anomaly_hooks.modelfile import content_checksum, file_checksum, load_model, save_model
 from anomaly_hooks.modelmeta import check_lineage
 from anomaly_hooks.monitor import fitting as drift
