@@ -31,7 +31,7 @@ import os
 import re
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import (
     TYPE_CHECKING,
@@ -156,6 +156,20 @@ def _reserve(pixels: int) -> None:
         _held.pixels += budget.acquire(pixels, wait=not _held.pixels)
 
 
+@contextlib.contextmanager
+def decode_pool(threads: int, budget_pixels: int = DECODE_BUDGET_PIXELS
+                ) -> Iterator[Callable[[Callable[[Any], T], Any], "Future[T]"]]:
+    """``threads`` decoding threads whose tasks share one :class:`PixelBudget` of
+    ``budget_pixels``: yields ``submit(load, item)`` (a future of ``load(item)``). On leaving,
+    the tasks not started are cancelled and the running ones awaited."""
+    budget = PixelBudget(budget_pixels)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="anomaly-hooks-decode")
+    try:
+        yield lambda load, item: pool.submit(budget.run, load, item)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def load_all(load: Callable[[Any], T], items: Sequence[Any], threads: int,
              budget_pixels: int = DECODE_BUDGET_PIXELS) -> List[T]:
     """``[load(item) for item in items]``, in input order, on up to ``threads`` threads.
@@ -169,13 +183,9 @@ def load_all(load: Callable[[Any], T], items: Sequence[Any], threads: int,
     n = min(threads, len(items))
     if n <= 1:
         return [load(item) for item in items]
-    budget = PixelBudget(budget_pixels)
-    pool = ThreadPoolExecutor(n, thread_name_prefix="anomaly-hooks-decode")
-    try:
-        futures = [pool.submit(budget.run, load, item) for item in items]
+    with decode_pool(n, budget_pixels) as submit:
+        futures = [submit(load, item) for item in items]
         return [future.result() for future in futures]
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def display(path: Any) -> str:
