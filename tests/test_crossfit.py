@@ -31,6 +31,7 @@ from anomaly_hooks.grouping import (
 )
 from anomaly_hooks.scorers.padim.loo import (
     DENSE_TOLERANCE,
+    covariance_group_out_squared,
     dense_group_out_squared,
     gram_group_out_squared,
     gram_loo_squared,
@@ -86,6 +87,11 @@ def test_group_formulas_equal_a_float64_refit(n, d):
     torch.testing.assert_close(gram_group_out_squared(gram, single, EPS),  # two such results
                                gram_loo_squared(gram.clone(), EPS), rtol=2 * f64 + f32_tol(1),
                                atol=0)
+    # (3) from the covariance: I - C H cancels, by up to kappa more float64 units
+    kappa = float(torch.linalg.eigvalsh(cov)[:, -1].max()) / EPS
+    by_cov = covariance_group_out_squared(u, u.transpose(1, 2) @ u / (n - 1), EPS, groups)
+    torch.testing.assert_close(by_cov.double(), ref,
+                               rtol=f64_tol(n + d, kappa * kappa) + f32_tol(1), atol=0)
     chol = torch.linalg.cholesky(cov)
     for members in group_members(groups).values():
         dense = dense_group_out_squared(u[:, members], chol, n, EPS).double()
@@ -116,18 +122,20 @@ GROUPED = {"mode": "all-images", "false_alarm_rate": 0.05, "groups": r"^part\d+"
            "near_duplicates": None}
 
 
-@pytest.mark.parametrize("covariance, keep", [("lowrank", None), ("dense", 2.0), ("dense", 0.0)])
+@pytest.mark.parametrize("covariance, keep, dim", [("lowrank", None, 40), ("dense", 2.0, 40),
+                                                 ("dense", 0.0, 40), ("dense", 2.0, 8)])
 def test_padim_scores_equal_refits_without_the_group(small_cfg, tmp_path, covariance, keep,
-                                                     monkeypatch):
+                                                     dim, monkeypatch):
     """Each training image's threshold score equals its score from a detector fitted without
-    its group (threshold.groups): low-rank and dense from the kept samples, and dense from
+    its group (threshold.groups): low-rank and dense from the kept samples (their Gram
+    matrices; with more images than dimensions, dim 8, their covariances), and dense from
     the factor in a second pass over whole groups (keep=0)."""
     if keep is not None:
         monkeypatch.setattr("anomaly_hooks.scorers.padim.scorer.DENSE_KEEP_SAMPLES", keep)
     paths = write_parts(tmp_path / "train", 4, 2, seed=3) + \
         write_parts(tmp_path / "more", 3, 1, seed=4, prefix="single")
     cfg = {**small_cfg, "threshold": GROUPED,
-           "padim": {"n_features": 40, "covariance": covariance}}
+           "padim": {"n_features": dim, "covariance": covariance}}
     det = Detector.from_config(cfg).fit(paths, progress=False)
     assert det.scorer_.gaussians.kind == covariance
     oos = det.threshold_.provenance["good"]["out_of_sample"]

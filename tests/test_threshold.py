@@ -32,6 +32,7 @@ from anomaly_hooks.scorers.padim.gaussians import (
 )
 from anomaly_hooks.scorers.padim.loo import (
     DENSE_TOLERANCE,
+    covariance_group_out_squared,
     dense_loo_squared,
     dense_terms,
     gram_loo_squared,
@@ -93,6 +94,22 @@ def test_loo_formulas_equal_a_float64_refit(n, d, device):
     dense = dense_loo_squared(u, torch.linalg.cholesky(cov), n, EPS, dense_terms(n))
     torch.testing.assert_close(dense.double().cpu(), ref, rtol=rtol + DENSE_TOLERANCE,
                                atol=0)
+    # (1) from the covariance: 1 - n h / (n - 1) cancels, by up to kappa more float64 units
+    by_cov = covariance_group_out_squared(u, cov - EPS * torch.eye(d, dtype=torch.float64,
+                                                                   device=device), EPS)
+    torch.testing.assert_close(by_cov.double().cpu(), ref,
+                               rtol=f64_tol(n + d, kappa * kappa) + f32_tol(1), atol=0)
+
+
+def test_covariance_loo_refuses_a_covariance_that_is_not_positive_definite():
+    """A leave-one-out covariance that is not positive definite (a covariance that does not
+    hold its own samples, at float32 precision) is an error that says what to change."""
+    u = samples(2, 20, 8).double()
+    u -= u.mean(dim=1, keepdim=True)
+    with pytest.raises(FitError, match="raise padim.epsilon"):  # B itself indefinite
+        covariance_group_out_squared(u, -torch.eye(8).expand(2, 8, 8), EPS)
+    with pytest.raises(FitError, match="at float32 precision"):  # B_-i indefinite
+        covariance_group_out_squared(u, torch.zeros(2, 8, 8), 1e-6)
 
 
 def test_lowrank_fit_loo_equals_a_refit_without_the_image(device):

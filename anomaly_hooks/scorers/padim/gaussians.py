@@ -349,7 +349,7 @@ class DenseGaussians:
             x = x - mean[lo:hi].unsqueeze(1)  # centred on the exact mean, rounded to float32
             cov = torch.bmm(x.transpose(1, 2), x, out=chol[lo:hi]).div_(n - 1)
             if loo_sq is not None:
-                loo_sq[lo:hi] = centred_loo_squared(x, epsilon, groups)
+                loo_sq[lo:hi] = centred_loo_squared(x, epsilon, groups, cov=cov)
             del x
             cholesky_factor_(cov, epsilon, torch.empty_like(cov))
             if half is not None:
