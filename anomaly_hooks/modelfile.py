@@ -41,6 +41,7 @@ FORMAT_VERSION = 2  # the newest format this version reads and writes
 HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
 HASH_CHUNK = 16 << 20  # bytes of a tensor left on disk read (and hashed) at a time
 READ_PIECE = 16 << 20  # bytes read into a kept tensor at a time (hashed while the next is read)
+READ_STAGE = 4 << 20  # staging bytes of a read into a non-contiguous tensor (stays in cache)
 
 
 def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
@@ -120,8 +121,14 @@ class StoredTensor:
         """The tensor's size in bytes (what reading it allocates)."""
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
-    def read(self) -> torch.Tensor:
-        """The tensor (CPU, freshly allocated), from the file verified to be the one loaded."""
+    def read(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The tensor (CPU, freshly allocated), from the file verified to be the one loaded.
+        ``out``: a CPU tensor of its shape and dtype (any strides, e.g. the leading part of a
+        larger buffer) to read it into instead; returned."""
+        if out is not None and (tuple(out.shape) != tuple(self.shape) or out.dtype != self.dtype
+                                or out.device.type != "cpu"):
+            raise ValueError(f"cannot read {self.name} {list(self.shape)} {self.dtype} into a "
+                             f"{out.device.type} tensor {list(out.shape)} {out.dtype}")
         try:
             with _open_model(self.path) as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -131,7 +138,7 @@ class StoredTensor:
                     raise self._changed("was replaced by another model file")
                 if self.stamp is not None and FileStamp.of(os.fstat(fh.fileno())) == self.stamp:
                     try:
-                        tensor = _read_one(fh, header, base, size, self.name)
+                        tensor = _read_one(fh, header, base, size, self.name, out)
                     except (OSError, ValueError, RuntimeError, KeyError) as exc:
                         raise self._changed(f"was damaged or truncated ({exc})") from None
                     if FileStamp.of(os.fstat(fh.fileno())) == self.stamp:
@@ -150,7 +157,7 @@ class StoredTensor:
             raise self._changed(f"cannot be read any more ({exc.strerror or exc})") from None
         if digest != self.checksum or self.name not in tensors:
             raise self._changed("was modified since it was loaded (checksum mismatch)")
-        return tensors[self.name]
+        return tensors[self.name] if out is None else out.copy_(tensors[self.name])
 
     def at(self, path: Union[str, os.PathLike], file_checksum: str) -> "StoredTensor":
         """The same tensor in another file holding it (e.g. the one the model was saved to)."""
@@ -314,16 +321,33 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int,
-              name: str) -> torch.Tensor:
-    """The tensor ``name`` of the open file ``fh`` (checked against the file's bounds), freshly
-    allocated and read in place, without the checksum (:meth:`StoredTensor.read`)."""
+def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int, name: str,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tensor ``name`` of the open file ``fh`` (checked against the file's bounds), read in
+    place into ``out`` (its shape and dtype; default freshly allocated), without the checksum
+    (:meth:`StoredTensor.read`). A non-contiguous ``out`` is filled through a staging buffer
+    of ``READ_STAGE`` bytes, whole rows of the first dimension at a time."""
     dtype, shape, start, nbytes = _entry(name, header[name], base, size)
-    out = torch.empty(shape, dtype=dtype)
-    if nbytes:
-        _read_into(fh, name, memoryview(out.reshape(-1).view(torch.uint8).numpy()), start,
-                   nbytes)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    if not nbytes:
+        return out
+    if out.is_contiguous():
+        _read_into(fh, name, _bytes_of(out), start, nbytes)
+        return out
+    row = nbytes // shape[0]
+    rows = max(1, READ_STAGE // max(row, 1))
+    stage = torch.empty((min(rows, shape[0]), *shape[1:]), dtype=dtype)
+    for lo in range(0, shape[0], rows):
+        part = stage[:min(rows, shape[0] - lo)]
+        _read_into(fh, name, _bytes_of(part), start + lo * row, part.shape[0] * row)
+        out[lo:lo + part.shape[0]].copy_(part)
     return out
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 class _HashBehind:

@@ -17,7 +17,10 @@ scorer by ``finalize_merged``:
   made from all of them, as the fit makes them: the refit's factors bit for bit), else its
   mean, the factor of the regularised covariance and the image count ``n_train``, from which
   the sums ``S1``, ``S2`` come back (``epsilon I`` taken off again) for the sharded fit's exact
-  re-shift. A loaded model's kept embeddings are read from its file once
+  re-shift. Where the model keeps its embeddings and the update every sample, the new scorer
+  joins them in place instead of a merge (``Scorer.joins`` / ``Scorer.join``: read from a
+  loaded model's file straight into the sample store the new images join, while the first
+  batch is decoded); else a loaded model's kept embeddings are read from its file once
   (``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
   float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
   form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
@@ -62,6 +65,8 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
@@ -126,11 +131,12 @@ def update(det: "Detector", source: Any, *, progress: bool = False,
     as the lineage entry's ``source`` (:func:`~anomaly_hooks.modelmeta.check_lineage`).
     Returns the lineage entry added. A failed update leaves ``det`` as it was."""
     check_updatable(det)
-    # the state a loaded model left in its file (PaDiM's kept embeddings), read from it once
-    # for the whole update (its state, its images' grouping, their out-of-sample scores)
-    with det.scorer_.holding_on_demand():
-        run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
-                        defects=defects, lineage_source=lineage_source)
+    run = UpdateRun(det, source, progress=progress, parent_checksum=parent_checksum,
+                    defects=defects, lineage_source=lineage_source)
+    # the state a loaded model left in its file (PaDiM's kept embeddings): read straight into
+    # the new scorer's state where it joins the model's images (Scorer.join), else read from
+    # the file once for the whole update (its state, its images' grouping, their scores)
+    with nullcontext() if run.joins else det.scorer_.holding_on_demand():
         return run.run()
 
 
@@ -158,17 +164,17 @@ class UpdateRun:
         self.train, self.held = (items, []) if self.out_of_sample or thr.folder \
             else split_holdout(self.cfg, items)
         self.old: Scorer = det.scorer_
-        self.old_state = self.old.fitted_state()  # the model keeps what an update needs?
-        # the model's images' grouping descriptors, where the scorer keeps their embeddings and
-        # no file-name pattern groups them (their names are gone): every image is then grouped
-        # and scored out of sample afresh, as a fit on all of them would (see set_groups)
-        self.model_descriptors: Optional[np.ndarray] = None
-        if self.out_of_sample and not thr.groups and self.old.keeps_training_embeddings:
-            self.model_descriptors = det.training_descriptors_  # as the fit computed them
-            if self.model_descriptors is None:  # a file without them: pooled again
-                self.model_descriptors = image_descriptors(self.old.training_embeddings())
-        self.all_descriptors: Optional[np.ndarray] = None  # every image's (set by regroup)
         self.n_old = int(self.old.n_train)
+        # the scorer the new images go into: it joins the model's images in place, or its
+        # state is merged with the model's (fitted_state, made in run)
+        self.scorer = self.fresh_scorer()
+        if self.out_of_sample:  # a shard of an out-of-sample fit (PaDiM dense: keeps samples)
+            self.scorer.request_out_of_sample()
+        self.scorer.begin_update(self.n_old, len(self.train))
+        self.joins = self.scorer.joins(self.old)
+        self.old_state: Optional[Dict[str, Any]] = None
+        self.model_descriptors: Optional[np.ndarray] = None  # see model_state
+        self.all_descriptors: Optional[np.ndarray] = None  # every image's (set by regroup)
         self.errors: Dict[str, List[str]] = {"training": [], "threshold": [], "defect": []}
         self.used: List[int] = []
         self.descriptors: List[np.ndarray] = []
@@ -179,6 +185,20 @@ class UpdateRun:
         self.regrouped = False  # every image grouped afresh (regroup)
         self.collector = new_collector(det) if det.drift_reference_ is not None else None
         self.clock.lap("plan")
+
+    def model_state(self) -> None:
+        """What the update reads of the model: its state (unless the new scorer joins its
+        images) and its images' grouping descriptors, where the scorer keeps their embeddings
+        and no file-name pattern groups them (their names are gone): every image is then
+        grouped and scored out of sample afresh, as a fit on all of them would (set_groups)."""
+        det, thr = self.det, self.cfg.threshold
+        if not self.joins:
+            self.old_state = self.old.fitted_state()
+        if self.out_of_sample and not thr.groups and self.old.keeps_training_embeddings:
+            self.model_descriptors = det.training_descriptors_  # as the fit computed them
+            if self.model_descriptors is None:  # a file without them: pooled again
+                self.model_descriptors = image_descriptors(self.old.training_embeddings())
+        self.clock.lap("model state")
 
     def fresh_scorer(self) -> Scorer:
         """A fresh seeded scorer of the config's method with the model's own embedder (the
@@ -205,32 +225,37 @@ class UpdateRun:
     def accumulate(self) -> Dict[str, Any]:
         """The new training images through the model's embedder into a fresh scorer (and the
         drift collector), the held-out ones decoded in the same pass; the merged state."""
-        det, train, held = self.det, self.train, self.held
-        scorer = self.fresh_scorer()
-        if self.out_of_sample:  # a shard of an out-of-sample fit (PaDiM dense: keeps samples)
-            scorer.request_out_of_sample()
-        scorer.begin_update(self.n_old, len(train))
+        det, train, held, scorer = self.det, self.train, self.held, self.scorer
+        self.model_state()
         bar = tqdm(total=len(train) + len(held), desc=f"update {self.cfg.method}", unit="img",
                    disable=not self.progress, dynamic_ncols=True)
         parts = Stopwatch(det.device)  # as the fit's accumulate step reports them
-        for batch in det.batches([*train, *held]):
-            parts.lap("waiting for images")
-            for i, msg in batch.errors:
-                self.errors["training" if i < len(train) else "threshold"].append(msg)
-            k = sum(i < len(train) for i in batch.indices)
-            if k < len(batch.indices):
-                self.held_images.append(batch.images[k:].clone() if k else batch.images)
-            if k:
-                emb = det.embed(batch.images[:k], scorer=scorer, observe=self.collector)
-                parts.lap("features")
-                if self.out_of_sample:
-                    self.descriptors.append(descriptors_of(det, emb))
-                scorer.partial_fit(emb)
-                self.used.extend(batch.indices[:k])
-                del emb
-                parts.lap("statistics")
-            bar.update(len(batch.indices) + len(batch.errors))
-        bar.close()
+        with ThreadPoolExecutor(1, thread_name_prefix="update-join") as pool:
+            # the model's images read into the new scorer while the first batch is decoded
+            joining = pool.submit(self.join) if self.joins else None
+            for batch in det.batches([*train, *held]):
+                parts.lap("waiting for images")
+                for i, msg in batch.errors:
+                    self.errors["training" if i < len(train) else "threshold"].append(msg)
+                k = sum(i < len(train) for i in batch.indices)
+                if k < len(batch.indices):
+                    self.held_images.append(batch.images[k:].clone() if k else batch.images)
+                if k:
+                    emb = det.embed(batch.images[:k], scorer=scorer, observe=self.collector)
+                    parts.lap("features")
+                    if self.out_of_sample:
+                        self.descriptors.append(descriptors_of(det, emb))
+                    if joining is not None:
+                        joining = joining.result()  # re-raises its error
+                        parts.lap("waiting for the model's images")
+                    scorer.partial_fit(emb)
+                    self.used.extend(batch.indices[:k])
+                    del emb
+                    parts.lap("statistics")
+                bar.update(len(batch.indices) + len(batch.errors))
+            bar.close()
+            if joining is not None:
+                joining.result()
         report_unreadable(self.cfg, self.errors)
         if not self.used:
             raise FitError("none of the new images could be used to update the model (all "
@@ -239,10 +264,17 @@ class UpdateRun:
         self.clock.lap("accumulate")
         for name, seconds in parts.seconds.items():
             self.clock.add(f"accumulate: {name}", seconds)
+        if self.joins:  # the state of all the images already
+            return state
         merged = scorer.merge_states([self.old_state, state])
         self.old_state = None
         self.clock.lap("merge")
         return merged
+
+    def join(self) -> None:
+        """The model's images into the new scorer (on the update's helper thread)."""
+        with torch.inference_mode():
+            self.scorer.join(self.old)
 
     def names(self) -> Optional[List[str]]:
         """The file names of the new images used (None for in-memory images)."""

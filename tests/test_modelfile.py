@@ -584,6 +584,28 @@ def test_recently_changed_file_is_not_stamped(kept_dense_file, tmp_path):
 
 
 @pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
+def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, monkeypatch):
+    """``StoredTensor.read(out)`` fills a strided view (the leading images of a larger sample
+    buffer, staged a few rows at a time) with exactly what ``read()`` gives, through the
+    stamped read (settled) and the fully verified one; a view of another shape, dtype or
+    device is refused before anything is read."""
+    if settled:
+        monkeypatch.setattr(modelfile, "SETTLED_NS", 0)
+    monkeypatch.setattr(modelfile, "READ_STAGE", 1000)  # several staged pieces
+    stored = Detector.load(kept_dense_file).scorer_.gaussians.stored_samples
+    assert (stored.stamp is not None) == settled
+    whole = stored.read()
+    p, n, d = whole.shape
+    buf = torch.full((p, n + 3, d), -1.0)
+    assert stored.read(buf[:, :n]).data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:, :n], whole, rtol=0, atol=0)
+    assert bool((buf[:, n:] == -1).all())  # nothing written past the view
+    for wrong in (buf[:, :n - 1], buf[:, :n].double(), torch.empty(0)):
+        with pytest.raises(ValueError, match="cannot read"):
+            stored.read(wrong)
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
 @pytest.mark.parametrize("change", ["replaced", "modified", "modified-times-restored",
                                     "removed"])
 def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(

@@ -125,6 +125,33 @@ def test_padim_dense_update_after_save_and_load(halves, tmp_path):
     assert det.scorer_.n_train == N_OLD + N_NEW + 4 and len(det.lineage_) == 2
 
 
+@pytest.mark.parametrize("covariance", ["dense", "lowrank"])
+def test_padim_update_joins_the_model_images_as_the_merge_does(halves, tmp_path, covariance,
+                                                                monkeypatch):
+    """The new scorer takes a loaded model's kept embeddings in place (read from the file into
+    the sample store the new images join, beside the first batch's decoding): the same model,
+    threshold and descriptors, bit for bit, as the merge of the model's state with the new
+    images' (the path of models that keep no embeddings), without the merge step."""
+    from anomaly_hooks.scorers.padim.scorer import PadimScorer
+
+    old, new, _ = halves
+    cfg = cfg_for("padim", n_features=40, covariance=covariance)
+    path = Detector(cfg).fit(old, progress=False).save(tmp_path / "m.safetensors")
+    joined = Detector.load(path).update(new)
+    assert "merge" not in joined.update_timings_
+    monkeypatch.setattr(PadimScorer, "joins", lambda self, model: False)
+    merged = Detector.load(path).update(new)
+    assert "merge" in merged.update_timings_
+    images = sorted(map(str, new.glob("*.png")))
+    np.testing.assert_array_equal(joined.decision_function(images),
+                                  merged.decision_function(images))
+    assert joined.threshold_.scores == merged.threshold_.scores
+    np.testing.assert_array_equal(joined.training_descriptors_, merged.training_descriptors_)
+    for name, tensor in joined.scorer_.method_state()[0].items():
+        torch.testing.assert_close(tensor, merged.scorer_.method_state()[0][name], rtol=0,
+                                   atol=0, msg=name)
+
+
 def test_padim_update_of_a_file_without_descriptors_pools_them_again(halves, tmp_path):
     """A model file without the training images' grouping descriptors (written before they
     were kept): the update pools them from the kept embeddings, with the same outcome."""

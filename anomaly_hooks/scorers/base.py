@@ -31,7 +31,8 @@ class Scorer(ABC):
     ``distributed`` job) runs ``begin_shard`` -> ``partial_fit`` -> ``partial_state`` on each
     shard, then ``merge_states`` and ``finalize_merged`` on one fresh scorer. An update
     (:mod:`anomaly_hooks.updating`) merges the model's :meth:`fitted_state` with the new
-    images' state (``begin_update`` -> ``partial_fit`` -> ``partial_state``) the same way.
+    images' state (``begin_update`` -> ``partial_fit`` -> ``partial_state``) the same way, or,
+    where the new scorer :meth:`joins` the model's images, takes them first (:meth:`join`).
     """
 
     method: ClassVar[str]
@@ -180,6 +181,19 @@ class Scorer(ABC):
         :meth:`fitted_state`). By default: a shard of a fit on all ``n_model + n_new``
         images (:meth:`begin_shard`)."""
         self.begin_shard(n_model + n_new, n_new)
+
+    def joins(self, model: "Scorer") -> bool:
+        """After :meth:`begin_update`: whether this scorer takes the fitted ``model``'s
+        training images in place (:meth:`join`) instead of a merge with its
+        :meth:`fitted_state`. Cheap: reads nothing. By default False."""
+        return False
+
+    def join(self, model: "Scorer") -> None:
+        """After :meth:`begin_update`, before the first :meth:`partial_fit`, where
+        :meth:`joins` said so: take ``model``'s training images as this scorer's first ones,
+        so that :meth:`partial_state` is the state of all the images and no merge copies them.
+        May run on another thread while the first new images are decoded."""
+        raise NotImplementedError(f"{self.method} merges an update's states instead")
 
     # -- out-of-sample scores of the training images (threshold.mode=all-images) ----------
     def out_of_sample_unsupported(self) -> Optional[str]:

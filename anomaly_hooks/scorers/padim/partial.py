@@ -87,10 +87,10 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
     docstring): the low-rank form's samples, or the dense form's sums from its mean and
     factors (float32 factors only: float16 ones hold the covariances to 3 digits)."""
     if gauss.kind == "lowrank":
-        y = gauss.y.detach().cpu().double()
-        samples = y.mul_(math.sqrt(n - 1)).add_(gauss.mean.detach().cpu().double().unsqueeze(1))
-        return {"form": "lowrank", "n": int(n), "grid": tuple(grid),
-                "samples": samples.float().contiguous().numpy()}
+        p, _, d = gauss.y.shape
+        samples = torch.empty(p, n, d, dtype=torch.float32)
+        samples_into(gauss, n, samples)
+        return {"form": "lowrank", "n": int(n), "grid": tuple(grid), "samples": samples.numpy()}
     kept = gauss.samples  # read once (from the model file, when left there)
     if kept is not None:  # the kept embeddings: the Gaussians come from them
         return {"form": "dense", "n": int(n), "grid": tuple(grid), "samples": _np(kept)}
@@ -110,6 +110,27 @@ def fitted_state(gauss: Any, n: int, grid: tuple, epsilon: float) -> State:
         s2[lo:lo + chol.shape[0]] = cov.mul_(n - 1).float().cpu().numpy()
     return {"form": "dense", "n": int(n), "grid": tuple(grid), "shift": _np(mean),
             "s1": np.zeros((p, d), dtype=np.float64), "s2": s2}
+
+
+@torch.inference_mode()
+def samples_into(gauss: Any, n: int, out: torch.Tensor) -> torch.Tensor:
+    """The training embeddings ``[P, n, D]`` float32 of Gaussians that keep them, written into
+    ``out`` (any device and strides; returned): the low-rank form's ``sqrt(n - 1) Y + mu``
+    (float64, rounded to float32), ``CHUNK_POSITIONS`` positions at a time; the dense form's
+    kept ones, read from the model file straight into ``out`` when left there."""
+    if gauss.kind == "lowrank":
+        for lo in range(0, out.shape[0], CHUNK_POSITIONS):
+            y = gauss.y[lo:lo + CHUNK_POSITIONS].double().mul_(math.sqrt(n - 1))
+            y.add_(gauss.mean[lo:lo + y.shape[0]].double().unsqueeze(1))
+            out[lo:lo + y.shape[0]] = y
+        return out
+    stored = gauss.stored_samples
+    if stored is not None and out.device.type == "cpu":
+        return stored.read(out)
+    kept = gauss.samples
+    if kept is None:
+        raise FitError("this dense PaDiM model keeps no training embeddings")
+    return out.copy_(kept)
 
 
 def with_sums(state: State) -> State:

@@ -253,6 +253,32 @@ class PadimScorer(Scorer):
         self.fitted = True
 
     # -- updates (anomaly_hooks.updating) ---------------------------------------------------
+    def joins(self, model: Scorer) -> bool:
+        """Where the model keeps its training embeddings and this update keeps every sample
+        (the low-rank form, or the dense form with leave-one-out scores): they are read into
+        the sample store the new images join (one buffer of all the images' samples instead
+        of the model's, the new ones' and their joined copy)."""
+        return (isinstance(model, PadimScorer) and model.keeps_training_embeddings
+                and self._expected is not None and self._acc is None and self._store is None
+                and (self.covariance == "lowrank"
+                     or (self.covariance == "dense" and self.want_out_of_sample)))
+
+    @torch.inference_mode()  # state is only ever touched in inference mode
+    def join(self, model: Scorer) -> None:
+        if not self.joins(model):
+            raise RuntimeError("join() follows begin_update() and joins() == True")
+        n_model, g = int(model.n_train), model.gaussians
+        p, d = g.mean.shape
+        store = SampleStore(capacity=n_model + self._expected)
+        store.buf = torch.empty(p, store.capacity, d, dtype=torch.float32, device=g.mean.device)
+        partial.samples_into(g, n_model, store.buf[:, :n_model])
+        store.n = n_model
+        self.grid = tuple(model.grid)
+        if self.covariance == "lowrank":
+            self._store = store
+        else:
+            self._acc, self._oos_store = GaussianAccumulator(), store
+
     def fitted_state(self) -> Dict[str, Any]:
         """The training images' state (:func:`partial.fitted_state`): the low-rank form's
         samples, or the dense form's exact sums from its mean, factors and image count."""
