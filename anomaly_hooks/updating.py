@@ -19,8 +19,8 @@ scorer by ``finalize_merged``:
   the sums ``S1``, ``S2`` come back (``epsilon I`` taken off again) for the sharded fit's exact
   re-shift. Where the model keeps its embeddings and the update every sample, the new scorer
   joins them in place instead of a merge (``Scorer.joins`` / ``Scorer.join``: read from a
-  loaded model's file straight into the sample store the new images join, while the first
-  batch is decoded); else a loaded model's kept embeddings are read from its file once
+  loaded model's file straight into the sample store the new images join, beside their
+  pass); else a loaded model's kept embeddings are read from its file once
   (``Scorer.holding_on_demand``). The updated model equals a fit on all the images up to
   float32 rounding (``tests/test_updating.py``: image scores within 1e-4 relative), in the
   form that fit would choose (``covariance: auto`` crossing its limit turns the low-rank
@@ -231,8 +231,8 @@ class UpdateRun:
                    disable=not self.progress, dynamic_ncols=True)
         parts = Stopwatch(det.device)  # as the fit's accumulate step reports them
         with ThreadPoolExecutor(1, thread_name_prefix="update-join") as pool:
-            # the model's images read into the new scorer while the first batch is decoded
-            joining = pool.submit(self.join) if self.joins else None
+            # the model's images read into the new scorer beside the new images' pass
+            joining = pool.submit(scorer.join(self.old)) if self.joins else None
             for batch in det.batches([*train, *held]):
                 parts.lap("waiting for images")
                 for i, msg in batch.errors:
@@ -245,9 +245,6 @@ class UpdateRun:
                     parts.lap("features")
                     if self.out_of_sample:
                         self.descriptors.append(descriptors_of(det, emb))
-                    if joining is not None:
-                        joining = joining.result()  # re-raises its error
-                        parts.lap("waiting for the model's images")
                     scorer.partial_fit(emb)
                     self.used.extend(batch.indices[:k])
                     del emb
@@ -255,7 +252,8 @@ class UpdateRun:
                 bar.update(len(batch.indices) + len(batch.errors))
             bar.close()
             if joining is not None:
-                joining.result()
+                joining.result()  # re-raises its error
+                parts.lap("waiting for the model's images")
         report_unreadable(self.cfg, self.errors)
         if not self.used:
             raise FitError("none of the new images could be used to update the model (all "
@@ -271,10 +269,6 @@ class UpdateRun:
         self.clock.lap("merge")
         return merged
 
-    def join(self) -> None:
-        """The model's images into the new scorer (on the update's helper thread)."""
-        with torch.inference_mode():
-            self.scorer.join(self.old)
 
     def names(self) -> Optional[List[str]]:
         """The file names of the new images used (None for in-memory images)."""

@@ -8,7 +8,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    FrozenSet,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+)
 
 import torch
 from torch import nn
@@ -188,11 +199,12 @@ class Scorer(ABC):
         :meth:`fitted_state`. Cheap: reads nothing. By default False."""
         return False
 
-    def join(self, model: "Scorer") -> None:
+    def join(self, model: "Scorer") -> Callable[[], None]:
         """After :meth:`begin_update`, before the first :meth:`partial_fit`, where
         :meth:`joins` said so: take ``model``'s training images as this scorer's first ones,
         so that :meth:`partial_state` is the state of all the images and no merge copies them.
-        May run on another thread while the first new images are decoded."""
+        Sets the state up and returns the reading of the model's part of it, to run (on any
+        thread, beside the :meth:`partial_fit` calls) before :meth:`partial_state`."""
         raise NotImplementedError(f"{self.method} merges an update's states instead")
 
     # -- out-of-sample scores of the training images (threshold.mode=all-images) ----------

@@ -17,7 +17,7 @@ import math
 from contextlib import AbstractContextManager, nullcontext
 from itertools import product
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -255,29 +255,41 @@ class PadimScorer(Scorer):
     # -- updates (anomaly_hooks.updating) ---------------------------------------------------
     def joins(self, model: Scorer) -> bool:
         """Where the model keeps its training embeddings and this update keeps every sample
-        (the low-rank form, or the dense form with leave-one-out scores): they are read into
-        the sample store the new images join (one buffer of all the images' samples instead
-        of the model's, the new ones' and their joined copy)."""
-        return (isinstance(model, PadimScorer) and model.keeps_training_embeddings
-                and self._expected is not None and self._acc is None and self._store is None
-                and (self.covariance == "lowrank"
-                     or (self.covariance == "dense" and self.want_out_of_sample)))
+        (the low-rank form, or the dense form with leave-one-out scores and at most
+        ``DENSE_KEEP_SAMPLES * D`` images in all): they are read into the sample store the new
+        images join (one buffer of all the images' samples instead of the model's, the new
+        ones' and their joined copy)."""
+        if not (isinstance(model, PadimScorer) and model.keeps_training_embeddings
+                and self._expected is not None and self._acc is None and self._store is None):
+            return False
+        n_total = int(model.n_train) + self._expected
+        return self.covariance == "lowrank" or (
+            self.covariance == "dense" and self.want_out_of_sample
+            and n_total <= DENSE_KEEP_SAMPLES * self.embedder.out_channels)
 
     @torch.inference_mode()  # state is only ever touched in inference mode
-    def join(self, model: Scorer) -> None:
+    def join(self, model: Scorer) -> Callable[[], None]:
+        """The sample store of all the images, the model's first: the new images' samples go
+        after its ``n_model`` places, which the returned reading fills."""
         if not self.joins(model):
             raise RuntimeError("join() follows begin_update() and joins() == True")
         n_model, g = int(model.n_train), model.gaussians
         p, d = g.mean.shape
         store = SampleStore(capacity=n_model + self._expected)
         store.buf = torch.empty(p, store.capacity, d, dtype=torch.float32, device=g.mean.device)
-        partial.samples_into(g, n_model, store.buf[:, :n_model])
         store.n = n_model
         self.grid = tuple(model.grid)
         if self.covariance == "lowrank":
             self._store = store
         else:
             self._acc, self._oos_store = GaussianAccumulator(), store
+        head = store.buf[:, :n_model]
+
+        def read() -> None:
+            with torch.inference_mode():
+                partial.samples_into(g, n_model, head)
+
+        return read
 
     def fitted_state(self) -> Dict[str, Any]:
         """The training images' state (:func:`partial.fitted_state`): the low-rank form's
