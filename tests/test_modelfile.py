@@ -584,7 +584,8 @@ def test_recently_changed_file_is_not_stamped(kept_dense_file, tmp_path):
 
 
 @pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
-def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, monkeypatch):
+def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, tmp_path,
+                                               monkeypatch):
     """``StoredTensor.read(out)`` fills a strided view (the leading images of a larger sample
     buffer, staged a few rows at a time) with exactly what ``read()`` gives, through the
     stamped read (settled) and the fully verified one; a view of another shape, dtype or
@@ -592,7 +593,9 @@ def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, monkeyp
     if settled:
         monkeypatch.setattr(modelfile, "SETTLED_NS", 0)
     monkeypatch.setattr(modelfile, "READ_STAGE", 1000)  # several staged pieces
-    stored = Detector.load(kept_dense_file).scorer_.gaussians.stored_samples
+    path = tmp_path / "m.safetensors"
+    shutil.copy(kept_dense_file, path)  # just written: not settled unless SETTLED_NS is 0
+    stored = Detector.load(path).scorer_.gaussians.stored_samples
     assert (stored.stamp is not None) == settled
     whole = stored.read()
     p, n, d = whole.shape
