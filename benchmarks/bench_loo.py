@@ -16,7 +16,9 @@ thread, in turns (medians of 3):
   float32 Gram matrix ``Y Y^T + eps I``): what the fit uses for ``n <= D``;
 * the covariance route, ``D x D`` (``covariance_group_out_squared`` of the float32
   covariance, which the fit computes for the Gaussians either way: not timed here): what the
-  fit uses for ``n > D``;
+  fit uses for ``n > D``, its triangular solve in float32 on the float64 factor;
+* the same with the solve in float64 (the samples given in float64), to show what the float32
+  solve costs in precision;
 
 and each one's relative error against a float64 refit without each image (the brute force, at
 ``--reference`` positions): the median and the maximum over samples and positions.
@@ -66,6 +68,10 @@ def gram_route(xc: torch.Tensor, cov: torch.Tensor, eps: float) -> torch.Tensor:
 
 def covariance_route(xc: torch.Tensor, cov: torch.Tensor, eps: float) -> torch.Tensor:
     return covariance_group_out_squared(xc, cov, eps)
+
+
+def covariance_route64(xc: torch.Tensor, cov: torch.Tensor, eps: float) -> torch.Tensor:
+    return covariance_group_out_squared(xc.double(), cov, eps)
 
 
 def centred_chunks(x: torch.Tensor) -> list:
@@ -125,7 +131,8 @@ def main() -> int:
     for n in args.images:
         chunks = centred_chunks(x_all[timed_at, :n].contiguous())
         ref = brute_force(x_all[checked, :n], eps)
-        for name, route in (("Gram (n x n)", gram_route), ("covariance (D x D)", covariance_route)):
+        for name, route in (("Gram (n x n)", gram_route), ("covariance (D x D)", covariance_route),
+                            ("covariance, float64 solve", covariance_route64)):
             seconds = []
             for _ in range(3):
                 start = time.perf_counter()

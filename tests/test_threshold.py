@@ -101,6 +101,29 @@ def test_loo_formulas_equal_a_float64_refit(n, d, device):
                                rtol=f64_tol(n + d, kappa * kappa) + f32_tol(1), atol=0)
 
 
+@pytest.mark.parametrize("n, d", [(30, 12), (100, 24)])
+def test_covariance_loo_solves_float32_samples_within_the_solves_rounding(n, d, device):
+    """Float32 samples (the fit's) are solved in float32 on the float64 factor rounded to
+    float32: each distance is the float64 solve's of the same statistics within that solve's
+    backward error, amplified where (1) cancels."""
+    x = samples(3, n, d, seed=4).to(device)
+    u = x - x.mean(dim=1, keepdim=True)
+    cov = torch.bmm(u.transpose(1, 2), u) / (n - 1)
+    got = covariance_group_out_squared(u, cov, EPS).double().cpu()
+    want = covariance_group_out_squared(u.double(), cov, EPS).double().cpu()
+    # the solve on L + dL, |dL| <= (d + 1) float32 units of |L| (the factor's rounding and
+    # the solve's): h moves by 2 (d + 1) units times cond(L) = sqrt(kappa(B)); (1) divides
+    # by 1 - q, q = n h / (n - 1); then both results' float32 rounding
+    u64, eye = u.double().cpu(), torch.eye(d, dtype=torch.float64)
+    b = cov.double().cpu() * (n - 1) + EPS * (n - 2) * eye
+    q = (u64 @ torch.linalg.inv(b) * u64).sum(dim=2) * n / (n - 1)  # [c, n]
+    eig = torch.linalg.eigvalsh(b)
+    kappa = (eig[:, -1] / eig[:, 0]).unsqueeze(1)
+    rtol = f32_tol(2 * (d + 1)) * kappa.sqrt() / (1 - q) + f32_tol(1)
+    assert bool(((got - want).abs() <= rtol * want).all())
+    assert float(q.max()) > 0.5  # the far sample: a distance where (1) cancels
+
+
 def test_covariance_loo_refuses_a_covariance_that_is_not_positive_definite():
     """A leave-one-out covariance that is not positive definite (a covariance that does not
     hold its own samples, at float32 precision) is an error that says what to change."""
