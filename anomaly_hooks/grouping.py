@@ -223,8 +223,8 @@ def unchained_pairs(n: int, named: Sequence[tuple], descriptors: np.ndarray, rat
                 warnings.warn(
                     f"threshold.near_duplicates={ratio} linked {first} of the {n} training "
                     "images into one group (images that look alike throughout: the links "
-                    f"chain across parts); used {r:g}, which keeps every group within {cap} "
-                    "images. Name re-shots with threshold.groups to group them for certain",
+                    f"chain across parts); used {r:g}, {_linked_at(n, dups, cap)}. Name "
+                    "re-shots with threshold.groups to group them for certain",
                     UserWarning, stacklevel=3)
             return dups, med, r
         r /= 2
@@ -234,6 +234,15 @@ def unchained_pairs(n: int, named: Sequence[tuple], descriptors: np.ndarray, rat
         "used (leave-one-out). Name re-shots with threshold.groups to group them",
         UserWarning, stacklevel=3)
     return [], med, None
+
+
+def _linked_at(n: int, dups: Sequence[tuple], cap: int) -> str:
+    """What the near-duplicate pairs ``dups`` of a tightened ratio link, for its warning."""
+    if not dups:
+        return "at which no two images are near-duplicates (each is left out alone)"
+    sizes = np.bincount(_components(n, dups))
+    return (f"at which {int(sizes[sizes > 1].sum())} images link into groups of at most "
+            f"{int(sizes.max())} (the limit: {cap})")
 
 
 def blocked_folds(groups: np.ndarray, k: int) -> np.ndarray:

@@ -314,11 +314,21 @@ def test_near_duplicate_links_that_chain_across_parts_are_tightened():
     t = np.linspace(0.0, 1.0, n)
     x = np.stack([np.cos(3 * t), np.sin(3 * t), t], axis=1) * 10.0  # a curve: spacing ~0.8
     x[7] = x[3] + 1e-3  # a re-shot of image 3
-    with pytest.warns(UserWarning, match="linked 40 of the 40 training images"):
+    with pytest.warns(UserWarning, match="linked 40 of the 40 training images") as said:
         g = find_groups(n, None, None, x, 0.5, 0)
-    assert np.bincount(g.groups).max() <= n // 2
+    sizes = np.bincount(g.groups)
+    assert sizes.max() <= n // 2
     assert g.groups[3] == g.groups[7] and g.ratio_used < 0.5
     assert g.summary()["near_duplicate_ratio"] == g.ratio_used
+    # the warning says what the fraction used links
+    assert (f"used {g.ratio_used:g}, at which {sizes[sizes > 1].sum()} images link into "
+            f"groups of at most {sizes.max()}") in str(said[0].message)
+    # equal steps along a line: the links chain until the fraction drops below one step,
+    # where every link goes at once
+    line = np.outer(np.arange(n), [1.0, 2.0, 0.5])
+    with pytest.warns(UserWarning, match="at which no two images are near-duplicates"):
+        h = find_groups(n, None, None, line, 0.5, 0)
+    assert h.grouped_images == 0 and h.ratio_used < 0.5
     # without chaining nothing changes and nothing is said
     rng = np.random.default_rng(0)
     y = rng.normal(size=(n, 64))
