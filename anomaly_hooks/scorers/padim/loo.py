@@ -366,9 +366,8 @@ def covariance_group_out_squared(xc: torch.Tensor, cov: torch.Tensor, epsilon: f
     factor is float64 (a float32 factor adds ``kappa`` float32 units more), while the solve
     on the factor rounded to float32 adds ``sqrt(kappa)`` units, below that rounding: on
     visa_macaroni1's 200 images (EfficientNet-Lite0) the largest error against a float64 refit
-    is 4.0e-5 with a float32 solve, 3.8e-5 with a
-    float64 one, whose route takes 1.4 times as long (``benchmarks/bench_loo.py``). Float64
-    samples are solved in float64."""
+    is 4.0e-5 with a float32 solve, 3.8e-5 with a float64 one, whose route takes 1.4 times as
+    long (``benchmarks/bench_loo.py``). Float64 samples are solved in float64."""
     c, n, d = xc.shape
     _check_n(n)
     s = cov.double().mul_(n - 1)  # S = U^T U
