@@ -269,7 +269,6 @@ class UpdateRun:
         self.clock.lap("merge")
         return merged
 
-
     def names(self) -> Optional[List[str]]:
         """The file names of the new images used (None for in-memory images)."""
         items = [self.train[i] for i in self.used]

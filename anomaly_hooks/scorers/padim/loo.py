@@ -213,8 +213,8 @@ def centred_loo_squared(xc: torch.Tensor, epsilon: float,
     matrix has ``n - D`` eigenvalues of exactly ``eps''`` whose float32 rounding the float64
     factorisation inherits, while the covariance keeps the data's own smallest variances, and
     the ``D x D`` work is the smaller (visa_macaroni1's EfficientNet-Lite0 embeddings, 200
-    images of 176 dimensions: 0.38 against 0.53 ms a position on one thread, largest error
-    against a float64 refit 3.8e-5 against 2.7e-4; ``benchmarks/bench_loo.py``)."""
+    images of 176 dimensions: 0.25 against 0.48 ms a position on one thread, largest error
+    against a float64 refit 4.0e-5 against 2.7e-4; ``benchmarks/bench_loo.py``)."""
     n, d = xc.shape[1], xc.shape[2]
     _check_n(n)
     if n > d:
