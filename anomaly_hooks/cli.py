@@ -542,12 +542,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; user errors print one line (no traceback) and exit 2."""
-    # Transparent huge pages for large CPU tensors: PyTorch reads this once, at its first
-    # allocation, so it is set before any command imports torch. Multi-GB tensors (PaDiM sums
-    # and factors, per-batch work buffers) are page-faulted 2 MB at a time instead of 4 kB.
-    # THP_MEM_ALLOC_ENABLE=0 opts out.
-    if "torch" not in sys.modules:
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = _parse(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -31,6 +31,7 @@ from anomaly_hooks.devices import (
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitRun
+from anomaly_hooks.heap import keep_freed_memory
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image, load_all
 from anomaly_hooks.modelfile import content_checksum, file_checksum, load_model, save_model
@@ -215,7 +216,8 @@ class Detector:
         """
         if y is not None:
             raise FitError("fit() takes good images only: y must be None (no labels)")
-        FitRun(self, X, progress=progress).run()
+        with keep_freed_memory():
+            FitRun(self, X, progress=progress).run()
         return self
 
     def recalibrate(self, *, good: Any = None, defects: Any = None,
@@ -229,7 +231,8 @@ class Detector:
         from anomaly_hooks.recalibration import recalibrate
 
         self._check_fitted()
-        self.threshold_ = recalibrate(self, good=good, defects=defects, **options)
+        with keep_freed_memory():
+            self.threshold_ = recalibrate(self, good=good, defects=defects, **options)
         self.source_checksum = None
         return self
 
@@ -254,7 +257,8 @@ class Detector:
         from anomaly_hooks.updating import update
 
         self._check_fitted()
-        update(self, X, progress=progress, defects=defects, lineage_source=source)
+        with keep_freed_memory():
+            update(self, X, progress=progress, defects=defects, lineage_source=source)
         return self
 
     @property
@@ -478,10 +482,11 @@ class Detector:
         items = [X] if single else list(X)
         size = batch_size or self.cfg.data.batch_size
         out: List[Prediction] = []
-        for start in range(0, len(items), size):
-            images, sizes = self.prepare(items[start:start + size])
-            scores, maps = self.infer(images, sizes=sizes)
-            out.extend(self.predictions(scores, maps, sizes))
+        with keep_freed_memory():
+            for start in range(0, len(items), size):
+                images, sizes = self.prepare(items[start:start + size])
+                scores, maps = self.infer(images, sizes=sizes)
+                out.extend(self.predictions(scores, maps, sizes))
         return out[0] if single else out
 
     def decision_function(self, X: Union[ImageInput, Sequence[ImageInput]], *,
@@ -492,9 +497,10 @@ class Detector:
         items = [X] if is_one_image(X) else list(X)
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
-        for start in range(0, len(items), size):
-            images, sizes = self.prepare(items[start:start + size])
-            scores.extend(self.infer(images, sizes=sizes).scores.tolist())
+        with keep_freed_memory():
+            for start in range(0, len(items), size):
+                images, sizes = self.prepare(items[start:start + size])
+                scores.extend(self.infer(images, sizes=sizes).scores.tolist())
         return np.asarray(scores, dtype=np.float64)
 
     def iter_predict(self, items: Sequence[ImageInput], *, batch_size: Optional[int] = None,
@@ -507,20 +513,21 @@ class Detector:
         item that could not be read — one bad file never stops the rest.
         """
         self._check_fitted()
-        for batch in self.batches(items, batch_size=batch_size, num_workers=num_workers):
-            errors = {i: ImageReadError(msg) for i, msg in batch.errors}
-            preds: Iterator[Prediction] = iter(())
-            if batch.indices:
-                scores, maps = self.infer(batch.images, sizes=batch.sizes)
-                # lazy: each full-size heatmap is made as it is yielded, one at a time in memory
-                preds = self.predictions(scores, maps, batch.sizes)
-            good = iter(batch.indices)  # ascending, as are the predictions
-            for i in sorted([*batch.indices, *errors]):
-                if i in errors:
-                    yield i, errors[i]
-                else:
-                    next(good)
-                    yield i, next(preds)
+        with keep_freed_memory():  # until the last is yielded, or the iterator is closed
+            for batch in self.batches(items, batch_size=batch_size, num_workers=num_workers):
+                errors = {i: ImageReadError(msg) for i, msg in batch.errors}
+                preds: Iterator[Prediction] = iter(())
+                if batch.indices:
+                    scores, maps = self.infer(batch.images, sizes=batch.sizes)
+                    # lazy: each full-size heatmap is made as it is yielded, one at a time in memory
+                    preds = self.predictions(scores, maps, batch.sizes)
+                good = iter(batch.indices)  # ascending, as are the predictions
+                for i in sorted([*batch.indices, *errors]):
+                    if i in errors:
+                        yield i, errors[i]
+                    else:
+                        next(good)
+                        yield i, next(preds)
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> Path:

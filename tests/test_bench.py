@@ -26,6 +26,7 @@ from benchmarks import (
     bench_coreset,
     bench_coreset_banks,
     bench_export,
+    bench_heap,
     bench_heatmap,
     bench_pipeline,
     bench_threshold,
@@ -94,6 +95,20 @@ def test_pipeline_bench_runs_and_reports_every_stage(tmp_path, capsys):
     assert report["results"][1]["fit"]["coreset_seconds"] >= 0
     assert {"cpu", "cores", "ram_gb", "torch", "numpy"} <= set(report["machine"])
     assert "pred/bare" in capsys.readouterr().out
+
+
+def test_heap_bench_runs_every_mode_in_fresh_processes(tmp_path, capsys):
+    data = small_dataset(tmp_path / "d")
+    out = tmp_path / "h.json"
+    assert bench_heap.main(["--data", str(data), "--config", "configs/padim.yaml", "--train",
+                            "6", "--test", "4", "--repeats", "1", "--json", str(out),
+                            "device=cpu", *TINY]) == 0
+    report = json.loads(out.read_text())
+    for mode in bench_heap.MODES:
+        assert report[mode]["fit"]["s"] > 0 and report[mode]["score"]["faults"] >= 0
+        assert report[mode]["peak_rss_mb"] >= report[mode]["rss_after_mb"] > 0
+    assert report["max_score_difference"] == 0  # only where memory comes from changes
+    assert "keep / release" in capsys.readouterr().out
 
 
 def test_heatmap_bench_times_each_form_and_restores_the_detectors(tmp_path, capsys):
