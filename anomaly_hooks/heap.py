@@ -15,8 +15,9 @@ same scores to the bit, a peak 6 % higher (2264 against 2138 MB) and less kept a
 same machine, with or without it (a fit 5.4 and 4.1 s).
 
 ``Detector.fit``, ``update``, ``recalibrate`` and the batch scoring calls (``predict``,
-``decision_function``, ``iter_predict``) run inside it; ``Detector.infer`` (the service's
-batches) does not. Jobs may nest and overlap across threads: the thresholds go up with the
+``decision_function``, ``iter_predict``) run inside it, as do a Ray fit's shards and passes
+on its workers and its merge on the driver; ``Detector.infer`` (the service's batches) does
+not. Jobs may nest and overlap across threads: the thresholds go up with the
 first and down after the last. Elsewhere than glibc (macOS, musl, Windows) it does nothing;
 ``ANOMALY_HOOKS_KEEP_HEAP=0`` in the environment turns it off.
 """

@@ -599,3 +599,27 @@ def test_patchcore_merge_marks_the_images_whose_every_patch_it_holds():
     # the tail's rows end the merged features, every patch of images 2..10 in image order
     assert np.array_equal(merged["features"][-9 * per:],
                           np.concatenate([whole["features"], merged["features"][-4 * per:]]))
+
+
+def test_a_workers_shards_and_scores_run_as_jobs_that_keep_freed_memory(monkeypatch, small_cfg):
+    """The actor's work, called directly (no Ray): each shard and out-of-sample pass inside
+    :func:`anomaly_hooks.heap.keep_freed_memory`, as ``Detector.fit`` is."""
+    from anomaly_hooks import heap
+    from anomaly_hooks.distributed import fitting as dfit
+
+    if not heap.enabled():
+        pytest.skip("glibc's malloc only")
+    seen = []
+    monkeypatch.setattr(dfit, "fit_shard", lambda *a, **k: seen.append(heap.active()) or {})
+    monkeypatch.setattr(dfit, "out_of_sample_scores",
+                        lambda *a, **k: seen.append(heap.active()) or [])
+    monkeypatch.setattr(dfit, "scorer_from_payload", lambda det, payload: None)
+    threads = torch.get_num_threads()
+    try:
+        worker = dfit.FitWorker(small_cfg, "cpu", threads)  # sets the process's threads
+        worker.fit_shard([], 0, 0)
+        worker.out_of_sample(None, [], [])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [True, True]
+    assert not heap.active()

@@ -43,6 +43,7 @@ from anomaly_hooks.distributed.cluster import connect, maybe_die, require_ray
 from anomaly_hooks.errors import ConfigError, FitError
 from anomaly_hooks.fitting import FitRun, fit_shard, out_of_sample_scores
 from anomaly_hooks.framing import Frame
+from anomaly_hooks.heap import keep_freed_memory
 from anomaly_hooks.scorers import Scorer, get_scorer
 from anomaly_hooks.tiling import detector as tiled
 
@@ -97,15 +98,17 @@ class FitWorker:
     def fit_shard(self, items: List[str], n_total: int, shard: int,
                   descriptors: bool = False) -> Dict[str, Any]:
         # tests: die mid-shard, after a batch's work (a no-op unless the fault hook is set)
-        out = fit_shard(self.det, items, n_total,
-                        on_batch=lambda b: maybe_die([shard]) if b == 0 else None,
-                        descriptors=descriptors)
+        with keep_freed_memory():  # a job, as Detector.fit is
+            out = fit_shard(self.det, items, n_total,
+                            on_batch=lambda b: maybe_die([shard]) if b == 0 else None,
+                            descriptors=descriptors)
         return {**out, "pid": os.getpid()}
 
     def out_of_sample(self, payload: Any, items: List[str], images: List[int]) -> List[float]:
-        with ieee_float32():
-            scorer = scorer_from_payload(self.det, payload)
-        return out_of_sample_scores(self.det, scorer, items, images)
+        with keep_freed_memory():
+            with ieee_float32():
+                scorer = scorer_from_payload(self.det, payload)
+            return out_of_sample_scores(self.det, scorer, items, images)
 
 
 def shard_bounds(n: int, n_shards: int, align: int) -> List[Tuple[int, int]]:
@@ -130,7 +133,8 @@ def fit(cfg: Any, source: Any = None, *, address: Optional[str] = None, num_work
     ray = connect(address)
     det = Detector(cfg)
     run = FitRun(det, source if source is not None else cfg.data.train, progress=progress)
-    with tiled.frame_for_fit(det, run.frame):  # a tiled model's frame, decided here
+    # a tiled model's frame, decided here; the driver's merge and finalisation are a job
+    with tiled.frame_for_fit(det, run.frame), keep_freed_memory():
         _fit_on_actors(ray, det, run, num_workers=num_workers, gpus_per_worker=gpus_per_worker,
                        cpus_per_worker=cpus_per_worker, shards_per_worker=shards_per_worker)
     return det
