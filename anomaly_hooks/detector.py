@@ -482,7 +482,7 @@ class Detector:
         items = [X] if single else list(X)
         size = batch_size or self.cfg.data.batch_size
         out: List[Prediction] = []
-        with keep_freed_memory():
+        with keep_freed_memory(len(items) > size):
             for start in range(0, len(items), size):
                 images, sizes = self.prepare(items[start:start + size])
                 scores, maps = self.infer(images, sizes=sizes)
@@ -497,7 +497,7 @@ class Detector:
         items = [X] if is_one_image(X) else list(X)
         size = batch_size or self.cfg.data.batch_size
         scores: List[float] = []
-        with keep_freed_memory():
+        with keep_freed_memory(len(items) > size):
             for start in range(0, len(items), size):
                 images, sizes = self.prepare(items[start:start + size])
                 scores.extend(self.infer(images, sizes=sizes).scores.tolist())
@@ -513,7 +513,8 @@ class Detector:
         item that could not be read — one bad file never stops the rest.
         """
         self._check_fitted()
-        with keep_freed_memory():  # until the last is yielded, or the iterator is closed
+        # until the last is yielded, or the iterator is closed
+        with keep_freed_memory(len(items) > (batch_size or self.cfg.data.batch_size)):
             for batch in self.batches(items, batch_size=batch_size, num_workers=num_workers):
                 errors = {i: ImageReadError(msg) for i, msg in batch.errors}
                 preds: Iterator[Prediction] = iter(())

@@ -11,13 +11,14 @@ the next batch reuses them; when the last job ends it gives the free memory back
 process (32 and 64 MiB; any ``mallopt`` ends the adaptation). ``benchmarks/bench_heap.py``,
 fresh processes: that fit 4.0 s against 5.2 s, scoring 100 images 1.5 s against 1.9 s, the
 same scores to the bit, a peak 6 % higher (2264 against 2138 MB) and less kept after the job
-(1627 against 1805 MB); a PatchCore fit 22.3 against 25.5 s, its peak 16 % higher. Transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``) did not help on the
-same machine, with or without it (a fit 5.4 and 4.1 s).
+(1627 against 1805 MB); a PatchCore fit 22.3 against 25.5 s, its peak 16 % higher.
+Transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``) did not help on the same machine, with or
+without it (a fit 5.4 and 4.1 s).
 
-``Detector.fit``, ``update``, ``recalibrate`` and the batch scoring calls (``predict``,
-``decision_function``, ``iter_predict``) run inside it, as do a Ray fit's shards and passes
-on its workers and its merge on the driver; ``Detector.infer`` (the service's batches) does
-not. Jobs may nest and overlap across threads: the thresholds go up with the
+``Detector.fit``, ``update``, ``recalibrate`` and the scoring calls of more than one batch
+(``predict``, ``decision_function``, ``iter_predict``) run inside it, as do a Ray fit's shards
+and passes on its workers and its merge on the driver; ``Detector.infer`` (the service's
+batches) does not. Jobs may nest and overlap across threads: the thresholds go up with the
 first and down after the last. Elsewhere than glibc (macOS, musl, Windows) it does nothing;
 ``ANOMALY_HOOKS_KEEP_HEAP=0`` in the environment turns it off.
 """
@@ -93,11 +94,14 @@ def active() -> bool:
 
 
 @contextmanager
-def keep_freed_memory() -> Iterator[None]:
+def keep_freed_memory(when: bool = True) -> Iterator[None]:
     """Keep freed host memory in the heap while the block runs (see the module docstring);
-    after the last running block, return it to the system."""
+    after the last running block, return it to the system. ``when`` False: nothing (a call
+    of one batch, where nothing freed waits for a next batch and the trim at the end would
+    cost the next call the blocks glibc keeps by itself: a single-image ``predict`` took 93
+    against 89 ms inside it)."""
     global _depth
-    if not enabled():
+    if not (when and enabled()):
         yield
         return
     libc = glibc()

@@ -152,6 +152,8 @@ def test_the_detectors_jobs_run_inside_and_give_the_same_scores(monkeypatch, sma
     assert not heap.active()
     det.infer(det.prepare(test)[0])  # one batch, the caller's own (the service's engine)
     assert net.seen[-1] is False
+    det.decision_function(test[:4])  # one batch (data.batch_size 4): nothing to keep it for
+    assert net.seen[-1] is False
     monkeypatch.setenv(heap.ENV, "0")
     again = Detector.from_config(cfg, backbone=net).fit(textured_images(12), progress=False)
     assert net.seen[-1] is False
