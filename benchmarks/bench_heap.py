@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.measure import child_result, machine, report_result, write_json  # noqa: E402
 
-# mode -> (ANOMALY_HOOKS_KEEP_HEAP, THP_MEM_ALLOC_ENABLE)
+ENV = ("ANOMALY_HOOKS_KEEP_HEAP", "THP_MEM_ALLOC_ENABLE")
+# mode -> the values of ENV in its processes
 MODES = {"keep": ("1", "0"), "release": ("0", "0"), "release, THP": ("0", "1"),
          "keep, THP": ("1", "1")}
 
@@ -52,15 +53,10 @@ def timed(fn: Any) -> tuple[Any, Dict[str, float]]:
                  **{k: after[k] - before[k] for k in before}}
 
 
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(args: argparse.Namespace) -> int:
     """One process: fit, then score; report the figures."""
+    import psutil
+
     from anomaly_hooks import heap
     from anomaly_hooks.config import load_config
     from anomaly_hooks.detector import Detector
@@ -75,7 +71,8 @@ def child(args: argparse.Namespace) -> int:
     det, fit = timed(lambda: Detector(cfg).fit(train, progress=False))
     scores, score = timed(lambda: det.decision_function(test))
     report_result({"fit": fit, "score": score, "peak_rss_mb": peak_rss_mb(),
-                   "rss_after_mb": rss_mb(), "keeps": heap.enabled(),
+                   "rss_after_mb": psutil.Process().memory_info().rss / 2**20,
+                   "keeps": heap.enabled(),
                    "scores": np.asarray(scores).tolist()})
     return 0
 
@@ -106,16 +103,22 @@ def main(argv: Any = None) -> int:
     runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in MODES}
     cmd = [__file__, "--child", "--data", args.data, "--config", args.config,
            "--train", args.train, "--test", args.test, *args.overrides]
-    for _ in range(args.repeats):
-        for mode, (keep, thp) in MODES.items():
-            os.environ["ANOMALY_HOOKS_KEEP_HEAP"], os.environ["THP_MEM_ALLOC_ENABLE"] = keep, thp
-            result = child_result(cmd)
-            if "error" in result:
-                print(f"{mode}: {result['error']}", file=sys.stderr)
-                return 1
-            runs[mode].append(result)
-    os.environ.pop("ANOMALY_HOOKS_KEEP_HEAP", None)
-    os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
+    saved = {k: os.environ.get(k) for k in ENV}
+    try:
+        for _ in range(args.repeats):
+            for mode, values in MODES.items():
+                os.environ.update(zip(ENV, values))  # the children inherit the environment
+                result = child_result(cmd)
+                if "error" in result:
+                    print(f"{mode}: {result['error']}", file=sys.stderr)
+                    return 1
+                runs[mode].append(result)
+    finally:  # this process's own settings as they were
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     out: Dict[str, Any] = {"data": args.data, "config": args.config, "train": args.train,
                            "test": args.test, "repeats": args.repeats, "machine": machine()}
     print(f"{args.config} on {args.data}: fit on {args.train} images, score {args.test}; "
