@@ -117,3 +117,12 @@ def test_serve_refuses_an_unreachable_results_db_in_one_line(tmp_path, capsys, f
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert f"postgresql://inspect:***@127.0.0.1:{port}/line3" in errors[0]
     assert "hunter2" not in err and "--results-db" in errors[0]
+
+
+def test_keep_heap_option():
+    """--keep-heap: off by default (the service's resident memory stays glibc's own)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from_args(parser.parse_args(["--model", "m", "--keep-heap"])).keep_heap
+    assert not settings_from_args(parser.parse_args(["--model", "m"])).keep_heap
+    assert not ServeSettings(model="m").keep_heap

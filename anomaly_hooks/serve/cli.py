@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "drift reference; none: no monitor (an .onnx model runs without one: "
                    "GET /v1/drift says why)")
     p.add_argument("--no-sighup", action="store_true", help="do not reload the model on SIGHUP")
+    p.add_argument("--keep-heap", action="store_true",
+                   help="keep freed memory in the C heap while serving (glibc): full batches "
+                        "of a large backbone about 9 %% faster, the resident memory 10-15 %% "
+                        "higher; ANOMALY_HOOKS_KEEP_HEAP=0 overrides it")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -152,7 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
-        sighup_reload=not args.no_sighup).validate()
+        sighup_reload=not args.no_sighup, keep_heap=args.keep_heap).validate()
 
 
 def _results_db(args: argparse.Namespace) -> Optional[str]:

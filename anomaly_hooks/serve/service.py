@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List
 import numpy as np
 
 from anomaly_hooks.errors import AnomalyHooksError, ModelFileError
-from anomaly_hooks.heap import release_free_memory
+from anomaly_hooks.heap import keep_freed_memory, release_free_memory
 from anomaly_hooks.prediction import Verdict
 from anomaly_hooks.serve.batcher import Admission, Batcher, BatchInfo, Job
 from anomaly_hooks.serve.connections import ConnectionGuard
@@ -138,6 +138,7 @@ class Service:
         self._load_lock = asyncio.Lock()  # model loads, one at a time (see _load)
         self._tasks: List[asyncio.Task] = []
         self._sighup = False
+        self._heap = contextlib.ExitStack()  # --keep-heap: freed memory kept (start to stop)
 
     # -- the default model (the routes without a model name) -------------------------------
     @property
@@ -179,8 +180,20 @@ class Service:
 
     async def start(self) -> None:
         """Thread pools, results log and batcher; the model loads in the background."""
-        s = self.settings
         self.loop = asyncio.get_running_loop()
+        # --keep-heap: a job as long as the service, so that a batch's freed activations stay
+        # in the heap for the next batch instead of being unmapped and faulted in again (the
+        # free memory still goes back every TRIM_INTERVAL_S after a batch, and at stop)
+        self._heap.enter_context(keep_freed_memory(self.settings.keep_heap))
+        try:
+            await self._start_parts()
+        except BaseException:
+            self._heap.close()
+            raise
+
+    async def _start_parts(self) -> None:
+        """:meth:`start`'s pools, results log, batchers and tasks."""
+        s = self.settings
         prepared = set()
         for sl in self.slots.values():
             with contextlib.suppress(ModelFileError):  # its load says it again, as fatal
@@ -251,6 +264,7 @@ class Service:
                 sl.monitor.close()
         for pool in (self.pool, self.model_thread, self.aux):
             pool.shutdown(wait=False, cancel_futures=True)
+        self._heap.close()
 
     async def _initial_load(self, slot: ModelSlot) -> None:
         engine = await self._load_promoted(slot)

@@ -54,6 +54,9 @@ class ServeSettings:
     retention_interval_s: float = 60.0
     monitor: Optional[str] = None          # module:callable building a drift monitor
     sighup_reload: bool = True
+    # freed memory kept in the C heap while the service runs (anomaly_hooks.heap): full
+    # batches of a large backbone faster, the resident memory higher (see docs/service.md)
+    keep_heap: bool = False
     # several models in one service: name -> file, the first the default one (the routes
     # without a name serve it); None: the one model of ``model``, named "default"
     models: Optional[Dict[str, str]] = None
