@@ -51,17 +51,21 @@ from anomaly_hooks.errors import FitError
 
 DENSE_TOLERANCE = 1e-9  # relative truncation error of the dense series
 CHUNK_POSITIONS = 128  # positions per chunk of fitting work, here and in gaussians.py
-CHUNK_CACHE_BYTES = 16 << 20  # a CPU chunk's working set of per-position fit work
+CHUNK_CACHE_BYTES = 5 << 20  # a CPU chunk's working set of per-position fit work
 
 
 def fit_chunk(n: int, d: int, device: torch.device) -> int:
     """Positions per chunk of the per-position fit work on ``n`` samples of dimension ``d``.
     On the CPU as many as keep a chunk's working set (the float64 ``n x n`` Gram and its
     inverse factor, the float32 Gram, the samples, the ``D x D`` covariance: about
-    ``20 n^2 + 4 n D + 8 D^2`` bytes a position) within ``CHUNK_CACHE_BYTES``: the chunk stays
-    in cache between its steps (200 samples of 176 dimensions at 3136 positions: Gaussians
-    and leave-one-out in 1.8 s with 14 positions a chunk, 2.9 s with 128); on a GPU
-    ``CHUNK_POSITIONS`` (few, large launches)."""
+    ``20 n^2 + 4 n D + 8 D^2`` bytes a position) within ``CHUNK_CACHE_BYTES``, at least one:
+    the chunks that the threads of :func:`map_position_chunks` work on at once stay in the
+    last-level cache together, each between its steps. Gaussians and leave-one-out on 2
+    cores (``from_samples``, budgets in turns, medians of 4-5): visa_macaroni1's 200
+    EfficientNet-Lite0 embeddings (176 dimensions, 3136 positions) 0.88 s with 4 positions a
+    chunk (5 MiB), 1.04 s with 14 (16 MiB); their first 37, 0.32 against 0.42 s; synthetic
+    200 samples of 550 dimensions (392 positions), 0.84 against 0.93 s (1 position against
+    4). On a GPU ``CHUNK_POSITIONS`` (few, large launches)."""
     if device.type != "cpu":
         return CHUNK_POSITIONS
     per_position = 20 * n * n + 4 * n * d + 8 * d * d
