@@ -270,12 +270,35 @@ def _check_jpeg(data: bytes, label: str) -> None:
         colorspace = {"Gray": "GRAY", "CMYK": "CMYK", "YCCK": "CMYK"}.get(space, "RGB")
         simplejpeg.decode_jpeg(data, colorspace=colorspace, min_factor=8, strict=True)
     except ValueError as exc:
-        msg = str(exc)
-        if (any(s in msg for s in _CORRUPT_JPEG_WARNINGS)
-                and not any(s in msg for s in _BENIGN_JPEG_WARNINGS)):
-            raise ImageReadError(f"{label}: corrupt JPEG data ({msg}); the file is damaged or "
-                                 "was cut short") from None
+        _refuse_if_corrupt(str(exc), label)
         # anything else (an unsupported JPEG process, a metadata warning): Pillow decides
+
+
+def _refuse_if_corrupt(msg: str, label: str) -> None:
+    """A libjpeg warning about the entropy-coded data (parts of the picture made up) becomes
+    an :class:`ImageReadError`; any other message is left to the caller."""
+    if (any(s in msg for s in _CORRUPT_JPEG_WARNINGS)
+            and not any(s in msg for s in _BENIGN_JPEG_WARNINGS)):
+        raise ImageReadError(f"{label}: corrupt JPEG data ({msg}); the file is damaged or was "
+                             "cut short") from None
+
+
+def _decode_jpeg_strict(data: bytes, mode: str, label: str) -> Optional[np.ndarray]:
+    """An 8-bit RGB or grey JPEG's full-resolution pixels (uint8 ``[H, W, 3]`` or ``[H, W]``,
+    as Pillow decodes them) in one strict libjpeg-turbo pass, which is also
+    :func:`_check_jpeg`'s check (instead of that check and then Pillow's decoder: decoding and
+    preprocessing visa_macaroni1's 1500 x 1000 images a third cheaper,
+    ``benchmarks/bench_decode.py``). None where libjpeg warned of something other than
+    corrupt data (Pillow then decodes it, after the check)."""
+    import simplejpeg
+
+    try:
+        arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB",
+                                     strict=True)
+    except ValueError as exc:
+        _refuse_if_corrupt(str(exc), label)
+        return None
+    return arr[:, :, 0] if mode == "L" else arr
 
 
 def _orientation(img: Image.Image) -> int:
@@ -387,11 +410,14 @@ def _block_mean(rows: Callable[[int, int], np.ndarray], height: int, width: int,
 
 
 def _decode_pil(img: Image.Image, label: str, max_pixels: int,
-                min_size: Optional[Tuple[int, int]], own: bool = True
-                ) -> Tuple[np.ndarray, Tuple[int, int]]:
+                min_size: Optional[Tuple[int, int]], own: bool = True,
+                jpeg: Optional[bytes] = None) -> Tuple[np.ndarray, Tuple[int, int]]:
     """A PIL image (possibly not loaded yet) -> (float32 ``[h, w, 3]``, original (H, W)).
     ``own``: the image was opened here, so its JPEG decoding may be drafted (a caller's image
-    object is never changed that way)."""
+    object is never changed that way). ``jpeg``: the bytes of a JPEG opened here, not checked
+    yet: an 8-bit RGB or grey one decoded at full resolution is decoded and checked in one
+    strict pass (:func:`_decode_jpeg_strict`), any other checked (:func:`_check_jpeg`) before
+    Pillow decodes it."""
     if getattr(img, "is_animated", False):
         img.seek(0)
     orientation = _orientation(img)
@@ -400,11 +426,22 @@ def _decode_pil(img: Image.Image, label: str, max_pixels: int,
         width, height = height, width
     _check_pixels(width, height, max_pixels, label)
     k = _factor((height, width), min_size)
+    reserved = False
+    if jpeg is not None:
+        if k == 1 and img.format == "JPEG" and img.mode in ("RGB", "L"):
+            _reserve(img.size[0] * img.size[1])  # the pixels the decode writes
+            reserved = True
+            pixels = _decode_jpeg_strict(jpeg, img.mode, label)
+            if pixels is not None:
+                arr = _orient(_canonical(pixels, label), orientation)
+                return np.ascontiguousarray(arr), (height, width)
+        _check_jpeg(jpeg, label)
     drafted = k > 1 and own and img.format in ("JPEG", "MPO") and getattr(img, "tile", None)
     if drafted:
         # libjpeg scales by 1/2, 1/4 or 1/8 while decoding (at most k): never the full image
         img.draft(None, (math.ceil(img.size[0] / k), math.ceil(img.size[1] / k)))
-    _reserve(img.size[0] * img.size[1])  # the pixels the load reads (after the draft's scaling)
+    if not reserved:
+        _reserve(img.size[0] * img.size[1])  # the pixels the load reads (after the draft's scaling)
     img.load()
     if drafted:
         h1, w1 = img.size[::-1] if orientation < 5 else img.size
@@ -441,30 +478,35 @@ def _pil_errors(label: str) -> Iterator[None]:
         raise ImageReadError(f"{label}: not a readable image ({reason})") from None
 
 
-def _open_checked(fh: Any, read_jpeg: Callable[[int], bytes], label: str, max_pixels: int
-                  ) -> Image.Image:
+def _open_checked(fh: Any, read_jpeg: Callable[[int], bytes], label: str, max_pixels: int,
+                  check: bool = True) -> Tuple[Image.Image, Optional[bytes]]:
     """The PIL image (not decoded yet) of an open file or buffer ``fh``, limited to
-    :data:`PIL_FORMATS`. A JPEG is read whole (``read_jpeg(pixels)``) and checked strictly
-    first, and Pillow decodes the very bytes that were checked."""
+    :data:`PIL_FORMATS`, and a JPEG's bytes (None for other formats). A JPEG is read whole
+    (``read_jpeg(pixels)``) and checked strictly first (``check``; else the caller decodes or
+    checks these bytes, :func:`_decode_pil`), and Pillow decodes the very bytes read."""
     img = Image.open(fh, formats=PIL_FORMATS)
-    if img.format in ("JPEG", "MPO"):
-        _check_pixels(*img.size, max_pixels, label)  # before reading it all
-        data = read_jpeg(img.size[0] * img.size[1])
+    if img.format not in ("JPEG", "MPO"):
+        return img, None
+    _check_pixels(*img.size, max_pixels, label)  # before reading it all
+    data = read_jpeg(img.size[0] * img.size[1])
+    if check:
         _check_jpeg(data, label)
-        img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
-    return img
+    return Image.open(io.BytesIO(data), formats=PIL_FORMATS), data
 
 
 @contextlib.contextmanager
-def _opened(path: Path, max_pixels: int) -> Iterator[Tuple[Image.Image, str]]:
-    """The file's PIL image (not decoded yet) and its label; every failure inside the block
-    becomes an :class:`ImageReadError` naming the file."""
+def _opened(path: Path, max_pixels: int, check: bool = True
+            ) -> Iterator[Tuple[Image.Image, str, Optional[bytes]]]:
+    """The file's PIL image (not decoded yet), its label and a JPEG's bytes (checked unless
+    ``check`` is False: :func:`_open_checked`); every failure inside the block becomes an
+    :class:`ImageReadError` naming the file."""
     label = display(path)
     fd = _open_fd(path, label)
     with os.fdopen(fd, "rb") as fh, _pil_errors(label):
         size = os.fstat(fd).st_size
-        yield _open_checked(fh, lambda pixels: _read_jpeg(fd, size, pixels, label), label,
-                            max_pixels), label
+        img, data = _open_checked(fh, lambda pixels: _read_jpeg(fd, size, pixels, label), label,
+                                  max_pixels, check)
+        yield img, label, data
 
 
 def _decode_bytes(data: bytes, max_pixels: int, min_size: Optional[Tuple[int, int]]
@@ -479,14 +521,14 @@ def _decode_bytes(data: bytes, max_pixels: int, min_size: Optional[Tuple[int, in
         return data
 
     with _pil_errors(label):
-        img = _open_checked(io.BytesIO(data), whole, label, max_pixels)
-        return _decode_pil(img, label, max_pixels, min_size)
+        img, jpeg = _open_checked(io.BytesIO(data), whole, label, max_pixels, check=False)
+        return _decode_pil(img, label, max_pixels, min_size, jpeg=jpeg)
 
 
 def _decode_path(path: Path, max_pixels: int, min_size: Optional[Tuple[int, int]]
                  ) -> Tuple[np.ndarray, Tuple[int, int]]:
-    with _opened(path, max_pixels) as (img, label):
-        return _decode_pil(img, label, max_pixels, min_size)
+    with _opened(path, max_pixels, check=False) as (img, label, jpeg):
+        return _decode_pil(img, label, max_pixels, min_size, jpeg=jpeg)
 
 
 def load_oriented(path: Union[str, os.PathLike], max_pixels: int = DEFAULT_MAX_PIXELS
@@ -498,7 +540,7 @@ def load_oriented(path: Union[str, os.PathLike], max_pixels: int = DEFAULT_MAX_P
     Raises:
         ImageReadError: as :func:`decode`.
     """
-    with _opened(Path(path), max_pixels) as (img, label):
+    with _opened(Path(path), max_pixels) as (img, label, _):
         if getattr(img, "is_animated", False):
             img.seek(0)
         _check_pixels(*img.size, max_pixels, label)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import backbone_rtol, f32_tol, textured_images, with_defect
+from conftest import backbone_rtol, f32_tol, shared_dataset, textured_images, with_defect
 from fuzzing import fuzz_settings, mutate, mutation
 from hypothesis import given
 from hypothesis import strategies as st
@@ -446,6 +446,71 @@ def test_valid_jpeg_kinds_still_read(tmp_path):
     for name in ("gray", "cmyk", "prog", "mpo"):
         assert read_image(tmp_path / f"{name}.jpg").shape == (3, 64, 80)
     assert read_image(tmp_path / "rot.jpg").shape == (3, 80, 64)
+
+
+def _pillow_pixels(source) -> np.ndarray:
+    """Pillow's own decode, EXIF-rotated, as float32 in [0, 1] (the reference)."""
+    from PIL import ImageOps
+
+    with Image.open(source) as img:
+        return np.asarray(ImageOps.exif_transpose(img).convert("RGB"), np.float32) / 255
+
+
+@pytest.mark.parametrize("kind", ["420", "444", "422", "progressive", "restart", "grey",
+                                  "rotated", "optimised"])
+def test_one_pass_jpeg_decode_gives_pillows_pixels(tmp_path, kind):
+    """An RGB or grey JPEG at full resolution is decoded and checked in one strict pass of
+    libjpeg-turbo (not Pillow): the very pixels Pillow decodes, from a file and from bytes,
+    and a damaged one is still refused."""
+    arr = textured_images(1, size=(61, 83))[0]  # odd sizes: partial MCUs at both edges
+    img = Image.fromarray(arr[:, :, 0] if kind == "grey" else arr)
+    options = {"420": {"subsampling": 2}, "444": {"subsampling": 0}, "422": {"subsampling": 1},
+               "progressive": {"progressive": True}, "restart": {"restart_marker_rows": 1},
+               "optimised": {"optimize": True, "quality": 60}}.get(kind, {})
+    if kind == "rotated":
+        exif = img.getexif()
+        exif[0x0112] = 6
+        options = {"exif": exif}
+    path = tmp_path / f"{kind}.jpg"
+    img.save(path, "JPEG", **options)
+    want = _pillow_pixels(path)
+    np.testing.assert_array_equal(decode(path), want)
+    np.testing.assert_array_equal(decode(path.read_bytes()), want)
+    raw = path.read_bytes()
+    cut = tmp_path / f"{kind}_cut.jpg"
+    cut.write_bytes(raw[: len(raw) // 2] + b"\xff\xd9")  # Pillow alone decodes it, half grey
+    # refused, never decoded with made-up pixels (a cut inside a progressive file's later
+    # Huffman table is a header error: Pillow's own "truncated" then)
+    with pytest.raises(ImageReadError, match="corrupt JPEG data|truncated"):
+        decode(cut)
+
+
+def test_an_rgb_jpeg_is_decoded_without_pillows_decoder(tmp_path, monkeypatch):
+    """One pass: Pillow only reads the header (size, mode, EXIF); a grey JPEG too; a CMYK one
+    still goes through Pillow."""
+    from PIL import ImageFile
+
+    arr = textured_images(1, size=(32, 48))[0]
+    Image.fromarray(arr).save(tmp_path / "rgb.jpg")
+    Image.fromarray(arr[:, :, 0]).save(tmp_path / "grey.jpg")
+    Image.fromarray(arr).convert("CMYK").save(tmp_path / "cmyk.jpg")
+    want = {name: decode(tmp_path / f"{name}.jpg") for name in ("rgb", "grey", "cmyk")}
+
+    def no_decoder(self):
+        raise AssertionError("Pillow decoded the pixels")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoder)
+    for name in ("rgb", "grey"):
+        np.testing.assert_array_equal(decode(tmp_path / f"{name}.jpg"), want[name])
+    with pytest.raises(ImageReadError, match="Pillow decoded the pixels"):
+        decode(tmp_path / "cmyk.jpg")
+
+
+def test_one_pass_jpeg_decode_on_real_images():
+    """visa_macaroni1's 1500 x 1000 camera JPEGs: the same pixels as Pillow's decode."""
+    folder = shared_dataset("visa_macaroni1") / "train" / "good"
+    for path in sorted(folder.iterdir())[:5]:
+        np.testing.assert_array_equal(decode(path), _pillow_pixels(path))
 
 
 def test_palette_png_with_transparency(tmp_path):
