@@ -91,7 +91,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra option for the server (repeatable), e.g. "
                    "--server-arg=--keep-images=all")
-    p.add_argument("--out", default="bench_serve.json")
+    p.add_argument("--out", default=None,
+                   help="write the figures as JSON to this file (default: none written)")
     return p.parse_args(argv)
 
 
@@ -696,7 +697,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print_comparison(result["comparison"])
     print(f"  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()} "
           f"on {os.cpu_count()} CPUs")
-    print(f"written {write_json(args.out, result)}")
+    if args.out:
+        print(f"written {write_json(args.out, result)}")
     ok = all(result["targets"].values())
     return 0 if ok else 1
 
