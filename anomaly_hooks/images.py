@@ -17,7 +17,8 @@ other plugins that run programs or rarely-used decoders), pixel counts are check
 header before decoding (``max_pixels``), and JPEG entropy data is checked strictly (libjpeg's
 "premature end of data" / "corrupt data" warnings, which Pillow ignores, are errors). An 8-bit
 RGB or grey JPEG read at full resolution is decoded by that strict libjpeg-turbo pass itself
-(the pixels Pillow's decoder gives, at about half the cost of checking and then decoding).
+(the pixels Pillow's decoder gives; decoding and preprocessing a third cheaper than checking,
+then decoding with Pillow: ``benchmarks/bench_decode.py``).
 
 Memory: :func:`decode_reduced` decodes an image of more than :data:`FULL_DECODE_PIXELS` pixels
 at a reduced scale (JPEG: libjpeg's DCT scaling through Pillow's draft mode; other formats and
