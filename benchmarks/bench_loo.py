@@ -22,6 +22,11 @@ thread, in turns (medians of 3):
 
 and each one's relative error against a float64 refit without each image (the brute force, at
 ``--reference`` positions): the median and the maximum over samples and positions.
+
+``--chunk-mib 16 5``: first, the fit's Gaussians and leave-one-out together
+(``DenseGaussians.from_samples(..., loo=True)``, every position, the process's threads) with
+the position chunks each working-set budget gives (``loo.CHUNK_CACHE_BYTES``), in turns,
+medians of 5, and whether every budget gives the same factors and distances to the bit.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ import torch  # noqa: E402
 from anomaly_hooks.config import load_config  # noqa: E402
 from anomaly_hooks.data import list_images  # noqa: E402
 from anomaly_hooks.detector import Detector  # noqa: E402
+from anomaly_hooks.scorers.padim import loo  # noqa: E402
+from anomaly_hooks.scorers.padim.gaussians import DenseGaussians  # noqa: E402
 from anomaly_hooks.scorers.padim.loo import (  # noqa: E402
     covariance_group_out_squared,
     fit_chunk,
@@ -87,6 +94,38 @@ def centred_chunks(x: torch.Tensor) -> list:
     return out
 
 
+def chunk_budgets(x_all: torch.Tensor, images: list, budgets_mib: list, eps: float,
+                  repeats: int = 5) -> None:
+    """Time ``from_samples`` (Gaussians and leave-one-out) of the first ``n`` samples for each
+    ``n`` of ``images`` with each chunk budget (MiB), in turns; check the results agree."""
+    p, _, d = x_all.shape
+    kept = loo.CHUNK_CACHE_BYTES
+    print(f"Gaussians and leave-one-out (from_samples), {p} positions, "
+          f"{torch.get_num_threads()} threads, budgets in turns, medians of {repeats}")
+    print("| n | chunk budget (MiB) | positions a chunk | seconds | same as the first |")
+    print("|---:|---:|---:|---:|---|")
+    try:
+        for n in images:
+            x = x_all[:, :n].contiguous()
+            seconds = {b: [] for b in budgets_mib}
+            results = {}
+            for _ in range(repeats):
+                for b in budgets_mib:
+                    loo.CHUNK_CACHE_BYTES = int(b * (1 << 20))
+                    start = time.perf_counter()
+                    g = DenseGaussians.from_samples(x, eps, loo=True)
+                    seconds[b].append(time.perf_counter() - start)
+                    results[b] = (g.chol, g.loo)
+            first = results[budgets_mib[0]]
+            for b in budgets_mib:
+                loo.CHUNK_CACHE_BYTES = int(b * (1 << 20))
+                same = all(torch.equal(a, c) for a, c in zip(results[b], first))
+                print(f"| {n} | {b:g} | {loo.fit_chunk(n, d, x.device)} | "
+                      f"{float(np.median(seconds[b])):.3f} | {'yes' if same else 'NO'} |")
+    finally:
+        loo.CHUNK_CACHE_BYTES = kept
+
+
 def brute_force(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Float64 refit without each sample: squared distances ``[P, n]``."""
     x = x.double()
@@ -110,6 +149,9 @@ def main() -> int:
     ap.add_argument("--images", type=int, nargs="+", default=[100, 200])
     ap.add_argument("--positions", type=int, default=512, help="positions timed")
     ap.add_argument("--reference", type=int, default=32, help="positions checked in float64")
+    ap.add_argument("--chunk-mib", type=float, nargs="+", default=None,
+                    help="also time the fit's Gaussians and leave-one-out with position "
+                         "chunks of these working-set budgets (MiB), e.g. 16 5")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args()
     cfg = load_config(args.config, ["device=cpu", *args.overrides])
@@ -124,6 +166,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     timed_at = torch.from_numpy(np.sort(rng.choice(p, min(p, args.positions), replace=False)))
     checked = timed_at[:args.reference]
+    if args.chunk_mib:
+        chunk_budgets(x_all, args.images, args.chunk_mib, eps)
     torch.set_num_threads(1)  # as each of the fit's chunk threads runs
     print(f"{args.config}: D = {d}, {p} positions, epsilon {eps}; one thread")
     print("| n | route | ms a position | median rel. error | max rel. error |")

@@ -371,3 +371,21 @@ def test_serve_bench_compares_engines_and_measures_rss_per_model(tmp_path, capsy
     assert [len(r["models"]) for r in rows] == [1, 2]
     assert rows[0]["added_mib"] is None and rows[1]["added_mib"] is not None
     assert all(r["rss_mib"] > 0 for r in rows)
+
+
+def test_loo_bench_times_chunk_budgets_and_restores_the_fits_own(capsys):
+    """bench_loo's chunk budgets: a row per sample count and budget, the results the same for
+    every budget, and the fit's own budget back afterwards."""
+    from anomaly_hooks.scorers.padim import loo
+    from benchmarks import bench_loo
+
+    kept = loo.CHUNK_CACHE_BYTES
+    x = torch.randn(40, 12, 6, generator=torch.Generator().manual_seed(0))
+    bench_loo.chunk_budgets(x, [8, 12], [16, 0.001], 0.01, repeats=2)
+    assert loo.CHUNK_CACHE_BYTES == kept
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    rows = [r.split("|")[1:-1] for r in rows[1:]]  # after the header
+    assert [(int(r[0]), float(r[1])) for r in rows] == [(8, 16), (8, 0.001), (12, 16),
+                                                        (12, 0.001)]
+    assert [int(r[2]) for r in rows][1::2] == [1, 1]  # the smallest budget: a position a chunk
+    assert all(r[4].strip() == "yes" for r in rows)

@@ -60,12 +60,12 @@ def fit_chunk(n: int, d: int, device: torch.device) -> int:
     inverse factor, the float32 Gram, the samples, the ``D x D`` covariance: about
     ``20 n^2 + 4 n D + 8 D^2`` bytes a position) within ``CHUNK_CACHE_BYTES``, at least one:
     the chunks that the threads of :func:`map_position_chunks` work on at once stay in the
-    last-level cache together, each between its steps. Gaussians and leave-one-out on 2
-    cores (``from_samples``, budgets in turns, medians of 4-5): visa_macaroni1's 200
-    EfficientNet-Lite0 embeddings (176 dimensions, 3136 positions) 0.88 s with 4 positions a
-    chunk (5 MiB), 1.04 s with 14 (16 MiB); their first 37, 0.32 against 0.42 s; synthetic
-    200 samples of 550 dimensions (392 positions), 0.84 against 0.93 s (1 position against
-    4). On a GPU ``CHUNK_POSITIONS`` (few, large launches)."""
+    last-level cache together, each between its steps. Gaussians and leave-one-out of
+    visa_macaroni1's EfficientNet-Lite0 embeddings (176 dimensions, 3136 positions) on 2 cores,
+    5 against 16 MiB (``benchmarks/bench_loo.py --chunk-mib 16 5``): 200 images 1.00 against
+    1.16 s (4 positions a chunk against 14), 100 images 0.58 against 0.64 s, 37 images 0.31
+    against 0.44 s; the same results to the bit. On a GPU ``CHUNK_POSITIONS`` (few, large
+    launches)."""
     if device.type != "cpu":
         return CHUNK_POSITIONS
     per_position = 20 * n * n + 4 * n * d + 8 * d * d
