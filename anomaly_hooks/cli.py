@@ -270,7 +270,6 @@ def cmd_update(args: argparse.Namespace) -> int:
         found = labelled_results(args.from_results, since=args.since, until=args.until,
                                  pictures=args.results_dir)
         print(found.summary())
-        items = [str(p) for p in found.good]
     else:
         if args.since or args.until or args.results_dir:
             raise ConfigError("--since, --until and --results-dir go with --from-results")
@@ -280,8 +279,14 @@ def cmd_update(args: argparse.Namespace) -> int:
     old, old_reference = det.threshold_, det.drift_reference_
     start = time.perf_counter()
     if found is not None:
-        det.update(items, defects=[str(p) for p in found.defects] or None,
-                   source=found.lineage_source(), progress=not args.quiet)
+        items, defects, kept = found.items(det.preprocessor)
+        if kept["read"] or kept["decoded"]:
+            print(f"network inputs kept by the service: {kept['read']} read instead of "
+                  f"decoding the image"
+                  + (f", {kept['decoded']} made otherwise (another preprocessing or "
+                     "library version: decoded)" if kept["decoded"] else ""))
+        det.update(items, defects=defects or None, source=found.lineage_source(),
+                   progress=not args.quiet)
     else:
         det.update(items, progress=not args.quiet)
     seconds = time.perf_counter() - start

@@ -24,6 +24,8 @@ from anomaly_hooks.images import (
     is_image_file,
     read_image_reduced,
 )
+from anomaly_hooks.keptinputs import KeptImage
+from anomaly_hooks.keptinputs import load as load_kept
 from anomaly_hooks.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,14 @@ def load_preprocessed(item: Any, pre: Preprocessor, max_pixels: int
                       ) -> Tuple[torch.Tensor, Tuple[int, int]]:
     """One image, decoded (a huge one at a reduced scale that keeps at least twice the resize:
     ``images.decode_reduced``) and preprocessed: ``[3, h, w]`` and the image's own (H, W).
-    Only the preprocessed tensor outlives the call, whatever the image's size."""
+    Only the preprocessed tensor outlives the call, whatever the image's size. A
+    :class:`~anomaly_hooks.keptinputs.KeptImage` gives its kept network input where ``pre``
+    made it (:func:`~anomaly_hooks.keptinputs.load`), else its original decoded."""
+    if isinstance(item, KeptImage):
+        kept = load_kept(item, pre)
+        if kept is not None and kept[1][0] * kept[1][1] <= max_pixels:
+            return kept
+        item = item.original  # (over max_pixels: refused as the original would be)
     image, size = read_image_reduced(item, pre.min_source_size, max_pixels)
     return pre(image, size), size  # placed by its original size (a working frame needs it)
 

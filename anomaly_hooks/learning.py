@@ -30,6 +30,10 @@ the ``postgresql://`` URL of ``--results-db`` (then ``pictures`` names the servi
   no original of (started without ``--keep-originals``, or ``anomalous`` and the result was
   not) is counted in :attr:`LabelledResults.not_kept`.
 
+* Where the service kept each image's network input beside its original (``--keep-inputs``),
+  the update reads that instead of decoding the image again, when the updating model's
+  preprocessing made it (:mod:`anomaly_hooks.keptinputs`; :meth:`LabelledResults.items`).
+
 The window is on the time each result was **recorded** (as ``GET /v1/results?since=``): give
 the time the model was put into service to learn from what it saw. The lineage entry of the
 update records the source: the store (without a password), the window, the result ids used
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from anomaly_hooks.errors import ConfigError, FitError
+from anomaly_hooks.keptinputs import KeptImage, mismatch
 from anomaly_hooks.serve.pgstore import is_postgres_url, redact_url
 from anomaly_hooks.serve.results import ImageFiles, ResultStore, iso_time
 from anomaly_hooks.serve.settings import RESULTS_FILE
@@ -69,9 +74,10 @@ class LabelledResults:
     store: str                                      # the results log (no password)
     since: Optional[float]                          # the window, Unix seconds (None: open)
     until: Optional[float]
-    good: List[Path] = field(default_factory=list)  # originals of the results labelled good
+    # originals of the results labelled good (a KeptImage where its network input is kept)
+    good: List[Union[Path, KeptImage]] = field(default_factory=list)
     good_ids: List[int] = field(default_factory=list)
-    defects: List[Path] = field(default_factory=list)  # ... labelled defect
+    defects: List[Union[Path, KeptImage]] = field(default_factory=list)  # ... labelled defect
     defect_ids: List[int] = field(default_factory=list)
     missing: List[int] = field(default_factory=list)   # ids whose original file is gone
     not_kept: List[int] = field(default_factory=list)  # ids the service kept no original of
@@ -94,6 +100,23 @@ class LabelledResults:
                 "until": None if self.until is None else iso_time(self.until),
                 "good_results": list(self.good_ids), "defect_results": list(self.defect_ids),
                 "skipped": self.skipped}
+
+    def items(self, pre: Any) -> Tuple[List[Any], List[Any], Dict[str, int]]:
+        """The good and the defect images for an update of a model with the preprocessing
+        ``pre``: a :class:`~anomaly_hooks.keptinputs.KeptImage` where ``pre`` made its kept
+        network input (read from its header), else the original's path; and the counts of
+        kept inputs ``{"read": ..., "decoded": ...}`` (kept but made otherwise: the original
+        is decoded)."""
+        counts = {"read": 0, "decoded": 0}
+
+        def usable(item: Union[Path, KeptImage]) -> Any:
+            if not isinstance(item, KeptImage):
+                return item
+            why = mismatch(item.input, pre)
+            counts["decoded" if why else "read"] += 1
+            return item.original if why else item
+
+        return [usable(p) for p in self.good], [usable(p) for p in self.defects], counts
 
     def summary(self) -> str:
         """One line: what was found and what was skipped."""
@@ -195,7 +218,10 @@ def _sort(found: LabelledResults, label: str, rid: Optional[int], rel: Optional[
     if not rel:
         found.not_kept.append(rid)
         return
-    path = files.resolve(rel)
+    path: Any = files.resolve(rel)
+    kept_input = files.kept_input(rel) if path is not None else None
+    if kept_input is not None:
+        path = KeptImage(path, kept_input)
     if path is None:
         log.warning("result %d is labelled %s but its original image %s is gone (removed by "
                     "hand, or a restored log): skipped", rid, label, files.root / rel)
@@ -230,12 +256,13 @@ def update_from_results(det: "Detector", results: str, *, since: TimeLike = None
                         pictures: Optional[os.PathLike | str] = None,
                         progress: bool = False) -> LabelledResults:
     """Update the fitted ``det`` in place (:meth:`Detector.update`) with the original images
-    of the results labelled ``good`` (:func:`labelled_results`), the threshold choosing with
-    those labelled ``defect`` where there are any (else as the model's config says), and the
-    lineage entry recording the source. Returns what was read."""
+    of the results labelled ``good`` (:func:`labelled_results`; their kept network inputs
+    where ``det``'s preprocessing made them: :meth:`LabelledResults.items`), the threshold
+    choosing with those labelled ``defect`` where there are any (else as the model's config
+    says), and the lineage entry recording the source. Returns what was read."""
     found = labelled_results(results, since=since, until=until, model=model,
                              pictures=pictures)
-    det.update([str(p) for p in found.good],
-               defects=[str(p) for p in found.defects] or None,
-               source=found.lineage_source(), progress=progress)
+    good, defects, _ = found.items(det.preprocessor)
+    det.update(good, defects=defects or None, source=found.lineage_source(),
+               progress=progress)
     return found

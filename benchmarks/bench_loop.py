@@ -5,15 +5,16 @@ promote; false alarms and recall before and after, against a full refit.
 Usage::
 
     nice -n 5 python benchmarks/bench_loop.py --data ../shared/data/visa_macaroni1 \\
-        --config configs/patchcore_effnet_lite0.yaml [--repeats N] [key=value ...] [--json out.json]
+        --config configs/patchcore_effnet_lite0.yaml [--repeats N] [--keep-inputs] \\
+        [key=value ...] [--json out.json]
 
 On an MVTec-layout data set (``train/good``, ``test/<type>``), the training images in file
 order are cut in two (``--split``, the first part):
 
 1. **v1**: a fit on the first part, saved in a models folder;
 2. ``anomaly-hooks serve --models-dir`` (a real server in a subprocess, ``--keep-originals
-   all``) serving v1; the test images are sent (**before**: false alarms on ``test/good``,
-   recall on the defective ones);
+   all``; ``--keep-inputs`` with that option) serving v1; the test images are sent
+   (**before**: false alarms on ``test/good``, recall on the defective ones);
 3. the second part arrives on the line: sent to the server, then every one of them labelled
    ``good`` through ``POST /v1/results/{id}/label`` (the false alarms among them, and the
    parts confirmed good: ``--label alarms`` labels only the false alarms);
@@ -67,7 +68,8 @@ TOKEN = "bench-loop-token"
 class Server:
     """``anomaly-hooks serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, models_dir: Path, results: Path, log: Path) -> None:
+    def __init__(self, model: Path, models_dir: Path, results: Path, log: Path,
+                 keep_inputs: bool = False) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -78,7 +80,8 @@ class Server:
             [sys.executable, "-m", "anomaly_hooks.cli", "serve", "--model", str(model),
              "--models-dir", str(models_dir), "--port", str(self.port), "--token", TOKEN,
              "--results-dir", str(results), "--keep-originals", "all", "--keep-images", "none",
-             "--no-thumbnails", "--monitor", "none", "--no-sighup"],
+             "--no-thumbnails", "--monitor", "none", "--no-sighup",
+             *(["--keep-inputs"] if keep_inputs else [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.client = httpx.Client(base_url=self.url, timeout=300,
                                    headers={"Authorization": f"Bearer {TOKEN}"})
@@ -136,6 +139,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="time the update and the refit this many times, in turns (each "
                              "update of v1 loaded afresh); the ratio of their medians")
+    parser.add_argument("--keep-inputs", action="store_true",
+                        help="serve with --keep-inputs: the update reads the network inputs "
+                             "the service kept instead of decoding the images again")
     args = parser.parse_args(argv)
     data = mvtec(args.data)
     cfg = load_config(args.config, args.overrides)
@@ -145,7 +151,8 @@ def main(argv=None) -> int:
     labels = np.asarray(data.labels)
     out: Dict[str, Any] = {"data": args.data, "config": args.config,
                            "overrides": args.overrides, "n_first": len(first),
-                           "n_second": len(second), "machine": machine()}
+                           "n_second": len(second), "keep_inputs": args.keep_inputs,
+                           "machine": machine()}
     warnings.simplefilter("ignore")  # the few-images rate warnings of every fit
     with TemporaryDirectory(prefix="bench_loop_") as tmp:
         work = Path(tmp)
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
         v1 = Detector(cfg).fit(first, progress=False)
         out["fit_first_s"] = time.perf_counter() - start
         v1_path = v1.save(models / "v1.safetensors")
-        server = Server(v1_path, models, results, work / "server.log")
+        server = Server(v1_path, models, results, work / "server.log", args.keep_inputs)
         try:
             server.wait_ready()
             out["before"] = served(server, tests, labels)
@@ -173,6 +180,7 @@ def main(argv=None) -> int:
             found = update_from_results(det, str(results), since=since)
             out["update_s"] = time.perf_counter() - start
             out["images_added"] = len(found.good)
+            out["inputs_read"] = found.items(det.preprocessor)[2]["read"]
             out["update_steps"] = det.update_timings_
             det.save(models / "v2.safetensors")
             start = time.perf_counter()
@@ -238,7 +246,9 @@ def report(out: Dict[str, Any]) -> None:
               f"{out['labelled_alarms_after']}/{out['labelled']}"))
     print(row("refit on all", out["refit"], ""))
     pairs = " ".join(f"{u:.1f}/{r:.1f}" for u, r, _ in out["pairs"])
-    print(f"update {out['update_median_s']:.1f} s ({out['images_added']} images), refit "
+    kept = (f", {out['inputs_read']} of them from the network inputs the service kept"
+            if out["keep_inputs"] else ", decoding the kept originals")
+    print(f"update {out['update_median_s']:.1f} s ({out['images_added']} images{kept}), refit "
           f"{out['refit_median_s']:.1f} s (medians of {len(out['pairs'])}: {pairs}): "
           f"ratio {out['update_over_refit']:.2f}; with loading v1 first "
           f"({out['load_median_s']:.2f} s): {out['update_with_load_over_refit']:.2f}")

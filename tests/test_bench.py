@@ -28,6 +28,7 @@ from benchmarks import (
     bench_export,
     bench_heap,
     bench_heatmap,
+    bench_loop,
     bench_pipeline,
     bench_threshold,
     measure,
@@ -309,6 +310,21 @@ def test_update_benchmarks_share_their_arguments_and_split():
     assert (args.split, args.json, args.overrides) == (0.5, None, ["padim.n_features=10"])
     assert measure.split_training(list(range(5)), 0.5) == ([0, 1, 2], [3, 4])
     assert measure.split_training(["a"], 0.0) == (["a"], [])  # one image first at least
+
+
+@pytest.mark.slow
+def test_loop_bench_updates_from_the_kept_inputs(tmp_path, capsys):
+    """The loop through a real server with --keep-inputs: every labelled image's kept input
+    is read, and the update is the refit (PaDiM: the same threshold)."""
+    data = small_dataset(tmp_path / "d", train=12, test=2)
+    out = tmp_path / "loop.json"
+    assert bench_loop.main(["--data", str(data), "--config", "configs/padim.yaml",
+                            "--keep-inputs", "--json", str(out), *TINY]) == 0
+    report = json.loads(out.read_text())
+    assert report["inputs_read"] == report["images_added"] == report["labelled"] == 6
+    assert report["after"]["threshold"] == pytest.approx(report["refit"]["threshold"],
+                                                         rel=1e-4)
+    assert "6 of them from the network inputs the service kept" in capsys.readouterr().out
 
 
 def test_threshold_bench_refuses_a_single_draw(monkeypatch, capsys):

@@ -158,6 +158,55 @@ def test_update_from_results_is_the_update_on_those_images(parent, tmp_path):
     assert Detector.load(out).lineage_ == det.lineage_
 
 
+def test_kept_inputs_are_read_instead_of_the_originals(parent, tmp_path, capsys,
+                                                       monkeypatch):
+    """Results kept with their network inputs (as ``serve --keep-inputs`` writes them): the
+    update reads the inputs its preprocessing made instead of decoding those originals, and
+    decodes the others (an input of another preprocessing); the model is the one the
+    originals give, to the bit. The CLI says how many it read."""
+    import anomaly_hooks.data as data_module
+    from anomaly_hooks.keptinputs import KeptImage, encode
+    from anomaly_hooks.preprocess import Preprocessor
+
+    det = Detector.load(parent)
+    pre = det.preprocessor
+    other = Preprocessor((80, 80), (64, 64), pre.mean, pre.std)
+    results = tmp_path / "results"
+    log_ = SQLiteResultStore(results / "results.sqlite")
+    files = ImageFiles(results)
+    g, d = _goods()[12:20], _defects()[:2]
+    for i, (image, label) in enumerate([(p, "good") for p in g] + [(p, "defect") for p in d]):
+        x, size = data_module.load_preprocessed(image, other if i == 1 else pre, 10 ** 8)
+        rel = files.write(f"req{i}", T0 + i, {"original": image.read_bytes(),
+                                              "input": encode(x, other if i == 1 else pre,
+                                                              size)}, "PNG")
+        (rid,) = log_.add([_record(i, rel["original"])])
+        log_.set_label(rid, label, by="token:test")
+    log_.close()
+    found = labelled_results(str(results))
+    assert all(isinstance(p, KeptImage) for p in found.good + found.defects)
+    good, defects, counts = found.items(pre)
+    assert counts == {"read": 9, "decoded": 1}
+    assert not isinstance(good[1], KeptImage) and isinstance(good[0], KeptImage)
+    decoded = []
+    real = data_module.read_image_reduced
+    monkeypatch.setattr(data_module, "read_image_reduced",
+                        lambda item, *a: decoded.append(Path(item).name) or real(item, *a))
+    update_from_results(det, str(results))
+    assert decoded == [Path(found.good[1]).name]  # only the one made otherwise
+    monkeypatch.setattr(data_module, "read_image_reduced", real)
+    reference = Detector.load(parent).update([str(p) for p in g], defects=[str(p) for p in d])
+    probe = [str(p) for p in _goods()[20:24] + _defects()[2:4]]
+    np.testing.assert_array_equal(det.decision_function(probe),
+                                  reference.decision_function(probe))
+    assert det.threshold_.value == reference.threshold_.value
+    out = tmp_path / "m2.safetensors"
+    assert main(["update", "--model", str(parent), "--from-results", str(results),
+                 "--out", str(out), "--quiet"]) == 0
+    assert ("network inputs kept by the service: 9 read instead of decoding the image, 1 "
+            "made otherwise") in capsys.readouterr().out
+
+
 def test_cli_from_results_errors(parent, tmp_path, capsys):
     results = tmp_path / "results"
     SQLiteResultStore(results / "results.sqlite").close()
@@ -193,11 +242,12 @@ def _write_pngs(folder: Path, images: list[np.ndarray], stem: str) -> list[Path]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-def test_the_line_learns_end_to_end(kind, request, tmp_path):
-    """Serve v1 (fitted on one material) with --models-dir and --keep-originals; a new
-    material's good parts raise false alarms; label them good and the defects defect through
-    the HTTP API; ``anomaly-hooks update --from-results``; promote v2: the labelled images and
-    new ones like them no longer alarm, the defects still do; a rollback brings v1 back."""
+def test_the_line_learns_end_to_end(kind, request, tmp_path, capsys):
+    """Serve v1 (fitted on one material) with --models-dir and --keep-originals (SQLite: and
+    --keep-inputs); a new material's good parts raise false alarms; label them good and the
+    defects defect through the HTTP API; ``anomaly-hooks update --from-results`` (reading the
+    kept inputs where there are); promote v2: the labelled images and new ones like them no
+    longer alarm, the defects still do; a rollback brings v1 back."""
     import httpx
     from conftest import textured_images, with_defect
     from serve_helpers import TOKEN, ServerProcess
@@ -213,7 +263,7 @@ def test_the_line_learns_end_to_end(kind, request, tmp_path):
     models.mkdir()
     cfg = load_config(None, method="padim", **SMALL)
     Detector(cfg).fit(old, progress=False).save(models / "v1.safetensors")
-    store = ["--results-dir", str(results)]
+    store = ["--results-dir", str(results)] + (["--keep-inputs"] if kind == "sqlite" else [])
     spec = str(results)
     if kind == "postgres":
         spec = request.getfixturevalue("postgres_url")
@@ -243,6 +293,9 @@ def test_the_line_learns_end_to_end(kind, request, tmp_path):
         extra = ["--results-dir", str(results)] if kind == "postgres" else []
         assert main(["update", "--model", str(models / "v1.safetensors"), "--from-results",
                      spec, *extra, "--since", str(since), "--out", str(v2), "--quiet"]) == 0
+        printed = capsys.readouterr().out
+        assert (f"{len(labelled) + len(defects)} read instead of decoding" in printed) == \
+            (kind == "sqlite"), printed
         r = client.post("/v1/admin/promote", json={"version": "v2.safetensors"})
         assert r.status_code == 200, r.text
         lineage = client.get("/v1/model").json()["lineage"]

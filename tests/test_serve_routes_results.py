@@ -109,6 +109,44 @@ def test_originals_kept_as_sent_and_removed_by_retention(models, tmp_path, keep)
         assert not left & set(kept) and len(left) == (2 if keep == "all" else 0)
 
 
+@pytest.mark.parametrize("keep", ["anomalous", "all"])
+def test_network_inputs_kept_beside_originals(models, tmp_path, keep):
+    """``--keep-inputs``: beside each kept original its network input, the tensor the
+    library's loader makes of that file (bit for bit), as a KeptImage reads it; none beside
+    an image whose original is not kept; the retention removes it with its record."""
+    import torch
+    from conftest import textured_images
+    from serve_helpers import encode
+
+    from anomaly_hooks.data import load_preprocessed
+    from anomaly_hooks.detector import Detector
+    from anomaly_hooks.images import DEFAULT_MAX_PIXELS
+    from anomaly_hooks.keptinputs import KeptImage, load, mismatch
+
+    jpeg = encode(textured_images(1, seed=71)[0], "JPEG", quality=90)
+    pre = Detector.load(models["good"]).preprocessor
+    with serving(models["good"], tmp_path, keep_originals=keep, keep_inputs=True,
+                 keep_images="none", thumbnails=False, retention_count=2) as (client, service):
+        good = client.post("/v1/predict", content=jpeg).json()
+        bad = client.post("/v1/predict", content=defect_png(72)).json()
+        assert bad["is_anomalous"] and not good["is_anomalous"]
+        images = tmp_path / "results" / "images"
+        kept = {p.name: p for p in images.rglob("*.*")}
+        for res, ext in ([bad, "png"], [good, "jpg"])[:2 if keep == "all" else 1]:
+            original = kept[f"{res['request_id']}_original.{ext}"]
+            item = KeptImage(original, kept[f"{res['request_id']}_input.safetensors"])
+            assert mismatch(item.input, pre) is None
+            want = load_preprocessed(original, pre, DEFAULT_MAX_PIXELS)
+            got = load(item, pre)
+            assert torch.equal(got[0], want[0]) and got[1] == want[1]
+        assert len(kept) == (4 if keep == "all" else 2)
+        client.post("/v1/predict", content=good_png(73))
+        client.post("/v1/predict", content=good_png(74))
+        client.portal.call(service.prune)  # the two newest stay: the first two go
+        left = {p.name for p in images.rglob("*.*")}
+        assert not left & set(kept) and len(left) == (4 if keep == "all" else 0)
+
+
 def test_unknown_results_and_pictures_are_404(api):
     client, _ = api
     assert_error(client.get("/v1/results/999999"), 404, "not_found")

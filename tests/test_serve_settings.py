@@ -126,3 +126,19 @@ def test_keep_heap_option():
     assert settings_from_args(parser.parse_args(["--model", "m", "--keep-heap"])).keep_heap
     assert not settings_from_args(parser.parse_args(["--model", "m"])).keep_heap
     assert not ServeSettings(model="m").keep_heap
+
+
+def test_keep_inputs_option_needs_kept_originals():
+    """--keep-inputs: off by default; it keeps the input beside a kept original, so without
+    --keep-originals it is refused, saying what to add."""
+    from anomaly_hooks.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--keep-originals", "anomalous", "--keep-inputs"])
+    assert settings_from_args(args).keep_inputs
+    assert not settings_from_args(parser.parse_args(["--model", "m"])).keep_inputs
+    with pytest.raises(ConfigError, match="keep-inputs.*keep-originals anomalous or all"):
+        settings_from_args(parser.parse_args(["--model", "m", "--keep-inputs"]))
+    with pytest.raises(ConfigError, match="keep-originals"):
+        ServeSettings(model="m", keep_inputs=True).validate()

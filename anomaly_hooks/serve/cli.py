@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the images an operator may label as false alarms; all, every image); "
                    "removed with their result by the retention (default "
                    f"{d['keep_originals']})")
+    r.add_argument("--keep-inputs", action="store_true",
+                   help="beside each kept original, the network input the model computed "
+                   "from it (4 x 3 x H x W bytes: 588 KiB at 224 x 224): an update from the "
+                   "results reads it instead of decoding the image again")
     r.add_argument("--no-thumbnails", action="store_true",
                    help="no thumbnail per result (the page's list then shows none)")
     r.add_argument("--overlay-max-side", type=int, default=d["overlay_max_side"],
@@ -153,7 +157,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         results_dir=None if args.no_results else args.results_dir,
         results_db=_results_db(args),
         keep_images=args.keep_images, keep_originals=args.keep_originals,
-        thumbnails=not args.no_thumbnails,
+        keep_inputs=args.keep_inputs, thumbnails=not args.no_thumbnails,
         overlay_max_side=args.overlay_max_side, retention_days=args.retention_days,
         retention_count=args.retention_count, monitor=args.monitor,
         sighup_reload=not args.no_sighup, keep_heap=args.keep_heap).validate()

@@ -205,6 +205,12 @@ class ModelEngine:
         the original (H, W) of a reduced decode (a working frame places an image by it)."""
         raise NotImplementedError
 
+    def input_file(self, tensor: Any, size: Tuple[int, int]) -> Optional[bytes]:
+        """The kept-input file (:mod:`anomaly_hooks.keptinputs`) of a network input
+        ``[3, h, w]`` made from an image of (H, W) ``size``, for ``--keep-inputs``; None where
+        the updates (which run the library's torch preprocessing) could not take it."""
+        return None
+
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
         """``[h', w', 3]`` uint8 copy of a canonical image, long side <= ``max_side``."""
         return pictures.preview(canonical, max_side)

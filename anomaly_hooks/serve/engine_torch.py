@@ -101,6 +101,11 @@ class TorchEngine(ModelEngine):
                       ) -> torch.Tensor:
         return self.detector.preprocessor(canonical_tensor(canonical), size)
 
+    def input_file(self, tensor: Any, size: Tuple[int, int]) -> Optional[bytes]:
+        from anomaly_hooks.keptinputs import encode
+
+        return encode(tensor, self.detector.preprocessor, size)
+
     def preview(self, canonical: np.ndarray, max_side: int) -> np.ndarray:
         return preview(canonical_tensor(canonical), max_side)
 

@@ -96,6 +96,9 @@ COLUMNS = META_COLUMNS + VERDICT_FIELDS
 # format, its file its own extension (ORIGINAL_EXTENSIONS)
 PICTURES = {"overlay": "overlay.png", "mask": "mask.png", "thumb": "thumb.jpg",
             "original": "original"}
+# beside a kept original, its network input (--keep-inputs; anomaly_hooks.keptinputs): a file
+# of the pictures folder that no record names, found from the original's name
+INPUT_PICTURE, INPUT_EXTENSION = "input", "safetensors"
 ORIGINAL_EXTENSIONS = {"PNG": "png", "JPEG": "jpg", "TIFF": "tif", "BMP": "bmp", "WEBP": "webp"}
 CSV_COLUMNS = ["id", "time_iso", "time", "part_id", "source", "score", "normalized_score",
                "is_anomalous", "threshold", "anomalous_pixels", "width", "height", "model_id",
@@ -659,9 +662,18 @@ def csv_lines(records: Iterator[Record]) -> Iterator[str]:
     yield buf.getvalue()
 
 
+def input_name(original_rel: str) -> str:
+    """The relative path of the network input kept beside the original at ``original_rel``
+    (``..._original.<ext>`` -> ``..._input.safetensors``)."""
+    head, sep, _ = original_rel.rpartition("_original.")
+    stem = head if sep else original_rel.rsplit(".", 1)[0]
+    return f"{stem}_{INPUT_PICTURE}.{INPUT_EXTENSION}"
+
+
 class ImageFiles:
     """Pictures of kept results: ``<root>/images/YYYY-MM-DD/<request id>_<kind>.<ext>`` (the
-    original upload: ``<request id>_original.<its format's extension>``)."""
+    original upload: ``<request id>_original.<its format's extension>``; its kept network
+    input: ``<request id>_input.safetensors``)."""
 
     def __init__(self, root: os.PathLike | str) -> None:
         self.root = Path(root).resolve()
@@ -680,7 +692,8 @@ class ImageFiles:
                 continue
             folder.mkdir(parents=True, exist_ok=True)
             ext = (ORIGINAL_EXTENSIONS.get(str(original_format).upper(), "img")
-                   if kind == "original" else PICTURES[kind].rsplit(".", 1)[1])
+                   if kind == "original" else INPUT_EXTENSION if kind == INPUT_PICTURE
+                   else PICTURES[kind].rsplit(".", 1)[1])
             path = folder / f"{request_id}_{kind}.{ext}"
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_bytes(data)
@@ -698,10 +711,16 @@ class ImageFiles:
             return None
         return path
 
+    def kept_input(self, original_rel: str) -> Optional[Path]:
+        """The kept network input beside the original at ``original_rel`` (None: none)."""
+        return self.resolve(input_name(original_rel))
+
     def delete(self, records: Sequence[Record]) -> int:
         n = 0
         for rec in records:
-            for rel in (rec.overlay_path, rec.mask_path, rec.thumb_path, rec.original_path):
+            kept_input = input_name(rec.original_path) if rec.original_path else None
+            for rel in (rec.overlay_path, rec.mask_path, rec.thumb_path, rec.original_path,
+                        kept_input):
                 if rel:
                     path = self.resolve(rel)
                     if path is not None:

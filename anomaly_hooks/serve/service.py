@@ -66,6 +66,7 @@ from anomaly_hooks.serve.monitoring import (
     optional_monitor,
 )
 from anomaly_hooks.serve.results import (
+    INPUT_PICTURE,
     ImageFiles,
     Record,
     Recorder,
@@ -286,6 +287,10 @@ class Service:
             self._swap(slot, engine, monitor)
             log.info("serving %s%s (%s, loaded and warm in %.1f s)", engine.model_id,
                      self._as(slot), engine.path, engine.load_seconds)
+            if self.settings.keep_inputs and engine.kind != "torch":
+                log.warning("--keep-inputs: a %s model keeps no network inputs (updates "
+                            "run the library's torch preprocessing; they decode its kept "
+                            "originals)", engine.kind)
             await self._record_start(engine, slot)
         elif monitor is not None and monitor is not slot.monitor:
             monitor.close()
@@ -750,6 +755,8 @@ class Service:
         # the upload as sent, while the results log may keep it (--keep-originals)
         original: Optional[bytes] = data if self._keeps_originals() else None
         del data
+        # ... and the network input beside it (--keep-inputs)
+        tensor = item.tensor if original is not None and self.settings.keep_inputs else None
         marks["decoded"] = time.perf_counter()
         assert slot.batcher is not None
         score, heat, info = await slot.batcher.submit(item.tensor, engine,
@@ -769,6 +776,9 @@ class Service:
             record.latency_ms = round((time.perf_counter() - t_start) * 1000, 3)
             kept = self._kept_pictures(outcome, heatmap)
             kept["original"] = original if self._keep_original(verdict) else None
+            if tensor is not None and kept["original"] is not None:
+                kept[INPUT_PICTURE] = await self._input_file(engine, tensor, item)
+            del tensor
             await self._record(record, kept, item.format)
         marks["done"] = time.perf_counter()
         body: Dict[str, Any] = {
@@ -797,6 +807,18 @@ class Service:
         # of the model's preprocessing, answered as such (a batch's other images go on)
         except Exception as exc:  # noqa: BLE001
             raise model_fault("preprocessing", exc, engine) from None
+
+    async def _input_file(self, engine: ModelEngine, tensor: Any, item: PreparedImage
+                          ) -> Optional[bytes]:
+        """The kept-input file of ``tensor`` (decode pool); None where the engine keeps none
+        or it fails (logged: the original is kept all the same, an update decodes it)."""
+        try:
+            return await self.loop.run_in_executor(
+                self.pool, engine.input_file, tensor, (item.height, item.width))
+        except Exception as exc:  # noqa: BLE001 (the prediction and its original stand)
+            log.warning("the network input of an upload could not be kept (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
 
     def _keep(self) -> str:
         """Which pictures the results log keeps (none without a folder for them)."""

@@ -46,6 +46,9 @@ class ServeSettings:
     # the uploaded images themselves, as sent (what `anomaly-hooks update --from-results` learns
     # from): none|anomalous|all; under results_dir, removed with their result by the retention
     keep_originals: str = "none"
+    # beside each kept original, the network input the model computed from it
+    # (anomaly_hooks.keptinputs: an update from the results reads it instead of decoding)
+    keep_inputs: bool = False
     thumbnails: bool = True                # a small overlay JPEG per result (the page's list)
     thumb_side: int = 160
     overlay_max_side: int = 1024           # overlays/masks are at most this size (long side)
@@ -114,6 +117,9 @@ class ServeSettings:
             if getattr(self, name) not in KEEP_CHOICES:
                 raise ConfigError(f"{name.replace('_', '-')} must be one of "
                                   f"{', '.join(KEEP_CHOICES)}, not {getattr(self, name)!r}")
+        if self.keep_inputs and self.keep_originals == "none":
+            raise ConfigError("keep-inputs keeps the network input beside each kept original "
+                              "image: give keep-originals anomalous or all as well")
 
     @property
     def keeps_results(self) -> bool:
