@@ -81,6 +81,8 @@ class LabelledResults:
     defect_ids: List[int] = field(default_factory=list)
     missing: List[int] = field(default_factory=list)   # ids whose original file is gone
     not_kept: List[int] = field(default_factory=list)  # ids the service kept no original of
+    # of the kept network inputs, as items() last sorted them: read, or decoded (made otherwise)
+    kept_inputs: Dict[str, int] = field(default_factory=lambda: {"read": 0, "decoded": 0})
 
     @property
     def skipped(self) -> int:
@@ -106,8 +108,8 @@ class LabelledResults:
         ``pre``: a :class:`~anomaly_hooks.keptinputs.KeptImage` where ``pre`` made its kept
         network input (read from its header), else the original's path; and the counts of
         kept inputs ``{"read": ..., "decoded": ...}`` (kept but made otherwise: the original
-        is decoded)."""
-        counts = {"read": 0, "decoded": 0}
+        is decoded), also kept as :attr:`kept_inputs`."""
+        counts = self.kept_inputs = {"read": 0, "decoded": 0}
 
         def usable(item: Union[Path, KeptImage]) -> Any:
             if not isinstance(item, KeptImage):

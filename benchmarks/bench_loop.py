@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             found = update_from_results(det, str(results), since=since)
             out["update_s"] = time.perf_counter() - start
             out["images_added"] = len(found.good)
-            out["inputs_read"] = found.items(det.preprocessor)[2]["read"]
+            out["inputs_read"] = found.kept_inputs["read"]
             out["update_steps"] = det.update_timings_
             det.save(models / "v2.safetensors")
             start = time.perf_counter()

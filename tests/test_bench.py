@@ -107,7 +107,8 @@ def test_heap_bench_runs_every_mode_in_fresh_processes(tmp_path, capsys):
     report = json.loads(out.read_text())
     for mode in bench_heap.MODES:
         assert report[mode]["fit"]["s"] > 0 and report[mode]["score"]["faults"] >= 0
-        assert report[mode]["peak_rss_mb"] >= report[mode]["rss_after_mb"] > 0
+        # MB of a process that holds torch and a model (units: neither kB nor bytes)
+        assert 100 < report[mode]["rss_after_mb"] <= report[mode]["peak_rss_mb"] < 20_000
     assert report["max_score_difference"] == 0  # only where memory comes from changes
     assert "keep / release" in capsys.readouterr().out
 

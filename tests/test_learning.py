@@ -192,7 +192,7 @@ def test_kept_inputs_are_read_instead_of_the_originals(parent, tmp_path, capsys,
     real = data_module.read_image_reduced
     monkeypatch.setattr(data_module, "read_image_reduced",
                         lambda item, *a: decoded.append(Path(item).name) or real(item, *a))
-    update_from_results(det, str(results))
+    assert update_from_results(det, str(results)).kept_inputs == counts
     assert decoded == [Path(found.good[1]).name]  # only the one made otherwise
     monkeypatch.setattr(data_module, "read_image_reduced", real)
     reference = Detector.load(parent).update([str(p) for p in g], defects=[str(p) for p in d])
