@@ -203,6 +203,21 @@ def format2_copy(path: Path, out: Path) -> Path:
     return out
 
 
+def test_an_onnx_model_keeps_originals_but_no_network_inputs(edge, tmp_path, caplog):
+    """``--keep-inputs`` with an ``.onnx`` model: its numpy preprocessing is not the one an
+    update runs, so the originals are kept and no input beside them; the log says so."""
+    import logging
+
+    path, files = edge
+    with caplog.at_level(logging.WARNING, logger="anomaly_hooks.serve"):
+        with serving(path, tmp_path, keep_originals="all", keep_inputs=True,
+                     keep_images="none", thumbnails=False) as (client, _):
+            assert client.post("/v1/predict", content=files[0].read_bytes()).status_code == 200
+    kept = [p.name for p in (tmp_path / "results" / "images").rglob("*.*")]
+    assert len(kept) == 1 and kept[0].endswith("_original.png")
+    assert "keeps no network inputs" in caplog.text
+
+
 def test_an_older_export_is_served_without_drift_and_says_to_export_again(edge, tmp_path):
     """A format-2 export (no layer statistics, no reference) still loads and predicts as the
     runtime does; /v1/drift answers 409 saying to export the model again."""

@@ -287,10 +287,6 @@ class Service:
             self._swap(slot, engine, monitor)
             log.info("serving %s%s (%s, loaded and warm in %.1f s)", engine.model_id,
                      self._as(slot), engine.path, engine.load_seconds)
-            if self.settings.keep_inputs and engine.kind != "torch":
-                log.warning("--keep-inputs: a %s model keeps no network inputs (updates "
-                            "run the library's torch preprocessing; they decode its kept "
-                            "originals)", engine.kind)
             await self._record_start(engine, slot)
         elif monitor is not None and monitor is not slot.monitor:
             monitor.close()
@@ -696,6 +692,10 @@ class Service:
         (one step on the loop)."""
         previous = slot.monitor
         slot.engine = engine
+        if self.settings.keep_inputs and engine.kind != "torch":
+            log.warning("--keep-inputs: %s is a %s model, which keeps no network inputs (the "
+                        "updates run the library's torch preprocessing: they decode its kept "
+                        "originals)", engine.path, engine.kind)
         slot.monitoring = (monitor, engine if slot.monitor_object is None else None)
         if slot.batcher is not None:  # the layers' channel means go to the monitor
             slot.batcher.collect_features = monitor is not None
