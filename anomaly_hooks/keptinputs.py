@@ -118,7 +118,7 @@ def load(item: KeptImage, pre: Any) -> Optional[Tuple[torch.Tensor, Tuple[int, i
         log.warning("%s: kept network input unreadable (%s: %s); decoding the original",
                     item.input, type(exc).__name__, exc)
         return None
-    if x.dtype != torch.float32 or x.dim() != 3 or x.shape[0] != 3 or len(size) != 2 \
+    if x.dtype != torch.float32 or tuple(x.shape) != (3, *pre.input_size) or len(size) != 2 \
             or _digest(x.contiguous()) != meta.get("sha256"):
         log.warning("%s: kept network input damaged (checksum or shape); decoding the "
                     "original", item.input)

@@ -3,6 +3,7 @@ unusable (another preprocessing or library version, damage), and the loader taki
 of decoding the original -- or decoding the original where it cannot."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 from conftest import SAMPLE
 from safetensors import safe_open
+from safetensors.torch import save
 
 from anomaly_hooks.data import load_preprocessed
 from anomaly_hooks.errors import ImageTooLargeError
@@ -70,8 +72,14 @@ def test_another_preprocessing_or_version_decodes_the_original(tmp_path, monkeyp
     assert load(item, PRE) is None
 
 
+def _meta(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as fh:
+        return fh.metadata()
+
+
 def test_damaged_or_foreign_files_decode_the_original_with_a_warning(tmp_path, caplog):
     item = _kept(tmp_path)
+    meta = _meta(item.input)
     want, _ = load_preprocessed(item.original, PRE, DEFAULT_MAX_PIXELS)
     data = bytearray(item.input.read_bytes())
     data[-5] ^= 0x40  # one bit of the tensor's last float
@@ -81,12 +89,18 @@ def test_damaged_or_foreign_files_decode_the_original_with_a_warning(tmp_path, c
         assert torch.equal(load_preprocessed(item, PRE, DEFAULT_MAX_PIXELS)[0], want)
     assert "damaged" in caplog.text
     caplog.clear()
+    # a whole file of this kind, its checksum right, its tensor not the preprocessing's shape
+    x = torch.zeros(3, 32, 64)
+    item.input.write_bytes(save({"input": x}, metadata={
+        **meta, "sha256": hashlib.sha256(x.numpy().tobytes()).hexdigest()}))
+    with caplog.at_level(logging.WARNING, logger="anomaly_hooks.keptinputs"):
+        assert mismatch(item.input, PRE) is None and load(item, PRE) is None
+    assert "damaged" in caplog.text
+    caplog.clear()
     item.input.write_bytes(b"not a safetensors file")
     with caplog.at_level(logging.WARNING, logger="anomaly_hooks.keptinputs"):
         assert load(item, PRE) is None
     assert "unreadable" in caplog.text
-    from safetensors.torch import save
-
     item.input.write_bytes(save({"input": torch.zeros(3, 64, 64)}, metadata={"format": "x"}))
     assert mismatch(item.input, PRE) == "not a network-input file of this version"
     assert mismatch(tmp_path / "none.safetensors", PRE).startswith("unreadable")
