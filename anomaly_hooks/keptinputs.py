@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -86,9 +86,13 @@ def mismatch(path: Path, pre: Any) -> Optional[str]:
         from safetensors import safe_open
 
         with safe_open(os.fspath(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
+            return _made_otherwise(fh.metadata() or {}, pre)
     except Exception as exc:  # noqa: BLE001 (any unreadable file: the original is decoded)
         return f"unreadable ({type(exc).__name__}: {exc})"
+
+
+def _made_otherwise(meta: Dict[str, str], pre: Any) -> Optional[str]:
+    """:func:`mismatch` of a file's metadata ``meta``."""
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         return "not a network-input file of this version"
     if meta.get("preprocess") != preprocess_key(pre):
@@ -102,19 +106,16 @@ def load(item: KeptImage, pre: Any) -> Optional[Tuple[torch.Tensor, Tuple[int, i
     """The kept network input ``[3, h, w]`` of ``item`` and the image's (H, W), where ``pre``
     made it here and the file is whole (its SHA-256 checked); else None (a damaged file is
     logged), and the caller decodes the original."""
-    why = mismatch(item.input, pre)
-    if why is not None:
-        if why.startswith("unreadable"):
-            log.warning("%s: kept network input %s; decoding the original", item.input, why)
-        return None
     try:
         from safetensors import safe_open
 
         with safe_open(os.fspath(item.input), framework="pt") as fh:
-            meta = fh.metadata()
+            meta = fh.metadata() or {}
+            if _made_otherwise(meta, pre) is not None:
+                return None
             x = fh.get_tensor("input")
         size = tuple(int(v) for v in json.loads(meta["size"]))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 (any unreadable file: the original is decoded)
         log.warning("%s: kept network input unreadable (%s: %s); decoding the original",
                     item.input, type(exc).__name__, exc)
         return None
