@@ -199,6 +199,7 @@ def labelled_results(results: str, *, since: TimeLike = None, until: TimeLike = 
     t0, t1 = parse_time(since, "since"), parse_time(until, "until")
     store, files, name = open_results(results, pictures)
     found = LabelledResults(store=name, since=t0, until=t1)
+    skipped_good = (0, 0)
     try:
         for label in ("good", "defect"):
             filters: Dict[str, Any] = {"label": label, "since": t0, "until": t1}
@@ -206,9 +207,11 @@ def labelled_results(results: str, *, since: TimeLike = None, until: TimeLike = 
                 filters["model"] = model
             for rec in reversed(list(store.iter_query(**filters))):  # oldest first
                 _sort(found, label, rec.id, rec.original_path, files)
+            if label == "good":  # the good ones among the skipped
+                skipped_good = (len(found.missing), len(found.not_kept))
     finally:
         store.close()
-    _check_found(found)
+    _check_found(found, *skipped_good)
     return found
 
 
@@ -236,21 +239,24 @@ def _sort(found: LabelledResults, label: str, rid: Optional[int], rel: Optional[
         found.defect_ids.append(rid)
 
 
-def _check_found(found: LabelledResults) -> None:
-    """FitError, saying what to do, when ``found`` holds no good image to learn from."""
+def _check_found(found: LabelledResults, missing: int, not_kept: int) -> None:
+    """FitError, saying what to do, when ``found`` holds no good image to learn from
+    (``missing`` / ``not_kept``: how many of the results labelled good were skipped)."""
     if found.good:
         return
     where = f"{found.window()} in {found.store}"
-    if not (found.defects or found.missing or found.not_kept):
-        raise FitError(f"no result is labelled good {where}: label the false alarms (the "
-                       "page's 'false alarm' button, or POST /v1/results/{id}/label "
+    if not (missing or not_kept):
+        defects = len(found.defect_ids) + len(found.missing) + len(found.not_kept)
+        others = f" ({defects} labelled defect)" if defects else ""
+        raise FitError(f"no result is labelled good {where}{others}: label the false alarms "
+                       "(the page's 'false alarm' button, or POST /v1/results/{id}/label "
                        "{\"label\": \"good\"}), or give an earlier --since")
-    if found.not_kept and not found.missing:
-        raise FitError(f"{len(found.not_kept)} labelled results {where}, but the service kept "
-                       f"none of the good ones' original images: {START_HINT}")
+    if not missing:
+        raise FitError(f"{not_kept} result(s) labelled good {where}, but the service kept "
+                       f"none of their original images: {START_HINT}")
     raise FitError(f"no result labelled good {where} has its original image: "
-                   f"{len(found.missing)} are gone from the pictures folder, "
-                   f"{len(found.not_kept)} were never kept ({START_HINT})")
+                   f"{missing} are gone from the pictures folder, "
+                   f"{not_kept} were never kept ({START_HINT})")
 
 
 def update_from_results(det: "Detector", results: str, *, since: TimeLike = None,

@@ -98,8 +98,14 @@ def test_refusals_say_what_to_do(store_factory, tmp_path):
     store = store_factory()
     pictures = tmp_path / "pictures"
     _log(store, pictures, [(None, "good"), (None, "defect")])
-    with pytest.raises(FitError, match="kept none of the good ones' original.*--keep-originals"):
+    with pytest.raises(FitError, match="1 result.s. labelled good .*kept none of their "
+                       "original.*--keep-originals"):
         labelled_results(store_factory.spec, pictures=pictures)
+    # from T0 + 1 on: two results labelled defect (one kept), none labelled good
+    _log(store, pictures, [(_defects()[0], "defect"), (_defects()[1], "defect")])
+    with pytest.raises(FitError, match=r"no result is labelled good since .* \(2 labelled "
+                       r"defect\): label the false alarms"):
+        labelled_results(store_factory.spec, since=T0 + 1, pictures=pictures)
     if store_factory.kind == "postgres":
         with pytest.raises(ConfigError, match="--results-dir"):
             labelled_results(store_factory.spec)
