@@ -279,7 +279,8 @@ def cmd_update(args: argparse.Namespace) -> int:
     old, old_reference = det.threshold_, det.drift_reference_
     start = time.perf_counter()
     if found is not None:
-        items, defects, kept = found.items(det.preprocessor)
+        items, defects = found.items(det.preprocessor)
+        kept = found.kept_inputs
         if kept["read"] or kept["decoded"]:
             print(f"network inputs kept by the service: {kept['read']} read instead of "
                   f"decoding the image"

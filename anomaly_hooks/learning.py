@@ -103,12 +103,11 @@ class LabelledResults:
                 "good_results": list(self.good_ids), "defect_results": list(self.defect_ids),
                 "skipped": self.skipped}
 
-    def items(self, pre: Any) -> Tuple[List[Any], List[Any], Dict[str, int]]:
+    def items(self, pre: Any) -> Tuple[List[Any], List[Any]]:
         """The good and the defect images for an update of a model with the preprocessing
         ``pre``: a :class:`~anomaly_hooks.keptinputs.KeptImage` where ``pre`` made its kept
-        network input (read from its header), else the original's path; and the counts of
-        kept inputs ``{"read": ..., "decoded": ...}`` (kept but made otherwise: the original
-        is decoded), also kept as :attr:`kept_inputs`."""
+        network input (read from its header), else the original's path. Counts the kept
+        inputs in :attr:`kept_inputs` (``decoded``: kept but made otherwise)."""
         counts = self.kept_inputs = {"read": 0, "decoded": 0}
 
         def usable(item: Union[Path, KeptImage]) -> Any:
@@ -118,7 +117,7 @@ class LabelledResults:
             counts["decoded" if why else "read"] += 1
             return item.original if why else item
 
-        return [usable(p) for p in self.good], [usable(p) for p in self.defects], counts
+        return [usable(p) for p in self.good], [usable(p) for p in self.defects]
 
     def summary(self) -> str:
         """One line: what was found and what was skipped."""
@@ -270,7 +269,7 @@ def update_from_results(det: "Detector", results: str, *, since: TimeLike = None
     says), and the lineage entry recording the source. Returns what was read."""
     found = labelled_results(results, since=since, until=until, model=model,
                              pictures=pictures)
-    good, defects, _ = found.items(det.preprocessor)
+    good, defects = found.items(det.preprocessor)
     det.update(good, defects=defects or None, source=found.lineage_source(),
                progress=progress)
     return found

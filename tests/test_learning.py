@@ -191,7 +191,8 @@ def test_kept_inputs_are_read_instead_of_the_originals(parent, tmp_path, capsys,
     log_.close()
     found = labelled_results(str(results))
     assert all(isinstance(p, KeptImage) for p in found.good + found.defects)
-    good, defects, counts = found.items(pre)
+    good, defects = found.items(pre)
+    counts = found.kept_inputs
     assert counts == {"read": 9, "decoded": 1}
     assert not isinstance(good[1], KeptImage) and isinstance(good[0], KeptImage)
     decoded = []
