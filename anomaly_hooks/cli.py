@@ -274,7 +274,7 @@ def cmd_update(args: argparse.Namespace) -> int:
         if args.since or args.until or args.results_dir:
             raise ConfigError("--since, --until and --results-dir go with --from-results")
         items = [item for folder in args.good for item in resolve_items(folder, training=True)]
-    det = Detector.load(args.model, device=args.device)
+    det = Detector.load(args.model, device=args.device, for_update=True)
     parent = file_checksum(args.model)
     old, old_reference = det.threshold_, det.drift_reference_
     start = time.perf_counter()

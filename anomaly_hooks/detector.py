@@ -34,7 +34,13 @@ from anomaly_hooks.fitting import SEED_SCORER, FitRun
 from anomaly_hooks.heap import keep_freed_memory
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image, load_all
-from anomaly_hooks.modelfile import content_checksum, file_checksum, load_model, save_model
+from anomaly_hooks.modelfile import (
+    DIGESTS_VERSION,
+    content_checksum,
+    file_checksum,
+    load_model,
+    save_model,
+)
 from anomaly_hooks.modelmeta import check_lineage
 from anomaly_hooks.monitor import fitting as drift
 from anomaly_hooks.monitor.monitor import DriftMonitor
@@ -292,8 +298,8 @@ class Detector:
         its parent when the model was neither loaded nor saved since it changed). Hashes
         every tensor: about a second per GB."""
         self._check_fitted()
-        tensors, meta, _ = self._saved_content()
-        return content_checksum(tensors, meta)
+        tensors, meta, version = self._saved_content()
+        return content_checksum(tensors, meta, version)
 
     def new_scorer(self) -> Scorer:
         """A fresh, unfitted scorer of the config's method, seeded as every fit seeds it (the
@@ -547,7 +553,8 @@ class Detector:
         return out
 
     def _saved_content(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
-        """(tensors, metadata, format version) of the model file :meth:`save` writes."""
+        """(tensors, metadata, format version) of the model file :meth:`save` writes: the
+        newest format with per-tensor digests, or the scorer's own if it needs a newer one."""
         tensors, scorer_meta = self.scorer_.state()
         drift_tensors, drift_meta = drift.reference_state(self.drift_reference_)
         config = to_container(self.cfg)
@@ -573,11 +580,12 @@ class Detector:
         tensors = {**tensors, **{k: torch.from_numpy(v) for k, v in drift_tensors.items()}}
         if self.training_descriptors_ is not None:
             tensors[DESCRIPTORS_TENSOR] = torch.from_numpy(self.training_descriptors_)
-        return tensors, meta, self.scorer_.format_version()
+        return tensors, meta, max(DIGESTS_VERSION, self.scorer_.format_version())
 
     @classmethod
     def load(cls, path: Union[str, Path], *, device: Optional[str] = None,
-             backbone: Optional[nn.Module] = None, method: Optional[str] = None) -> "Detector":
+             backbone: Optional[nn.Module] = None, method: Optional[str] = None,
+             for_update: bool = False) -> "Detector":
         """Load a saved model; it restores its preprocessing, layers, scorer and threshold.
 
         Args:
@@ -587,15 +595,19 @@ class Detector:
             backbone: the ``nn.Module`` for a model fitted with a custom backbone.
             method: the method the caller expects (``padim``, ``patchcore``); a file of
                 another method is refused.
+            for_update: the model is loaded to be updated (:meth:`update`): what an update
+                remakes rather than reads (a dense PaDiM's factors ``[P, D, D]``) is left in
+                the file too, and read from it only if the model scores before it is updated.
 
-        Every tensor is verified against the file's checksum, but what scoring never reads (a
-        dense PaDiM's kept training embeddings, ``[P, n, D]``) is left in the file: an update
-        or a save reads it from there then, checking that the file is still the one loaded
+        What scoring never reads (a dense PaDiM's kept training embeddings, ``[P, n, D]``)
+        is left in the file: an update or a save reads it from there then, verified against
+        its digest, checking that the file is still the one loaded
         (:class:`~anomaly_hooks.errors.ModelFileChangedError` if it was replaced, changed or
-        removed meanwhile: load the model again).
+        removed meanwhile: load the model again). Every tensor read is verified (format 3:
+        its own digest; older files: every tensor against the file's checksum at load).
         """
-        # what scoring never reads stays in the file, verified (scorers' on_demand_tensors)
-        tensors, meta = load_model(path, defer=on_demand_tensors())
+        # what scoring never reads stays in the file (scorers' on_demand_tensors)
+        tensors, meta = load_model(path, defer=on_demand_tensors(for_update))
         if method is not None and meta.get("method") != method:
             raise ModelFileError(f"{path} is a {meta.get('method')} model, but a {method} model "
                                  "was expected: check the path")

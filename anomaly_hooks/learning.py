@@ -10,7 +10,7 @@ confirmed defect). :func:`labelled_results` reads them back from the results log
 
     found = labelled_results("serve_results", since="2026-11-26T08:00:00Z")
     found.good, found.defects         # the kept original images (paths), oldest first
-    det = Detector.load("models/v1.safetensors")
+    det = Detector.load("models/v1.safetensors", for_update=True)
     update_from_results(det, "serve_results", since="2026-11-26T08:00:00Z")
     det.save("models/v2.safetensors")
 

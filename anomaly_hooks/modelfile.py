@@ -3,15 +3,18 @@ written atomically.
 
 Layout: a standard safetensors file whose string metadata holds
 ``format`` ("anomaly_hooks"), ``format_version``, ``meta`` (JSON: config, preprocessing,
-threshold, ...) and ``checksum`` (SHA-256 over ``meta`` and every tensor's name, dtype, shape and
-bytes). A file that fails any check is refused with :class:`ModelFileError`; so is one whose
-threshold, preprocessing, layers or image-size limit break the rules of
-:mod:`anomaly_hooks.modelmeta` (shared with the exported ``.onnx`` reader), checksum or not.
+threshold, ...), ``digests`` (format 3: JSON, each tensor's SHA-256 over its name, dtype, shape
+and bytes) and ``checksum`` (format 3: SHA-256 over ``meta`` and ``digests``; formats 1-2:
+over ``meta`` and every tensor's name, dtype, shape and bytes). A file that fails any check is
+refused with :class:`ModelFileError`; so is one whose threshold, preprocessing, layers or
+image-size limit break the rules of :mod:`anomaly_hooks.modelmeta` (shared with the exported
+``.onnx`` reader), checksum or not.
 
-A reader may leave tensors it does not need yet in the file (``load_model(defer=...)``): they
-are verified with the rest, streamed through the checksum in bounded chunks, and come back as
-:class:`StoredTensor`, which reads one on demand after verifying the file is still the one
-loaded.
+A reader may leave tensors it does not need yet in the file (``load_model(defer=...)``); they
+come back as :class:`StoredTensor`, which reads one on demand from the file verified to be the
+one loaded. In format 3 a tensor left in the file is not read at load at all (its own digest
+is verified when it is read); in formats 1-2 it is streamed through the whole-file checksum at
+load, in bounded chunks.
 """
 from __future__ import annotations
 
@@ -35,17 +38,20 @@ from anomaly_hooks.images import display
 from anomaly_hooks.modelmeta import about, check_model_meta
 
 FORMAT_NAME = "anomaly_hooks"
-FORMAT_VERSION = 2  # the newest format this version reads and writes
-# 1: the original format; 2: adds PaDiM's low-rank covariance form (a file is written with the
-# oldest version that holds its content, so older readers still open what they can read)
-HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that save_model writes
+FORMAT_VERSION = 3  # the newest format this version reads and writes
+# 1: the original format; 2: adds PaDiM's low-rank covariance form and kept embeddings;
+# 3: a digest per tensor, so that a reader verifies what it reads and reads nothing else
+DIGESTS_VERSION = 3  # the first format with per-tensor digests
+HEADER_KEYS = {"format", "format_version", "meta", "checksum"}  # all that formats 1-2 hold
+HEADER_KEYS_DIGESTS = HEADER_KEYS | {"digests"}  # all that format 3 holds
 HASH_CHUNK = 16 << 20  # bytes of a tensor left on disk read (and hashed) at a time
 READ_PIECE = 16 << 20  # bytes read into a kept tensor at a time (hashed while the next is read)
 READ_STAGE = 4 << 20  # staging bytes of a read into a non-contiguous tensor (stays in cache)
 
 
 def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the metadata JSON and every tensor (sorted by name)."""
+    """The checksum of formats 1-2: SHA-256 over the metadata JSON and every tensor (sorted by
+    name)."""
     digest = hashlib.sha256(meta_json.encode("utf-8"))
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
@@ -56,8 +62,31 @@ def checksum(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
 
 
 def _label(name: str, dtype: torch.dtype, shape: Tuple[int, ...]) -> bytes:
-    """What :func:`checksum` hashes before a tensor's bytes: its name, dtype and shape."""
+    """What :func:`checksum` and :func:`tensor_digest` hash before a tensor's bytes: its name,
+    dtype and shape."""
     return f"|{name}:{dtype}:{tuple(shape)}|".encode()
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    """A tensor's digest in a format-3 file: SHA-256 over its name, dtype, shape and bytes."""
+    t = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(_label(name, t.dtype, tuple(t.shape)))
+    if t.numel():
+        digest.update(t.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def digests_checksum(meta_json: str, digests_json: str) -> str:
+    """The checksum of a format-3 file: SHA-256 over its metadata JSON and its digests JSON
+    (both as stored), so that the header alone proves which tensor content belongs to it."""
+    return hashlib.sha256(meta_json.encode("utf-8") + b"|digests|"
+                          + digests_json.encode("utf-8")).hexdigest()
+
+
+def digested(meta_json: str, tensors: Dict[str, torch.Tensor]) -> Tuple[str, str]:
+    """(digests JSON, checksum) of a format-3 file holding ``tensors`` and ``meta_json``."""
+    digests = dump_meta({name: tensor_digest(name, t) for name, t in tensors.items()})
+    return digests, digests_checksum(meta_json, digests)
 
 
 SETTLED_NS = 2_000_000_000  # a file last changed this long before its check: its stamp holds
@@ -95,18 +124,24 @@ def settled_stamp(before: os.stat_result, after: os.stat_result,
     return stamp
 
 
+class _TensorDamaged(ModelFileError):
+    """A tensor read on demand does not match its digest in the header loaded (raised as a
+    plain :class:`ModelFileError`: loading the file again cannot help)."""
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """A tensor that :func:`load_model` verified but left in the model file (``defer``):
     ``read()`` reads it back, checking first that the file is still the one loaded.
 
     ``checksum``: the verified checksum of the file it was loaded from (or last saved to).
-    ``stamp``: the file's :class:`FileStamp` when the load verified it (None: not known, or
-    changed too recently to identify the content). A read finds the file as stamped and
-    reads the tensor alone (a 600 MB file's hash costs 0.34 s), or else verifies the whole
-    file against ``checksum`` again (every tensor streamed through the hash); either way a
-    file replaced, changed or removed since is a :class:`ModelFileChangedError`, never another
-    model's tensor.
+    ``digest``: the tensor's own digest (format 3): a read checks that the file's header still
+    has ``checksum`` and hashes the tensor as it reads it. Formats 1-2 (``digest`` None):
+    ``stamp``, the file's :class:`FileStamp` when the load verified it (None: not known, or
+    changed too recently to identify the content); a read finds the file as stamped and reads
+    the tensor alone, or else verifies the whole file against ``checksum`` again (every tensor
+    streamed through the hash). Either way a file replaced, changed or removed since is a
+    :class:`ModelFileChangedError`, never another model's tensor.
     """
 
     path: Path
@@ -115,6 +150,7 @@ class StoredTensor:
     shape: Tuple[int, ...]
     checksum: str
     stamp: Optional[FileStamp] = None
+    digest: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +172,14 @@ class StoredTensor:
                 metadata = _check_metadata(header["__metadata__"], self.path)
                 if metadata.get("checksum") != self.checksum:
                     raise self._changed("was replaced by another model file")
+                if self.digest is not None:  # format 3: the tensor's own digest
+                    tensor = self._read_digested(fh, header, base, size, out)
+                    if tensor is not None:
+                        return tensor
+                    # the header is the one loaded: loading it again cannot help
+                    raise _TensorDamaged(
+                        f"{self.path}: checksum mismatch ({self.name}): the file was modified "
+                        "or damaged after it was written; refit or restore it from a backup")
                 if self.stamp is not None and FileStamp.of(os.fstat(fh.fileno())) == self.stamp:
                     try:
                         tensor = _read_one(fh, header, base, size, self.name, out)
@@ -151,6 +195,8 @@ class StoredTensor:
                     raise self._changed(f"was damaged or truncated ({exc})") from None
         except ModelFileChangedError:
             raise
+        except _TensorDamaged as exc:
+            raise ModelFileError(str(exc)) from None
         except ModelFileError as exc:  # missing, not a model file any more
             raise self._changed(f"cannot be read any more ({exc})") from None
         except OSError as exc:
@@ -159,9 +205,32 @@ class StoredTensor:
             raise self._changed("was modified since it was loaded (checksum mismatch)")
         return tensors[self.name] if out is None else out.copy_(tensors[self.name])
 
+    def _read_digested(self, fh: Any, header: Dict[str, Any], base: int, size: int,
+                       out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The tensor read from the open format-3 file ``fh`` whose header has the checksum
+        loaded, hashed as it is read; None when it does not match its digest."""
+        try:
+            dtype, shape, _, _ = _entry(self.name, header[self.name], base, size)
+            hasher = _HashBehind(_label(self.name, dtype, shape))
+            try:
+                tensor = _read_one(fh, header, base, size, self.name, out, hasher)
+                digest = hasher.hexdigest()
+            finally:
+                hasher.close()
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise self._changed(f"was damaged or truncated ({exc})") from None
+        return tensor if digest == self.digest else None
+
+
     def at(self, path: Union[str, os.PathLike], file_checksum: str) -> "StoredTensor":
-        """The same tensor in another file holding it (e.g. the one the model was saved to)."""
-        return replace(self, path=Path(path), checksum=file_checksum, stamp=None)
+        """The same tensor in another file holding it (e.g. the one the model was saved to),
+        whose recorded checksum is ``file_checksum``; its digest there is taken from that
+        file's header (each read checks the header against ``file_checksum``)."""
+        path = Path(path)
+        metadata = read_header(path)["__metadata__"]
+        digests = _parse_digests(metadata, None, path) if "digests" in metadata else {}
+        return replace(self, path=path, checksum=file_checksum, stamp=None,
+                       digest=digests.get(self.name))
 
     def _changed(self, what: str) -> ModelFileChangedError:
         return ModelFileChangedError(
@@ -176,11 +245,13 @@ def dump_meta(meta: Dict[str, Any]) -> str:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
 
-def content_checksum(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> str:
-    """The checksum :func:`save_model` records for ``tensors`` and ``meta``, without writing
-    a file."""
-    return checksum(dump_meta(meta), {k: v.detach().to("cpu").contiguous()
-                                      for k, v in tensors.items()})
+def content_checksum(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any],
+                     version: int = FORMAT_VERSION) -> str:
+    """The checksum :func:`save_model` records for ``tensors`` and ``meta`` in format
+    ``version``, without writing a file."""
+    text = dump_meta(meta)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return digested(text, tensors)[1] if version >= DIGESTS_VERSION else checksum(text, tensors)
 
 
 def file_checksum(path: str | os.PathLike) -> Optional[str]:
@@ -209,9 +280,10 @@ def _umask() -> int:
 
 
 def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any],
-               version: int = 1) -> Path:
+               version: int = FORMAT_VERSION) -> Path:
     """Write tensors + metadata atomically: a temporary file in the same folder, fsync, rename.
-    ``version``: the format version recorded (the oldest that can hold the content).
+    ``version``: the format version written (1-2: one checksum over everything; 3: a digest
+    per tensor as well).
 
     An interrupted save leaves at most a hidden ``.tmp`` file, never a file at ``path`` that
     looks valid; a model already at ``path`` survives until the new one is complete.
@@ -225,22 +297,28 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     text = dump_meta(meta)
     # the checksum is hashed on a worker thread while the tensors are written (both release
-    # the GIL): the header gets a placeholder of the same length, then the real one
+    # the GIL): the header gets placeholders of the same lengths, then the real ones
     header = {"format": FORMAT_NAME, "format_version": str(version), "meta": text,
               "checksum": "0" * 64}
+    digests = version >= DIGESTS_VERSION
+    if digests:
+        header["digests"] = dump_meta({k: "0" * 64 for k in tensors})
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="model-hash") as pool:
-            digest = pool.submit(checksum, text, tensors)
+            hashed = pool.submit(digested if digests else checksum, text, tensors)
             try:
                 save_file(tensors, str(tmp), metadata=header)
             except Exception as exc:  # safetensors' own error type for a full disk, ...
                 if isinstance(exc, OSError):
                     raise
                 raise ModelFileError(f"cannot write the model file {path}: {exc}") from None
-            _canonicalise_header(tmp, digest.result())
+            if digests:
+                _canonicalise_header(tmp, hashed.result()[1], hashed.result()[0])
+            else:
+                _canonicalise_header(tmp, hashed.result())
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a model is an ordinary file
@@ -252,9 +330,11 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
     return path
 
 
-def _canonicalise_header(path: Path, file_checksum: str) -> None:
-    """Rewrite the safetensors JSON header with sorted keys and the content's checksum
-    ``file_checksum`` (64 hex digits, written over a placeholder of the same length), in place.
+def _canonicalise_header(path: Path, file_checksum: str,
+                         digests_json: Optional[str] = None) -> None:
+    """Rewrite the safetensors JSON header with sorted keys, the content's checksum
+    ``file_checksum`` and (format 3) the tensors' ``digests_json``, each written over a
+    placeholder of the same length, in place.
 
     safetensors writes its header from hash maps, so key order (and so the file's bytes) varies
     between runs; sorted keys make two saves of the same model byte-identical. The compact JSON
@@ -266,6 +346,8 @@ def _canonicalise_header(path: Path, file_checksum: str) -> None:
         raw = fh.read(n)
         header = json.loads(raw.decode("utf-8"))
         header["__metadata__"]["checksum"] = file_checksum
+        if digests_json is not None:
+            header["__metadata__"]["digests"] = digests_json
         blob = json.dumps(header, sort_keys=True, separators=(",", ":"),
                           ensure_ascii=False).encode("utf-8")
         if len(blob) <= n:
@@ -322,18 +404,21 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 
 
 def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int, name: str,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None,
+              hasher: Optional["_HashBehind"] = None) -> torch.Tensor:
     """The tensor ``name`` of the open file ``fh`` (checked against the file's bounds), read in
-    place into ``out`` (its shape and dtype; default freshly allocated), without the checksum
-    (:meth:`StoredTensor.read`). A non-contiguous ``out`` is filled through a staging buffer
-    of ``READ_STAGE`` bytes, whole rows of the first dimension at a time."""
+    place into ``out`` (its shape and dtype; default freshly allocated), each piece fed to
+    ``hasher`` when given (:meth:`StoredTensor.read`). A non-contiguous ``out`` is filled
+    through a staging buffer of ``READ_STAGE`` bytes, whole rows of the first dimension at a
+    time."""
     dtype, shape, start, nbytes = _entry(name, header[name], base, size)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     if not nbytes:
         return out
+    feed = None if hasher is None else hasher.feed
     if out.is_contiguous():
-        _read_into(fh, name, _bytes_of(out), start, nbytes)
+        _read_into(fh, name, _bytes_of(out), start, nbytes, feed)
         return out
     row = nbytes // shape[0]
     rows = max(1, READ_STAGE // max(row, 1))
@@ -341,6 +426,8 @@ def _read_one(fh: Any, header: Dict[str, Any], base: int, size: int, name: str,
     for lo in range(0, shape[0], rows):
         part = stage[:min(rows, shape[0] - lo)]
         _read_into(fh, name, _bytes_of(part), start + lo * row, part.shape[0] * row)
+        if hasher is not None:  # hashed before the stage is overwritten
+            hasher.feed(_bytes_of(part)).result()
         out[lo:lo + part.shape[0]].copy_(part)
     return out
 
@@ -422,6 +509,49 @@ def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_j
         hasher.close()
 
 
+def _read_digested_all(fh: Any, header: Dict[str, Any], base: int, size: int,
+                       keep: Collection[str], digests: Dict[str, str]
+                       ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """The format-3 file's tensors named in ``keep`` as owned, freshly allocated CPU tensors
+    (read as :func:`_read_verified` reads them, each hashed on a worker thread while the next
+    piece is read), and the names of those whose bytes do not match their digest. Nothing
+    else is read."""
+    entries = {key: _entry(key, info, base, size) for key, info in header.items()
+               if key != "__metadata__"}
+    tensors: Dict[str, torch.Tensor] = {}
+    bad: List[str] = []
+    for key in sorted(keep):
+        dtype, shape, start, nbytes = entries[key]
+        hasher = _HashBehind(_label(key, dtype, shape))
+        try:
+            out = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                _read_into(fh, key, _bytes_of(out), start, nbytes, hasher.feed)
+            if hasher.hexdigest() != digests[key]:
+                bad.append(key)
+        finally:
+            hasher.close()
+        tensors[key] = out
+    return tensors, bad
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _parse_digests(metadata: Dict[str, str], header: Optional[Dict[str, Any]],
+                   path: Path) -> Dict[str, str]:
+    """A format-3 header's tensor digests (name -> 64 lowercase hex digits), one for each
+    tensor of ``header`` (when given) and no other."""
+    digests = _parse_json(metadata.get("digests", ""), "digests", path)
+    if not isinstance(digests, dict) or not all(
+            isinstance(v, str) and len(v) == 64 and set(v) <= _HEX for v in digests.values()):
+        raise ModelFileError(f"{path}: damaged header (digests)")
+    if header is not None and set(digests) != set(header) - {"__metadata__"}:
+        raise ModelFileError(f"{path}: damaged header (the digests do not name the file's "
+                             "tensors)")
+    return digests
+
+
 def _entry(key: str, info: Any, base: int, size: int
            ) -> Tuple[torch.dtype, Tuple[int, ...], int, int]:
     """(dtype, shape, absolute start, byte count) of one tensor described by its safetensors
@@ -469,9 +599,10 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
                ) -> Tuple[Dict[str, Union[torch.Tensor, StoredTensor]], Dict[str, Any]]:
     """Read and verify a model file.
 
-    ``defer``: names of tensors to leave in the file: they are verified (streamed through the
-    checksum in bounded chunks) but not kept; the result holds a :class:`StoredTensor` for each
-    instead, which reads it back on demand.
+    ``defer``: names of tensors to leave in the file; the result holds a :class:`StoredTensor`
+    for each instead, which reads it back on demand. Format 3 does not read them here (each
+    read verifies the tensor's digest); formats 1-2 verify them here, streamed through the
+    whole-file checksum in bounded chunks.
 
     Returns:
         (tensors on CPU, metadata dict).
@@ -490,21 +621,38 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
             meta_json = metadata.get("meta", "")
             keep = [k for k in header if k != "__metadata__" and k not in defer]
             try:
-                tensors, digest = _read_verified(fh, header, base, size, meta_json, keep)
+                for key in header:  # every entry checked against the file, read or not
+                    if key != "__metadata__":
+                        _entry(key, header[key], base, size)
+            except ValueError as exc:
+                raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
+            digests = (_parse_digests(metadata, header, path) if "digests" in metadata
+                       else None)
+            try:
+                if digests is None:
+                    tensors, digest = _read_verified(fh, header, base, size, meta_json, keep)
+                    bad = [] if digest == metadata.get("checksum") else ["*"]
+                else:
+                    digest = digests_checksum(meta_json, metadata["digests"])
+                    tensors, bad = (({}, ["*"]) if digest != metadata.get("checksum") else
+                                    _read_digested_all(fh, header, base, size, keep, digests))
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
-            stamp = settled_stamp(before, os.fstat(fh.fileno()), started)
+            stamp = (settled_stamp(before, os.fstat(fh.fileno()), started)
+                     if digests is None else None)  # format 3: each read verifies its digest
     except OSError as exc:  # read errors (an I/O error, a file that vanished)
         raise ModelFileError(f"{path}: cannot read the model file "
                              f"({exc.strerror or exc})") from None
-    if digest != metadata.get("checksum"):
-        raise ModelFileError(f"{path}: checksum mismatch: the file was modified or damaged "
-                             "after it was written; refit or restore it from a backup")
+    if bad:
+        which = "" if bad == ["*"] else f" ({', '.join(bad)})"
+        raise ModelFileError(f"{path}: checksum mismatch{which}: the file was modified or "
+                             "damaged after it was written; refit or restore it from a backup")
     out: Dict[str, Union[torch.Tensor, StoredTensor]] = dict(tensors)
     for key in header:
         if key != "__metadata__" and key not in tensors:
             dtype, shape, _, _ = _entry(key, header[key], base, size)
-            out[key] = StoredTensor(path.absolute(), key, dtype, shape, digest, stamp)
+            out[key] = StoredTensor(path.absolute(), key, dtype, shape, digest, stamp,
+                                    None if digests is None else digests[key])
     return out, _checked_meta(meta_json, path)
 
 
@@ -572,8 +720,11 @@ def _check_metadata(header: Dict[str, str], path: Path) -> Dict[str, str]:
                              "upgrade anomaly_hooks")
     if version < 1:
         raise ModelFileError(f"{path}: unknown model format version {version}")
-    extra = sorted(set(header) - HEADER_KEYS)
+    keys = HEADER_KEYS_DIGESTS if version >= DIGESTS_VERSION else HEADER_KEYS
+    extra = sorted(set(header) - keys)
     if extra:
         raise ModelFileError(f"{path}: unexpected header metadata {extra}: the file was modified "
                              "after it was written, or was not written by anomaly_hooks")
+    if version >= DIGESTS_VERSION and "digests" not in header:
+        raise ModelFileError(f"{path}: damaged header (format {version} without digests)")
     return header

@@ -1,6 +1,6 @@
 """Model updates from new good images, without the images the model was fitted on.
 
-    det = Detector.load("models/padim.safetensors")
+    det = Detector.load("models/padim.safetensors", for_update=True)
     det.update("new_good/")                        # in place; returns det
     det.save("models/padim-2.safetensors")
 

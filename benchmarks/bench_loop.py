@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             out["new_alarms_before"] = len(alarms)
             out["labelled"] = len(chosen)
             start = time.perf_counter()
-            det = Detector.load(v1_path)
+            det = Detector.load(v1_path, for_update=True)
             load_s = time.perf_counter() - start
             start = time.perf_counter()
             found = update_from_results(det, str(results), since=since)
@@ -219,7 +219,7 @@ def more_pairs(v1_path: Path, results: Path, since: float, cfg: Any, train: List
     pairs = []
     for _ in range(n):
         start = time.perf_counter()
-        det = Detector.load(v1_path)
+        det = Detector.load(v1_path, for_update=True)
         load_s = time.perf_counter() - start
         start = time.perf_counter()
         update_from_results(det, str(results), since=since)

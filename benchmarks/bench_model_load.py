@@ -3,11 +3,13 @@
 
 Usage::
 
-    nice -n 5 python benchmarks/bench_model_load.py --model M.safetensors \\
+    nice -n 5 python benchmarks/bench_model_load.py --model M.safetensors [M2 ...] \\
         [--before /path/to/other/checkout] [--update DIR --update-skip 100 --update-count 10] \\
-        [--save] [--repeats 2] [--json out.json]
+        [--save] [--for-update] [--repeats 2] [--json out.json]
 
-Each measurement runs in its own child process (``Detector.load(M, device="cpu")``): the
+Each measurement runs in its own child process (``Detector.load(M, device="cpu")``; with
+``--for-update``, ``for_update=True``: what an update remakes stays in the file); several
+models (e.g. one model saved in two formats) are measured in turns. The
 resident set size after importing the toolkit, after the load, and the peak; the load's
 seconds; where the model left its kept embeddings in the file (a dense PaDiM), the seconds to
 read them back (verified); with ``--save``, the seconds of saving the loaded model to a new
@@ -46,7 +48,8 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 out = {"code": __import__("anomaly_hooks").__file__, "rss_start_mb": rss()}
 start = time.perf_counter()
-det = Detector.load(args["model"], device="cpu")
+det = (Detector.load(args["model"], device="cpu", for_update=True) if args["for_update"]
+       else Detector.load(args["model"], device="cpu"))
 out["load_s"] = time.perf_counter() - start
 gc.collect()
 out["rss_loaded_mb"] = rss()
@@ -82,24 +85,33 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def measure(root: Path, args: argparse.Namespace) -> Dict[str, Any]:
-    """One child process with the toolkit of checkout ``root``."""
-    spec = {"model": str(args.model), "threads": args.threads,
+def measure(root: Path, model: Path, args: argparse.Namespace) -> Dict[str, Any]:
+    """One child process with the toolkit of checkout ``root``, loading ``model``."""
+    spec = {"model": str(model), "threads": args.threads, "for_update": args.for_update,
             "update": None if args.update is None else str(args.update),
             "update_count": args.update_count, "update_skip": args.update_skip,
-            "save": args.save, "save_dir": str(args.model.resolve().parent)}
+            "save": args.save, "save_dir": str(model.resolve().parent)}
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, cwd=root,
                           capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"child for {root} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"root": str(root), **json.loads(lines[-1][len("RESULT "):])}
+    return {"root": str(root), "model": str(model), "format_version": format_version(model),
+            **json.loads(lines[-1][len("RESULT "):])}
+
+
+def format_version(model: Path) -> str:
+    """The model file's format version, from its header."""
+    with open(model, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return json.loads(fh.read(n))["__metadata__"]["format_version"]
 
 
 def summary_line(r: Dict[str, Any]) -> str:
     """One printed line per measurement."""
-    parts = [f"{r['root']}: load {r['load_s']:.2f} s",
+    parts = [f"{r['root']} {Path(r['model']).name} (format {r['format_version']}): "
+             f"load {r['load_s']:.2f} s",
              f"RSS {r['rss_start_mb']:.0f} -> {r['rss_loaded_mb']:.0f} MiB "
              f"(+{r['rss_loaded_mb'] - r['rss_start_mb']:.0f}), peak {r['peak_loaded_mb']:.0f}",
              f"embeddings in the file: {r['embeddings_in_file']}"]
@@ -116,7 +128,7 @@ def summary_line(r: Dict[str, Any]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=Path, required=True, nargs="+")
     p.add_argument("--before", type=Path, help="another checkout to measure alternately")
     p.add_argument("--update", type=Path, help="folder of good images for an update")
     p.add_argument("--update-count", type=int, default=10)
@@ -124,6 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="images of --update to skip first (those the model was fitted on)")
     p.add_argument("--save", action="store_true",
                    help="also time saving the loaded model to a new file beside it")
+    p.add_argument("--for-update", action="store_true",
+                   help="load as for an update (Detector.load(for_update=True))")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
@@ -131,13 +145,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     roots = [REPO] + ([args.before.resolve()] if args.before else [])
     results = []
     for _ in range(args.repeats):
-        for root in roots:
-            results.append(measure(root, args))
-            print(summary_line(results[-1]), flush=True)
+        for model in args.model:
+            for root in roots:
+                results.append(measure(root, model, args))
+                print(summary_line(results[-1]), flush=True)
     if args.json:
-        write_json(args.json, {"machine": machine(threads=args.threads), "model": str(args.model),
-                               "model_mb": args.model.stat().st_size / 2**20,
-                               "results": results})
+        write_json(args.json, {"machine": machine(threads=args.threads),
+                               "models": {str(m): m.stat().st_size / 2**20 for m in args.model},
+                               "for_update": args.for_update, "results": results})
     return 0
 
 

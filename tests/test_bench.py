@@ -29,6 +29,7 @@ from benchmarks import (
     bench_heap,
     bench_heatmap,
     bench_loop,
+    bench_model_load,
     bench_pipeline,
     bench_threshold,
     measure,
@@ -111,6 +112,30 @@ def test_heap_bench_runs_every_mode_in_fresh_processes(tmp_path, capsys):
         assert 100 < report[mode]["rss_after_mb"] <= report[mode]["peak_rss_mb"] < 20_000
     assert report["max_score_difference"] == 0  # only where memory comes from changes
     assert "keep / release" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_model_load_bench_measures_each_format_as_for_an_update(tmp_path, capsys):
+    """One kept-embeddings model in formats 3 and 2, loaded as for an update in fresh
+    processes: a result per file naming its format, the embeddings read back from each."""
+    from anomaly_hooks import Detector
+    from anomaly_hooks.modelfile import load_model, save_model
+
+    cfg = load_config(None, ["device=cpu", *TINY, "padim.covariance=dense",
+                             "threshold.mode=all-images"])
+    new = Detector(cfg).fit(small_dataset(tmp_path / "d") / "train" / "good", progress=False) \
+        .save(tmp_path / "v3.safetensors")
+    old = save_model(tmp_path / "v2.safetensors", *load_model(new), version=2)
+    out = tmp_path / "l.json"
+    assert bench_model_load.main(["--model", str(new), str(old), "--for-update", "--json",
+                                  str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["for_update"] is True and set(report["models"]) == {str(new), str(old)}
+    assert [(r["model"], r["format_version"]) for r in report["results"]] == [
+        (str(new), "3"), (str(old), "2")]
+    assert all(r["load_s"] > 0 and r["embeddings_in_file"] and r["read_embeddings_s"] > 0
+               for r in report["results"])
+    assert "v2.safetensors (format 2)" in capsys.readouterr().out
 
 
 def test_heatmap_bench_times_each_form_and_restores_the_detectors(tmp_path, capsys):

@@ -6,6 +6,7 @@ SIGKILL, and fuzzing of the reader. Everything runs on the CPU with a random-ini
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import pickle
 import random
@@ -73,7 +74,7 @@ def test_model_roundtrip_and_checksum_is_verified(padim_file, fitted, tmp_path):
     _, header = safetensors_header(padim_file)
     meta = header["__metadata__"]
     tensors, _ = load_model(padim_file)
-    assert meta["checksum"] == checksum(meta["meta"], tensors)
+    assert (meta["digests"], meta["checksum"]) == modelfile.digested(meta["meta"], tensors)
 
 
 def test_saved_checksum_is_the_content_hash_not_the_placeholder(fitted, tmp_path):
@@ -84,8 +85,10 @@ def test_saved_checksum_is_the_content_hash_not_the_placeholder(fitted, tmp_path
     _, header = safetensors_header(a)
     tensors, _ = load_model(a)
     recorded = header["__metadata__"]["checksum"]
-    assert recorded != "0" * 64
-    assert modelfile.checksum(header["__metadata__"]["meta"], tensors) == recorded
+    assert recorded != "0" * 64 and "0" * 64 not in header["__metadata__"]["digests"]
+    digests, whole = modelfile.digested(header["__metadata__"]["meta"], tensors)
+    assert (digests, whole) == (header["__metadata__"]["digests"], recorded)
+    assert json.loads(digests) == {k: modelfile.tensor_digest(k, v) for k, v in tensors.items()}
 
 
 def test_saved_model_has_ordinary_permissions(padim_file):
@@ -94,14 +97,23 @@ def test_saved_model_has_ordinary_permissions(padim_file):
     assert (padim_file.stat().st_mode & 0o777) == (0o666 & ~mask)
 
 
-def test_model_files_record_the_oldest_format_that_holds_them(padim_file, dense_padim_file,
-                                                               patchcore_file):
-    """Dense PaDiM and PatchCore files stay format 1 (older readers open them); low-rank PaDiM
-    needs format 2."""
-    versions = {p: safetensors_header(p)[1]["__metadata__"]["format_version"]
-                for p in (padim_file, dense_padim_file, patchcore_file)}
-    assert versions == {padim_file: "2", dense_padim_file: "1", patchcore_file: "1"}
-    assert FORMAT_VERSION == 2
+def test_model_files_are_written_in_format_3_and_older_formats_still_load(
+        padim_file, dense_padim_file, patchcore_file, tmp_path):
+    """Every model is written in format 3 (a digest per tensor); the same content written in
+    format 1 or 2 (one checksum over everything, what older versions wrote) loads and scores
+    the same, its checksum the whole-content hash."""
+    image = with_defect(textured_images(1, seed=5)[0])
+    assert FORMAT_VERSION == 3
+    for path in (padim_file, dense_padim_file, patchcore_file):
+        assert safetensors_header(path)[1]["__metadata__"]["format_version"] == "3"
+        tensors, meta = load_model(path)
+        for version in (1, 2):
+            old = save_model(tmp_path / f"v{version}.safetensors", tensors, meta, version)
+            header = safetensors_header(old)[1]["__metadata__"]
+            assert header["format_version"] == str(version) and "digests" not in header
+            assert header["checksum"] == checksum(header["meta"], tensors)
+            np.testing.assert_array_equal(Detector.load(old).decision_function([image]),
+                                          Detector.load(path).decision_function([image]))
 
 
 def test_newer_format_version_refused(padim_file, tmp_path):
@@ -438,10 +450,17 @@ def kept_dense_file(small_cfg, tmp_path_factory) -> Path:
     return det.save(tmp_path_factory.mktemp("kept") / "padim.safetensors")
 
 
-def test_dense_file_keeps_its_embeddings_in_format_2(kept_dense_file):
-    """The kept embeddings [P, n, D] come back as saved; the file is format 2 (a format-1
-    reader would not know them)."""
-    assert safetensors_header(kept_dense_file)[1]["__metadata__"]["format_version"] == "2"
+@pytest.fixture(scope="module")
+def legacy_kept_file(kept_dense_file, tmp_path_factory) -> Path:
+    """The same model in format 2 (one checksum over every tensor, no digests)."""
+    tensors, meta = load_model(kept_dense_file)
+    return save_model(tmp_path_factory.mktemp("legacy") / "padim.safetensors", tensors, meta,
+                      version=2)
+
+
+def test_dense_file_keeps_its_embeddings(kept_dense_file):
+    """The kept embeddings [P, n, D] come back as saved."""
+    assert safetensors_header(kept_dense_file)[1]["__metadata__"]["format_version"] == "3"
     tensors, meta = load_model(kept_dense_file)
     det = Detector.load(kept_dense_file)
     samples = det.scorer_.gaussians.samples
@@ -519,19 +538,19 @@ def test_loaded_model_leaves_its_kept_embeddings_in_the_file(kept_dense_file):
     assert g.stored_samples is stored
 
 
-def test_streamed_checksum_equals_the_whole_tensor_checksum(kept_dense_file, monkeypatch):
-    """A deferred tensor streams through the hash in chunks (here many, and a partial last
-    one), kept tensors are hashed piece by piece behind their reading: the same checksum as
-    hashing every tensor whole in one thread, the same tensors read back."""
-    full, meta = load_model(kept_dense_file)
-    n, header = safetensors_header(kept_dense_file)
+def test_streamed_checksum_equals_the_whole_tensor_checksum(legacy_kept_file, monkeypatch):
+    """Format 2: a deferred tensor streams through the hash in chunks (here many, and a
+    partial last one), kept tensors are hashed piece by piece behind their reading: the same
+    checksum as hashing every tensor whole in one thread, the same tensors read back."""
+    full, meta = load_model(legacy_kept_file)
+    n, header = safetensors_header(legacy_kept_file)
     recorded = header["__metadata__"]["checksum"]
     assert modelfile.checksum(header["__metadata__"]["meta"], full) == recorded
     monkeypatch.setattr(modelfile, "READ_PIECE", 999)  # many pieces, a partial last one
     monkeypatch.setattr(modelfile, "HASH_CHUNK", 1000)  # not a divisor of the tensor's bytes
-    pieces, _ = load_model(kept_dense_file)  # verified against the recorded checksum
+    pieces, _ = load_model(legacy_kept_file)  # verified against the recorded checksum
     assert set(pieces) == set(full) and all(torch.equal(pieces[k], full[k]) for k in full)
-    lazy, meta_lazy = load_model(kept_dense_file, defer={"padim.dense_samples", "no.such"})
+    lazy, meta_lazy = load_model(legacy_kept_file, defer={"padim.dense_samples", "no.such"})
     stored = lazy["padim.dense_samples"]
     assert isinstance(stored, modelfile.StoredTensor) and meta_lazy == meta
     assert stored.nbytes % 1000 and stored.nbytes > 10_000
@@ -540,11 +559,72 @@ def test_streamed_checksum_equals_the_whole_tensor_checksum(kept_dense_file, mon
     assert torch.equal(stored.read(), full["padim.dense_samples"])
 
 
-def test_damaged_kept_embeddings_are_a_checksum_error_at_load(kept_dense_file, tmp_path):
-    """A flipped byte in the block left in the file is still caught by the load."""
+def _reads(monkeypatch) -> list:
+    """The tensor names the model file reader reads bytes of, from now on (in order)."""
+    names: list = []
+    real = modelfile._read_into
+
+    def spy(fh, key, *args, **kwargs):
+        names.append(key)
+        return real(fh, key, *args, **kwargs)
+
+    monkeypatch.setattr(modelfile, "_read_into", spy)
+    return names
+
+
+def test_format_3_reads_only_what_is_kept(kept_dense_file, monkeypatch):
+    """A tensor left in a format-3 file is not read at load; kept ones are read in pieces and
+    each verified against its digest; the one left in the file reads back verified, into a
+    buffer or whole, the same bytes as saved."""
+    full, meta = load_model(kept_dense_file)
+    monkeypatch.setattr(modelfile, "READ_PIECE", 999)  # many pieces, a partial last one
+    names = _reads(monkeypatch)
+    lazy, meta_lazy = load_model(kept_dense_file, defer={"padim.dense_samples", "no.such"})
+    assert meta_lazy == meta and set(lazy) == set(full)
+    assert "padim.dense_samples" not in names and "padim.chol" in names
+    stored = lazy["padim.dense_samples"]
+    assert stored.digest == modelfile.tensor_digest(stored.name, full[stored.name])
+    assert stored.stamp is None  # each read verifies the digest: no stamp needed
+    names.clear()
+    assert torch.equal(stored.read(), full["padim.dense_samples"])
+    assert set(names) == {"padim.dense_samples"}
+    assert all(torch.equal(lazy[k], full[k]) for k in full if k != "padim.dense_samples")
+
+
+@pytest.mark.parametrize("where", ["chol", "dense_samples"])
+def test_damaged_tensor_of_a_format_3_file(where, kept_dense_file, tmp_path):
+    """A flipped byte in a tensor that the load reads is a checksum error at load naming it;
+    in the embeddings left in the file, the load succeeds, scoring is unaffected, and what
+    reads them (an update, a save) is the same ModelFileError (loading again cannot help),
+    writing nothing."""
     n, header = safetensors_header(kept_dense_file)
-    begin, end = header["padim.dense_samples"]["data_offsets"]
+    begin, end = header[f"padim.{where}"]["data_offsets"]
     raw = bytearray(kept_dense_file.read_bytes())
+    raw[8 + n + (begin + end) // 2] ^= 0x10
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    if where == "chol":
+        with pytest.raises(ModelFileError, match=r"checksum mismatch \(padim.chol\)"):
+            Detector.load(bad)
+        return
+    det = Detector.load(bad)
+    image = textured_images(1)[0]
+    np.testing.assert_array_equal(det.decision_function([image]),
+                                  Detector.load(kept_dense_file).decision_function([image]))
+    for attempt in (lambda: det.update(textured_images(2)),
+                    lambda: det.save(tmp_path / "copy.safetensors")):
+        with pytest.raises(ModelFileError,
+                           match=r"checksum mismatch \(padim.dense_samples\).*restore") as err:
+            attempt()
+        assert not isinstance(err.value, ModelFileChangedError)
+    assert not (tmp_path / "copy.safetensors").exists() and det.lineage_ == []
+
+
+def test_damaged_kept_embeddings_are_a_checksum_error_at_load(legacy_kept_file, tmp_path):
+    """Format 2: a flipped byte in the block left in the file is still caught by the load."""
+    n, header = safetensors_header(legacy_kept_file)
+    begin, end = header["padim.dense_samples"]["data_offsets"]
+    raw = bytearray(legacy_kept_file.read_bytes())
     raw[8 + n + (begin + end) // 2] ^= 0x10
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(bytes(raw))
@@ -552,13 +632,13 @@ def test_damaged_kept_embeddings_are_a_checksum_error_at_load(kept_dense_file, t
         Detector.load(bad)
 
 
-def test_settled_file_gives_the_embeddings_without_hashing_it_again(kept_dense_file,
+def test_settled_file_gives_the_embeddings_without_hashing_it_again(legacy_kept_file,
                                                                     tmp_path, monkeypatch):
-    """A file last changed well before the load is stamped (inode, size, times): while it
-    is as stamped, a read takes the tensor alone, the same bytes as saved."""
-    full, _ = load_model(kept_dense_file)
+    """Format 2: a file last changed well before the load is stamped (inode, size, times):
+    while it is as stamped, a read takes the tensor alone, the same bytes as saved."""
+    full, _ = load_model(legacy_kept_file)
     path = tmp_path / "m.safetensors"
-    shutil.copy(kept_dense_file, path)
+    shutil.copy(legacy_kept_file, path)
     monkeypatch.setattr(modelfile, "SETTLED_NS", 0)  # as if copied long ago
     stored = Detector.load(path).scorer_.gaussians.stored_samples
     info = os.stat(path)
@@ -570,33 +650,36 @@ def test_settled_file_gives_the_embeddings_without_hashing_it_again(kept_dense_f
 
     monkeypatch.setattr(modelfile, "_read_verified", no_hash)
     assert torch.equal(stored.read(), full["padim.dense_samples"])
-    assert stored.at(tmp_path / "other.safetensors", stored.checksum).stamp is None
+    assert stored.at(legacy_kept_file, stored.checksum).stamp is None
 
 
-def test_recently_changed_file_is_not_stamped(kept_dense_file, tmp_path):
-    """A file changed less than SETTLED_NS before the load may change again within the same
-    timestamp tick: no stamp, every read verifies the whole file."""
+def test_recently_changed_file_is_not_stamped(legacy_kept_file, tmp_path):
+    """Format 2: a file changed less than SETTLED_NS before the load may change again within
+    the same timestamp tick: no stamp, every read verifies the whole file."""
     path = tmp_path / "m.safetensors"
-    shutil.copy(kept_dense_file, path)
+    shutil.copy(legacy_kept_file, path)
     stored = Detector.load(path).scorer_.gaussians.stored_samples
     assert stored.stamp is None
     assert torch.equal(stored.read(), load_model(path)[0]["padim.dense_samples"])
 
 
-@pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
-def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, tmp_path,
-                                               monkeypatch):
+@pytest.mark.parametrize("settled", [False, True, None], ids=["recent", "settled", "format3"])
+def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, legacy_kept_file, settled,
+                                               tmp_path, monkeypatch):
     """``StoredTensor.read(out)`` fills a strided view (the leading images of a larger sample
     buffer, staged a few rows at a time) with exactly what ``read()`` gives, through the
-    stamped read (settled) and the fully verified one; a view of another shape, dtype or
-    device is refused before anything is read."""
+    digest-verified read (format 3), the stamped read (format 2, settled) and the fully
+    verified one; a view of another shape, dtype or device is refused before anything is
+    read."""
     if settled:
         monkeypatch.setattr(modelfile, "SETTLED_NS", 0)
     monkeypatch.setattr(modelfile, "READ_STAGE", 1000)  # several staged pieces
     path = tmp_path / "m.safetensors"
-    shutil.copy(kept_dense_file, path)  # just written: not settled unless SETTLED_NS is 0
+    # just written: not settled unless SETTLED_NS is 0
+    shutil.copy(kept_dense_file if settled is None else legacy_kept_file, path)
     stored = Detector.load(path).scorer_.gaussians.stored_samples
-    assert (stored.stamp is not None) == settled
+    assert (stored.stamp is not None) == bool(settled)
+    assert (stored.digest is not None) == (settled is None)
     whole = stored.read()
     p, n, d = whole.shape
     buf = torch.full((p, n + 3, d), -1.0)
@@ -608,22 +691,24 @@ def test_embeddings_read_into_part_of_a_buffer(kept_dense_file, settled, tmp_pat
             stored.read(wrong)
 
 
-@pytest.mark.parametrize("settled", [False, True], ids=["recent", "settled"])
+@pytest.mark.parametrize("settled", [False, True, None], ids=["recent", "settled", "format3"])
 @pytest.mark.parametrize("change", ["replaced", "modified", "modified-times-restored",
                                     "removed"])
 def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
-        change, settled, kept_dense_file, dense_padim_file, tmp_path, monkeypatch):
+        change, settled, kept_dense_file, legacy_kept_file, dense_padim_file, tmp_path,
+        monkeypatch):
     """The embeddings are read from the file the model was loaded from only while it is still
     that file: replaced (another model), modified in place (even with its modification time
     set back) or removed, reading them is a ModelFileChangedError saying to load the model
-    again, whether the load stamped the file (settled) or not; the model still scores, and
-    the file loaded again updates."""
+    again, whether the load stamped a format-2 file (settled) or not; in format 3 the header
+    still names the model loaded, so bytes modified in place are damage: a checksum
+    mismatch. The model still scores, and is left as it was."""
     path = tmp_path / "m.safetensors"
-    shutil.copy(kept_dense_file, path)
+    shutil.copy(kept_dense_file if settled is None else legacy_kept_file, path)
     if settled:
         monkeypatch.setattr(modelfile, "SETTLED_NS", 0)
     det = Detector.load(path)
-    assert (det.scorer_.gaussians.stored_samples.stamp is not None) == settled
+    assert (det.scorer_.gaussians.stored_samples.stamp is not None) == bool(settled)
     image = textured_images(1)[0]
     before = det.decision_function([image])
     time.sleep(0.05)  # past the file system's timestamp tick (a few ms)
@@ -642,11 +727,14 @@ def test_file_changed_after_load_is_refused_when_the_embeddings_are_read(
             os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
     else:
         path.unlink()
+    damage = settled is None and change.startswith("modified")
     for attempt in (lambda: det.update(textured_images(2)),
                     lambda: det.save(tmp_path / "copy.safetensors"),
                     lambda: det.scorer_.training_embeddings()):
-        with pytest.raises(ModelFileChangedError, match="load the model again") as err:
+        with pytest.raises(ModelFileError, match="checksum mismatch" if damage
+                           else "load the model again") as err:
             attempt()
+        assert isinstance(err.value, ModelFileChangedError) != damage
         assert str(path.absolute()) in str(err.value)
     assert not (tmp_path / "copy.safetensors").exists()  # nothing incomplete written
     assert isinstance(err.value, ModelFileError)

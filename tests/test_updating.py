@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import SAMPLE, backbone_rtol, f32_tol, f64_tol, textured_images
 
+from anomaly_hooks import modelfile
 from anomaly_hooks.cli import main
 from anomaly_hooks.config import load_config
 from anomaly_hooks.detector import DESCRIPTORS_TENSOR, Detector
@@ -123,6 +124,36 @@ def test_padim_dense_update_after_save_and_load(halves, tmp_path):
     # a second update on top: still the fit on every image
     det.update(textured_images(4, size=(72, 72)))
     assert det.scorer_.n_train == N_OLD + N_NEW + 4 and len(det.lineage_) == 2
+
+
+def test_model_loaded_for_update_leaves_its_factors_in_the_file(halves, tmp_path,
+                                                                monkeypatch):
+    """``Detector.load(for_update=True)``: a dense model's factors stay in the file, never
+    read by the update, which gives the model a plain load's update gives, bit for bit; a
+    model so loaded that scores first reads them then (verified), scoring as loaded."""
+    old, new, both = halves
+    cfg = cfg_for("padim", n_features=40, covariance="dense")
+    path = Detector(cfg).fit(old, progress=False).save(tmp_path / "m.safetensors")
+    images = sorted(map(str, both.glob("*.png")))
+    plain = Detector.load(path)
+    scores_v1 = plain.decision_function(images)
+    plain.update(new)
+    read: list = []
+    real = modelfile.StoredTensor.read
+    monkeypatch.setattr(modelfile.StoredTensor, "read",
+                        lambda self, out=None: read.append(self.name) or real(self, out))
+    det = Detector.load(path, for_update=True)
+    assert isinstance(det.scorer_.gaussians._chol, modelfile.StoredTensor)
+    det.update(new)
+    assert read == ["padim.dense_samples"]  # the factors were never read
+    np.testing.assert_array_equal(det.decision_function(images), plain.decision_function(images))
+    assert det.threshold_.value == plain.threshold_.value
+    a = load_model(det.save(tmp_path / "a.safetensors"))[0]
+    b = load_model(plain.save(tmp_path / "b.safetensors"))[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    scoring = Detector.load(path, for_update=True)
+    np.testing.assert_array_equal(scoring.decision_function(images), scores_v1)
+    assert "padim.chol" in read and isinstance(scoring.scorer_.gaussians.chol, torch.Tensor)
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank"])

@@ -60,6 +60,9 @@ class Scorer(ABC):
     # model-file tensors that scoring never reads: Detector.load leaves them in the file
     # (verified), and from_state gets a modelfile.StoredTensor for each, read on demand
     on_demand_tensors: ClassVar[FrozenSet[str]] = frozenset()
+    # model-file tensors that an update remakes rather than reads: Detector.load(for_update=
+    # True) leaves them in the file too, and from_state reads them on first use, if ever
+    remade_by_update: ClassVar[FrozenSet[str]] = frozenset()
 
     # -- what the method needs, before any scorer exists --------------------------------
     @classmethod
@@ -376,7 +379,9 @@ def registered() -> Dict[str, Type[Scorer]]:
     return dict(_REGISTRY)
 
 
-def on_demand_tensors() -> FrozenSet[str]:
+def on_demand_tensors(for_update: bool = False) -> FrozenSet[str]:
     """Every registered method's ``on_demand_tensors`` (names are prefixed by method, so a
-    file of one method never holds another's)."""
-    return frozenset().union(*(cls.on_demand_tensors for cls in _REGISTRY.values()))
+    file of one method never holds another's); ``for_update``: with their
+    ``remade_by_update``."""
+    return frozenset().union(*(cls.on_demand_tensors | (
+        cls.remade_by_update if for_update else frozenset()) for cls in _REGISTRY.values()))

@@ -242,11 +242,24 @@ class DenseGaussians:
 
     kind = "dense"
 
-    def __init__(self, mean: torch.Tensor, chol: torch.Tensor,
+    def __init__(self, mean: torch.Tensor, chol: Union[torch.Tensor, StoredTensor],
                  samples: Union[torch.Tensor, StoredTensor, None] = None) -> None:
-        self.mean, self.chol = mean, chol
+        self.mean, self._chol = mean, chol
         self._samples = samples
         self.loo: Optional[torch.Tensor] = None  # [P, n] LOO distances, when made from samples
+
+    @property
+    def chol(self) -> torch.Tensor:
+        """The factors ``[P, D, D]`` on the means' device. A model loaded to be updated
+        (``Detector.load(for_update=True)``) leaves them in its file: the first use reads them
+        from there (verified, then held); an update remakes them without that read."""
+        if isinstance(self._chol, StoredTensor):
+            self._chol = self._chol.read().to(self.mean.device)
+        return self._chol
+
+    @chol.setter
+    def chol(self, value: torch.Tensor) -> None:
+        self._chol = value
 
     @property
     def samples(self) -> Optional[torch.Tensor]:
@@ -426,7 +439,8 @@ class DenseGaussians:
             _check_dtype("dense_samples", samples, (torch.float32,))
             if not isinstance(samples, StoredTensor):
                 samples = samples.to(device)
-        return cls(mean.to(device), chol.to(device), samples)
+        return cls(mean.to(device),
+                   chol if isinstance(chol, StoredTensor) else chol.to(device), samples)
 
 
 # -- low-rank ------------------------------------------------------------------------------

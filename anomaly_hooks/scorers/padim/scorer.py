@@ -72,6 +72,8 @@ class PadimScorer(Scorer):
     min_out_of_sample_images = 3  # a leave-one-out covariance needs two images
     # the dense form's kept embeddings: read by updates and saves only, never by scoring
     on_demand_tensors = frozenset({"padim.dense_samples"})
+    # a dense update refactorises from the kept embeddings: the old factors are never read
+    remade_by_update = frozenset({"padim.chol"})
 
     @classmethod
     def shares_tile_positions(cls, section: Any) -> bool:
