@@ -57,11 +57,11 @@ class Scorer(ABC):
     # (each group by itself); K: it cross-fits, one model per fold, and the fit cuts the groups
     # into K folds (threshold.folds overrides either)
     out_of_sample_folds: ClassVar[Optional[int]] = None
-    # model-file tensors that scoring never reads: Detector.load leaves them in the file
-    # (verified), and from_state gets a modelfile.StoredTensor for each, read on demand
+    # model-file tensors that scoring never reads: Detector.load leaves them in the file, and
+    # from_state gets a modelfile.StoredTensor for each, read (and verified) on demand
     on_demand_tensors: ClassVar[FrozenSet[str]] = frozenset()
     # model-file tensors that an update remakes rather than reads: Detector.load(for_update=
-    # True) leaves them in the file too, and from_state reads them on first use, if ever
+    # True) leaves them in the file too, and the scorer reads them at first use, if ever
     remade_by_update: ClassVar[FrozenSet[str]] = frozenset()
 
     # -- what the method needs, before any scorer exists --------------------------------

@@ -238,7 +238,8 @@ class DenseGaussians:
     The embeddings are held in memory when fitted here; Gaussians from a model file leave them
     in the file (a :class:`~anomaly_hooks.modelfile.StoredTensor`, ``stored_samples``) and
     every read of ``samples`` reads them from it, verified to be the file loaded
-    (``hold_samples`` reads them once for a span of work)."""
+    (``hold_samples`` reads them once for a span of work). Gaussians loaded for an update may
+    leave their factors there too (read at their first use: :attr:`chol`)."""
 
     kind = "dense"
 

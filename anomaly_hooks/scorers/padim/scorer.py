@@ -459,7 +459,8 @@ class PadimScorer(Scorer):
     @classmethod
     def from_state(cls, cfg: Any, layers: Sequence[LayerInfo], tensors: Dict[str, Any],
                    meta: Dict[str, Any], device: torch.device) -> "PadimScorer":
-        """The fitted scorer from a model file's tensors (``padim.dense_samples`` may be a
+        """The fitted scorer from a model file's tensors (``padim.dense_samples``, and
+        ``padim.chol`` of a model loaded for an update, may be a
         :class:`~anomaly_hooks.modelfile.StoredTensor`, left in the file)."""
         if "embed.channel_idx" not in tensors:
             raise ValueError("not a PaDiM model: tensor embed.channel_idx is missing")
