@@ -125,8 +125,8 @@ def settled_stamp(before: os.stat_result, after: os.stat_result,
 
 
 class _TensorDamaged(ModelFileError):
-    """A tensor read on demand does not match its digest in the header loaded (raised as a
-    plain :class:`ModelFileError`: loading the file again cannot help)."""
+    """A tensor read on demand does not match its digest in the header loaded: the file is
+    damaged (not a :class:`ModelFileChangedError`: loading it again cannot help)."""
 
 
 @dataclass(frozen=True)
@@ -193,10 +193,8 @@ class StoredTensor:
                                                      metadata.get("meta", ""), {self.name})
                 except (OSError, ValueError, RuntimeError) as exc:
                     raise self._changed(f"was damaged or truncated ({exc})") from None
-        except ModelFileChangedError:
+        except (ModelFileChangedError, _TensorDamaged):
             raise
-        except _TensorDamaged as exc:
-            raise ModelFileError(str(exc)) from None
         except ModelFileError as exc:  # missing, not a model file any more
             raise self._changed(f"cannot be read any more ({exc})") from None
         except OSError as exc:
@@ -316,7 +314,8 @@ def save_model(path: str | os.PathLike, tensors: Dict[str, torch.Tensor], meta: 
                     raise
                 raise ModelFileError(f"cannot write the model file {path}: {exc}") from None
             if digests:
-                _canonicalise_header(tmp, hashed.result()[1], hashed.result()[0])
+                digests_json, file_sum = hashed.result()
+                _canonicalise_header(tmp, file_sum, digests_json)
             else:
                 _canonicalise_header(tmp, hashed.result())
         with open(tmp, "rb+") as fh:
@@ -509,15 +508,13 @@ def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_j
         hasher.close()
 
 
-def _read_digested_all(fh: Any, header: Dict[str, Any], base: int, size: int,
+def _read_digested_all(fh: Any, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]],
                        keep: Collection[str], digests: Dict[str, str]
                        ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """The format-3 file's tensors named in ``keep`` as owned, freshly allocated CPU tensors
-    (read as :func:`_read_verified` reads them, each hashed on a worker thread while the next
-    piece is read), and the names of those whose bytes do not match their digest. Nothing
-    else is read."""
-    entries = {key: _entry(key, info, base, size) for key, info in header.items()
-               if key != "__metadata__"}
+    """The format-3 file's tensors named in ``keep`` (``entries``: each tensor's
+    :func:`_entry`) as owned, freshly allocated CPU tensors (read as :func:`_read_verified`
+    reads them, each hashed on a worker thread while the next piece is read), and the names of
+    those whose bytes do not match their digest. Nothing else is read."""
     tensors: Dict[str, torch.Tensor] = {}
     bad: List[str] = []
     for key in sorted(keep):
@@ -620,10 +617,9 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
             metadata = _check_metadata(header["__metadata__"], path)
             meta_json = metadata.get("meta", "")
             keep = [k for k in header if k != "__metadata__" and k not in defer]
-            try:
-                for key in header:  # every entry checked against the file, read or not
-                    if key != "__metadata__":
-                        _entry(key, header[key], base, size)
+            try:  # every entry checked against the file, read or not
+                entries = {key: _entry(key, info, base, size) for key, info in header.items()
+                           if key != "__metadata__"}
             except ValueError as exc:
                 raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
             digests = (_parse_digests(metadata, header, path) if "digests" in metadata
@@ -635,7 +631,7 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
                 else:
                     digest = digests_checksum(meta_json, metadata["digests"])
                     tensors, bad = (({}, ["*"]) if digest != metadata.get("checksum") else
-                                    _read_digested_all(fh, header, base, size, keep, digests))
+                                    _read_digested_all(fh, entries, keep, digests))
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
             stamp = (settled_stamp(before, os.fstat(fh.fileno()), started)
@@ -650,7 +646,7 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
     out: Dict[str, Union[torch.Tensor, StoredTensor]] = dict(tensors)
     for key in header:
         if key != "__metadata__" and key not in tensors:
-            dtype, shape, _, _ = _entry(key, header[key], base, size)
+            dtype, shape, _, _ = entries[key]
             out[key] = StoredTensor(path.absolute(), key, dtype, shape, digest, stamp,
                                     None if digests is None else digests[key])
     return out, _checked_meta(meta_json, path)
