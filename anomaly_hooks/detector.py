@@ -596,8 +596,10 @@ class Detector:
             method: the method the caller expects (``padim``, ``patchcore``); a file of
                 another method is refused.
             for_update: the model is loaded to be updated (:meth:`update`): what an update
-                remakes rather than reads (a dense PaDiM's factors ``[P, D, D]``) is left in
-                the file too, and read from it only if the model scores before it is updated.
+                usually remakes rather than reads (a dense PaDiM's factors ``[P, D, D]``,
+                remade from its kept embeddings) is left in the file too, and read from it
+                only where it is used (the model scores before it is updated, or keeps no
+                embeddings, so that its update starts from the factors).
 
         What scoring never reads (a dense PaDiM's kept training embeddings, ``[P, n, D]``)
         is left in the file: an update or a save reads it from there then, verified against

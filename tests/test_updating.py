@@ -154,6 +154,15 @@ def test_model_loaded_for_update_leaves_its_factors_in_the_file(halves, tmp_path
     scoring = Detector.load(path, for_update=True)
     np.testing.assert_array_equal(scoring.decision_function(images), scores_v1)
     assert "padim.chol" in read and isinstance(scoring.scorer_.gaussians.chol, torch.Tensor)
+    # without kept embeddings the update starts from the factors: read then, the same model
+    sums = Detector(cfg_for("padim", n_features=40, covariance="dense", keep_embeddings=False))
+    path = sums.fit(old, progress=False).save(tmp_path / "sums.safetensors")
+    plain, det = Detector.load(path), Detector.load(path, for_update=True)
+    read.clear()
+    plain.update(new)
+    det.update(new)
+    assert read == ["padim.chol"]
+    np.testing.assert_array_equal(det.decision_function(images), plain.decision_function(images))
 
 
 @pytest.mark.parametrize("covariance", ["dense", "lowrank"])

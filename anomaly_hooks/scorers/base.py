@@ -60,8 +60,9 @@ class Scorer(ABC):
     # model-file tensors that scoring never reads: Detector.load leaves them in the file, and
     # from_state gets a modelfile.StoredTensor for each, read (and verified) on demand
     on_demand_tensors: ClassVar[FrozenSet[str]] = frozenset()
-    # model-file tensors that an update remakes rather than reads: Detector.load(for_update=
-    # True) leaves them in the file too, and the scorer reads them at first use, if ever
+    # model-file tensors that an update usually remakes rather than reads: Detector.load(
+    # for_update=True) leaves them in the file too, and the scorer reads them at first use,
+    # if ever
     remade_by_update: ClassVar[FrozenSet[str]] = frozenset()
 
     # -- what the method needs, before any scorer exists --------------------------------

@@ -72,7 +72,8 @@ class PadimScorer(Scorer):
     min_out_of_sample_images = 3  # a leave-one-out covariance needs two images
     # the dense form's kept embeddings: read by updates and saves only, never by scoring
     on_demand_tensors = frozenset({"padim.dense_samples"})
-    # a dense update refactorises from the kept embeddings: the old factors are never read
+    # a dense model keeping its embeddings is refactorised from them by an update (the old
+    # factors never read); one without them reads its factors when the update starts
     remade_by_update = frozenset({"padim.chol"})
 
     @classmethod
