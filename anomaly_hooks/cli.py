@@ -66,6 +66,14 @@ def _threshold_parser(sub) -> None:
     p.add_argument("--tail", choices=["auto", "gumbel_upper", "gumbel", "empirical",
                                       "conformal"], help="objective far's rule (default auto)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
+    _format_option(p)
+
+
+def _format_option(p) -> None:
+    p.add_argument("--format-version", type=int, choices=[1, 2, 3],
+                   help="the model-file format --out is written in (default 3, the newest); "
+                        "1 or 2 for services of an anomaly_hooks before format 3 (a low-rank "
+                        "PaDiM or kept embeddings need 2)")
 
 
 def _update_parser(sub) -> None:
@@ -90,6 +98,7 @@ def _update_parser(sub) -> None:
     p.add_argument("--out", required=True, help="the updated model's path (not --model's)")
     p.add_argument("--device", help="cpu, cuda, auto (default: as saved)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _format_option(p)
 
 
 def _score_parser(sub) -> None:
@@ -225,12 +234,16 @@ def cmd_threshold(args: argparse.Namespace) -> int:
                               f"{0.5 if name == 'false_alarm_rate' else 1})")
     if args.objective == "recall" and args.target_recall is None:
         raise ConfigError("--objective recall needs --target-recall (e.g. 0.9)")
+    if args.format_version is not None and not args.out:
+        raise ConfigError("--format-version goes with --out (the file it writes)")
     if args.out:
         out = Path(args.out)
         if out.is_dir():
             raise ConfigError(f"--out {display(out)} is a folder: give the model file's path")
         _writable_folder(out.parent, "--out folder")
     det = Detector.load(args.model, device=args.device)
+    if args.format_version is not None:
+        det.check_format_version(args.format_version)  # before the images are scored
     header = read_header(Path(args.model))["__metadata__"]
     parent = {"path": str(args.model), "checksum": header.get("checksum")}
     options = {k: getattr(args, k) for k in ("objective", "false_alarm_rate", "target_recall",
@@ -241,7 +254,7 @@ def cmd_threshold(args: argparse.Namespace) -> int:
     print(f"threshold {thr.value:.5g} from {thr.n_images} good images ({thr.describe()})")
     _print_threshold_details(thr)
     if args.out:
-        print(det.save(args.out))
+        print(det.save(args.out, format_version=args.format_version))
     else:
         print("nothing written: give --out M2 to write the model with this threshold")
     return 0
@@ -275,6 +288,8 @@ def cmd_update(args: argparse.Namespace) -> int:
             raise ConfigError("--since, --until and --results-dir go with --from-results")
         items = [item for folder in args.good for item in resolve_items(folder, training=True)]
     det = Detector.load(args.model, device=args.device, for_update=True)
+    if args.format_version is not None:
+        det.check_format_version(args.format_version)  # before the update's work
     parent = file_checksum(args.model)
     old, old_reference = det.threshold_, det.drift_reference_
     start = time.perf_counter()
@@ -302,7 +317,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     if entry["labels_used"]:
         print(f"labelled defects used: {entry['labels_used']}")
     print(f"parent {parent}; updates in the lineage: {len(det.lineage_)}")
-    print(det.save(out))
+    print(det.save(out, format_version=args.format_version))
     return 0
 
 

@@ -36,6 +36,7 @@ from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image, load_all
 from anomaly_hooks.modelfile import (
     DIGESTS_VERSION,
+    FORMAT_VERSION,
     content_checksum,
     file_checksum,
     load_model,
@@ -537,20 +538,44 @@ class Detector:
                         yield i, next(preds)
 
     # -- persistence ----------------------------------------------------------------------
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: Union[str, Path], *, format_version: Optional[int] = None) -> Path:
         """Write the model atomically (safetensors + JSON metadata). Returns the path.
+
+        ``format_version``: the model-file format to write (default: the newest). An older
+        one (1 or 2: no per-tensor digests, the whole file verified at load) is for readers of
+        an older anomaly_hooks, e.g. a fleet mid-upgrade; one below what the model holds needs
+        (:meth:`min_format_version`) is a :class:`~anomaly_hooks.errors.ConfigError`.
 
         The file is always complete: a loaded model's state left in its file (a dense PaDiM's
         kept embeddings) is read from there for the save, and read from the new file after
         it."""
         self._check_fitted()
+        if format_version is not None:
+            self.check_format_version(format_version)
         tensors, meta, version = self._saved_content()
-        out = save_model(path, tensors, meta, version=version)
+        out = save_model(path, tensors, meta, version=format_version or version)
         del tensors  # kept embeddings read from the loaded file for this save: freed now
         self.source_checksum = file_checksum(out)
         # the new file is complete: what the model reads on demand comes from it from now on
         self.scorer_.bind_model_file(out, self.source_checksum)
         return out
+
+    def min_format_version(self) -> int:
+        """The oldest model-file format that holds this model (2: a low-rank PaDiM, or one
+        keeping its training embeddings; else 1)."""
+        self._check_fitted()
+        return self.scorer_.format_version()
+
+    def check_format_version(self, format_version: int) -> None:
+        """Raise :class:`~anomaly_hooks.errors.ConfigError` unless :meth:`save` can write
+        this model in ``format_version``."""
+        low, high = self.min_format_version(), FORMAT_VERSION
+        if isinstance(format_version, bool) or not isinstance(format_version, int) \
+                or not low <= format_version <= high:
+            raise ConfigError(f"format_version={format_version!r}: this model can be written "
+                              f"in model-file formats {low}..{high} (format {low} is the "
+                              "oldest that holds it: a low-rank PaDiM or kept training "
+                              "embeddings need 2)")
 
     def _saved_content(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
         """(tensors, metadata, format version) of the model file :meth:`save` writes: the

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from anomaly_hooks import Detector, modelfile
 from anomaly_hooks.cli import main
 from anomaly_hooks.detector import DESCRIPTORS_TENSOR
-from anomaly_hooks.errors import ModelFileChangedError
+from anomaly_hooks.errors import ConfigError, ModelFileChangedError
 from anomaly_hooks.modelfile import (
     FORMAT_VERSION,
     ModelFileError,
@@ -114,6 +114,49 @@ def test_model_files_are_written_in_format_3_and_older_formats_still_load(
             assert header["checksum"] == checksum(header["meta"], tensors)
             np.testing.assert_array_equal(Detector.load(old).decision_function([image]),
                                           Detector.load(path).decision_function([image]))
+
+
+def test_a_model_saved_in_an_older_format_for_older_readers(kept_dense_file, dense_padim_file,
+                                                            tmp_path, capsys):
+    """``Detector.save(format_version=...)`` and ``--format-version`` write format 1 or 2
+    (what an anomaly_hooks before format 3 reads: no digests, the whole file checksummed),
+    the same model; a format below what the model holds needs, or not a format, is refused
+    naming the formats it can have, before anything is written."""
+    image = with_defect(textured_images(1, seed=5)[0])
+    det = Detector.load(kept_dense_file)
+    assert det.min_format_version() == 2  # kept embeddings
+    old = det.save(tmp_path / "v2.safetensors", format_version=2)
+    header = safetensors_header(old)[1]["__metadata__"]
+    assert header["format_version"] == "2" and "digests" not in header
+    tensors, _ = load_model(old)
+    assert header["checksum"] == checksum(header["meta"], tensors)
+    assert torch.equal(tensors["padim.dense_samples"], load_model(kept_dense_file)[0][
+        "padim.dense_samples"])
+    np.testing.assert_array_equal(Detector.load(old).decision_function([image]),
+                                  det.decision_function([image]))
+    assert det.scorer_.gaussians.stored_samples.digest is None  # reads verify the whole file
+    for bad in (1, 4, 0, True, 2.0):
+        with pytest.raises(ConfigError, match=r"formats 2\.\.3"):
+            det.save(tmp_path / "bad.safetensors", format_version=bad)
+    assert not (tmp_path / "bad.safetensors").exists()
+    dense = Detector.load(dense_padim_file)
+    assert dense.min_format_version() == 1
+    v1 = dense.save(tmp_path / "v1.safetensors", format_version=1)
+    assert safetensors_header(v1)[1]["__metadata__"]["format_version"] == "1"
+    np.testing.assert_array_equal(Detector.load(v1).decision_function([image]),
+                                  dense.decision_function([image]))
+    cli = tmp_path / "cli.safetensors"
+    assert main(["threshold", "--model", str(kept_dense_file), "--out", str(cli),
+                 "--format-version", "2"]) == 0
+    assert safetensors_header(cli)[1]["__metadata__"]["format_version"] == "2"
+    assert Detector.load(cli).threshold_.n_images == det.threshold_.n_images
+    capsys.readouterr()
+    assert main(["threshold", "--model", str(kept_dense_file), "--out",
+                 str(tmp_path / "no.safetensors"), "--format-version", "1"]) == 2
+    assert "formats 2..3" in capsys.readouterr().err
+    assert main(["threshold", "--model", str(kept_dense_file), "--format-version", "2"]) == 2
+    assert "--format-version goes with --out" in capsys.readouterr().err
+    assert not (tmp_path / "no.safetensors").exists()
 
 
 def test_newer_format_version_refused(padim_file, tmp_path):

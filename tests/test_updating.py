@@ -20,7 +20,13 @@ from anomaly_hooks.config import load_config
 from anomaly_hooks.detector import DESCRIPTORS_TENSOR, Detector
 from anomaly_hooks.errors import FitError, NotFittedError
 from anomaly_hooks.grouping import POOL
-from anomaly_hooks.modelfile import file_checksum, load_model, read_meta, save_model
+from anomaly_hooks.modelfile import (
+    file_checksum,
+    load_model,
+    read_header,
+    read_meta,
+    save_model,
+)
 from anomaly_hooks.modelmeta import MetadataError, check_lineage
 from anomaly_hooks.scorers.patchcore.coreset import coreset_size, coverage_radius
 
@@ -487,6 +493,19 @@ def test_cli_update(halves, tmp_path, capsys):
     assert main(["update", "--model", str(model), "--good", str(new), "--out",
                  str(model)]) == 2
     assert "--out is the --model file" in capsys.readouterr().err
+    # in an older format for older services; one that cannot hold the model is refused first
+    old_format = tmp_path / "m2-format2.safetensors"
+    assert main(["update", "--model", str(model), "--good", str(new), "--out",
+                 str(old_format), "--quiet", "--format-version", "2"]) == 0
+    assert read_header(old_format)["__metadata__"]["format_version"] == "2"
+    probe = sorted(map(str, new.glob("*.png")))[:2]
+    np.testing.assert_array_equal(Detector.load(old_format).decision_function(probe),
+                                  Detector.load(out).decision_function(probe))
+    capsys.readouterr()
+    assert main(["update", "--model", str(model), "--good", str(new), "--out",
+                 str(tmp_path / "no.safetensors"), "--format-version", "1"]) == 2
+    assert "formats 2..3" in capsys.readouterr().err
+    assert not (tmp_path / "no.safetensors").exists()
     # a model without a drift reference says so
     bare = tmp_path / "bare.safetensors"
     cfg = load_config(None, method="padim", **SMALL, padim={"n_features": 40},
