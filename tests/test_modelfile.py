@@ -1122,3 +1122,30 @@ def test_fuzz_model_file_headers(padim_file, tmp_path, field, value, which):
         load_model(bad)
     except ModelFileError as exc:
         assert str(bad) in str(exc)
+
+
+hex_digest = st.text("0123456789abcdefABCDEF", min_size=63, max_size=65)
+
+
+@fuzz_settings(80)
+@given(digests=st.one_of(
+    st.dictionaries(st.text(max_size=12), st.one_of(hex_digest, header_values), max_size=6),
+    header_values), keep_names=st.booleans(), raw=st.one_of(st.none(), st.text(max_size=20)))
+def test_fuzz_format_3_digests(padim_file, tmp_path, digests, keep_names, raw):
+    """A forged ``digests`` entry (any JSON, or the file's tensor names with any values, or
+    text that is not JSON): a ModelFileError naming the file, never another exception, and
+    never a model loaded from digests other than the ones written."""
+    def edit(header: dict) -> None:
+        meta = header["__metadata__"]
+        value = digests
+        if keep_names and isinstance(digests, dict):
+            names = sorted(k for k in header if k != "__metadata__")
+            value = {n: list(digests.values())[i % len(digests)] if digests else "0" * 64
+                     for i, n in enumerate(names)}
+        meta["digests"] = raw if raw is not None else json.dumps(value)
+
+    bad = tmp_path / "fuzz.safetensors"
+    rewrite_safetensors_header(padim_file, bad, edit)
+    with pytest.raises(ModelFileError) as err:
+        load_model(bad)
+    assert str(bad) in str(err.value)
