@@ -47,6 +47,9 @@ def rss():
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 out = {"code": __import__("anomaly_hooks").__file__, "rss_start_mb": rss()}
+from pathlib import Path
+from anomaly_hooks.modelfile import read_header
+out["format_version"] = read_header(Path(args["model"]))["__metadata__"]["format_version"]
 start = time.perf_counter()
 det = (Detector.load(args["model"], device="cpu", for_update=True) if args["for_update"]
        else Detector.load(args["model"], device="cpu"))
@@ -97,15 +100,7 @@ def measure(root: Path, model: Path, args: argparse.Namespace) -> Dict[str, Any]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"child for {root} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"root": str(root), "model": str(model), "format_version": format_version(model),
-            **json.loads(lines[-1][len("RESULT "):])}
-
-
-def format_version(model: Path) -> str:
-    """The model file's format version, from its header."""
-    with open(model, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        return json.loads(fh.read(n))["__metadata__"]["format_version"]
+    return {"root": str(root), "model": str(model), **json.loads(lines[-1][len("RESULT "):])}
 
 
 def summary_line(r: Dict[str, Any]) -> str:
