@@ -42,6 +42,7 @@ def _fit_parser(sub) -> None:
     p.add_argument("--defects", help="folder of labelled defective images for the operating "
                                      "point (overrides threshold.defects)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    _format_option(p, "the model file")
     _ray_options(p)
 
 
@@ -69,9 +70,9 @@ def _threshold_parser(sub) -> None:
     _format_option(p)
 
 
-def _format_option(p) -> None:
+def _format_option(p, what: str = "--out") -> None:
     p.add_argument("--format-version", type=int, choices=[1, 2, 3],
-                   help="the model-file format --out is written in (default 3, the newest); "
+                   help=f"the model-file format {what} is written in (default 3, the newest); "
                         "1 or 2 for services of an anomaly_hooks before format 3 (a low-rank "
                         "PaDiM or kept embeddings need 2)")
 
@@ -183,6 +184,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise ConfigError(f"output={display(output)} is a folder: give the model file's path")
     _writable_folder(output.parent, "output folder")
     det = Detector(cfg)
+    if args.format_version is not None:  # before the fit: the config and the images decide
+        det.check_format_version(args.format_version, train=cfg.data.train)
     _check_model_space(det, output)
     start = time.perf_counter()
     if args.ray is not None:
@@ -194,7 +197,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     else:
         det.fit(cfg.data.train, progress=not args.quiet)
     seconds = time.perf_counter() - start
-    path = det.save(cfg.output)
+    path = det.save(cfg.output, format_version=args.format_version)
     info, thr = det.fit_info_, det.threshold_
     print(f"fitted {cfg.method} on {info['n_train']} images in {seconds:.1f} s "
           f"({info['n_train'] / max(seconds, 1e-9):.1f} img/s); threshold {thr.value:.4g} from "

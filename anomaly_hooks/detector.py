@@ -30,7 +30,7 @@ from anomaly_hooks.devices import (
 )
 from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
-from anomaly_hooks.fitting import SEED_SCORER, FitRun
+from anomaly_hooks.fitting import SEED_SCORER, FitPlan, FitRun
 from anomaly_hooks.heap import keep_freed_memory
 from anomaly_hooks.heatmap import anomaly_maps
 from anomaly_hooks.images import ImageInput, ImageReadError, is_one_image, load_all
@@ -566,16 +566,28 @@ class Detector:
         self._check_fitted()
         return self.scorer_.format_version()
 
-    def check_format_version(self, format_version: int) -> None:
+    def planned_format_version(self, source: Any) -> int:
+        """The oldest model-file format that the model :meth:`fit` makes from ``source`` (the
+        good images, as :meth:`fit` takes them) will need, known before the fit: 2 where this
+        config makes a low-rank PaDiM or one keeping its training embeddings, else 1 (a tiled
+        PaDiM with ``positions: tile``, whose samples are the tiles, may need less)."""
+        n_train = len(FitPlan.of(self.cfg, source).train)
+        return get_scorer(self.cfg.method).planned_format_version(self.cfg, self.layer_info,
+                                                                  n_train)
+
+    def check_format_version(self, format_version: int, train: Any = None) -> None:
         """Raise :class:`~anomaly_hooks.errors.ConfigError` unless :meth:`save` can write
-        this model in ``format_version``."""
-        low, high = self.min_format_version(), FORMAT_VERSION
+        this model in ``format_version``; before a fit, with ``train`` (the good images
+        :meth:`fit` will take), unless it can write the model that fit makes."""
+        low = self.min_format_version() if train is None else self.planned_format_version(train)
         if isinstance(format_version, bool) or not isinstance(format_version, int) \
-                or not low <= format_version <= high:
+                or not low <= format_version <= FORMAT_VERSION:
+            how = ("; for format 1 fit with padim.covariance=dense and "
+                   "padim.keep_embeddings=false" if low > 1 and train is not None else "")
             raise ConfigError(f"format_version={format_version!r}: this model can be written "
-                              f"in model-file formats {low}..{high} (format {low} is the "
-                              "oldest that holds it: a low-rank PaDiM or kept training "
-                              "embeddings need 2)")
+                              f"in model-file formats {low}..{FORMAT_VERSION} (format {low} is "
+                              "the oldest that holds it: a low-rank PaDiM or kept training "
+                              f"embeddings need 2){how}")
 
     def _saved_content(self) -> tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
         """(tensors, metadata, format version) of the model file :meth:`save` writes: the

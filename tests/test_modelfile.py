@@ -159,6 +159,68 @@ def test_a_model_saved_in_an_older_format_for_older_readers(kept_dense_file, den
     assert not (tmp_path / "no.safetensors").exists()
 
 
+@pytest.mark.parametrize("section, threshold, n_features", [
+    ({}, "all-images", 40),  # 8 of 40 dimensions: auto picks the low-rank form
+    ({"covariance": "dense"}, "all-images", 40),  # keeps the embeddings
+    ({"covariance": "dense", "keep_embeddings": False}, "all-images", 40),
+    ({"covariance": "dense"}, "holdout", 40),  # no leave-one-out: nothing kept
+    ({}, "all-images", 3),  # 8 > 2 D images: dense, too many to keep
+    (None, "all-images", 40),  # PatchCore
+])
+def test_the_planned_format_is_the_fitted_models(small_cfg, section, threshold, n_features):
+    """``Detector.planned_format_version`` (before a fit) gives what the fitted model's
+    ``min_format_version`` then is, for each form the config and the image count lead to."""
+    images = textured_images(8)
+    over = {"threshold__mode": threshold, "padim__n_features": n_features}
+    if section is None:
+        over.update(method="patchcore", patchcore__coreset_ratio=0.5,
+                    patchcore__knn_backend="torch")
+    else:
+        over.update({f"padim__{k}": v for k, v in section.items()})
+    det = Detector.from_config(small_cfg, **over)
+    planned = det.planned_format_version(images)
+    det.fit(images, progress=False)
+    assert planned == det.min_format_version()
+    assert planned == (2 if section in ({}, {"covariance": "dense"}) and threshold ==
+                       "all-images" and n_features == 40 else 1)
+
+
+def test_fit_writes_the_asked_format_refused_before_the_fit(small_cfg, tmp_path, monkeypatch,
+                                                            capsys):
+    """``anomaly-hooks fit --format-version N`` writes format N; a format the config's model
+    cannot have is refused before any image is fitted, naming the settings for format 1."""
+    import yaml
+
+    data = tmp_path / "good"
+    data.mkdir()
+    for i, img in enumerate(textured_images(8)):
+        (data / f"{i}.png").write_bytes(png_bytes(img))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**small_cfg, "threshold": {"mode": "all-images"}}))
+
+    def fit(*argv: str) -> tuple[int, Path]:
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.safetensors"
+        code = main(["fit", "--quiet", "--config", str(config), "--data", str(data),
+                     "--output", str(out), *argv])
+        return code, out
+
+    with monkeypatch.context() as m:  # the refusal comes before any fitting
+        m.setattr(Detector, "fit", lambda *a, **k: pytest.fail("fitted before the check"))
+        code, out = fit("--format-version", "1", "padim.covariance=dense")
+    assert code == 2 and not out.exists()
+    err = one_error_line(capsys.readouterr().err)
+    assert "formats 2..3" in err and "padim.keep_embeddings=false" in err
+    for argv, version in ((["--format-version", "2", "padim.covariance=dense"], "2"),
+                          (["--format-version", "1", "padim.covariance=dense",
+                            "padim.keep_embeddings=false"], "1"),
+                          (["padim.covariance=dense"], str(FORMAT_VERSION))):
+        code, out = fit(*argv)
+        assert code == 0, capsys.readouterr().err
+        assert safetensors_header(out)[1]["__metadata__"]["format_version"] == version
+        assert Detector.load(out).min_format_version() == (2 if version == "2" else
+                                                           1 if version == "1" else 2)
+
+
 def test_newer_format_version_refused(padim_file, tmp_path):
     newer = tmp_path / "newer.safetensors"
     rewrite_safetensors_header(padim_file, newer, lambda h: h["__metadata__"].update(

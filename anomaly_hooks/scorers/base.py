@@ -315,6 +315,14 @@ class Scorer(ABC):
         """The oldest model-file format that can hold this scorer's state."""
         return 1
 
+    @classmethod
+    def planned_format_version(cls, cfg: Any, layers: Sequence[LayerInfo],
+                               n_train: int) -> int:
+        """The oldest model-file format a fit of ``n_train`` images with the whole config
+        ``cfg`` on ``layers`` will need (:meth:`format_version` of the fitted scorer), known
+        before the fit: what ``anomaly-hooks fit --format-version`` checks before its work."""
+        return 1
+
     def holding_on_demand(self) -> AbstractContextManager:
         """A context within which the tensors left in the model file (``on_demand_tensors``)
         are read once and held in memory, for work that reads them several times (an update);

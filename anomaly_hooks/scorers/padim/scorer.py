@@ -96,12 +96,28 @@ class PadimScorer(Scorer):
         self._oos_store: Optional[SampleStore] = None  # dense form: samples kept for LOO
         self.gaussians: Optional[Gaussians] = None
 
+    @staticmethod
+    def _dim(cfg: Any, layers: Sequence[LayerInfo]) -> int:
+        """The embedding dimension ``D`` a fit with the whole config ``cfg`` on ``layers``
+        will use."""
+        return cfg.padim.n_features or default_n_features(
+            cfg.backbone.name, sum(info.channels for info in layers))
+
+    @classmethod
+    def planned_format_version(cls, cfg: Any, layers: Sequence[LayerInfo],
+                               n_train: int) -> int:
+        pad, d = cfg.padim, cls._dim(cfg, layers)
+        if choose_covariance(pad.covariance, n_train, d, pad.factor_dtype) == "lowrank":
+            return 2
+        keeps = (pad.keep_embeddings and out_of_sample(cfg.threshold)
+                 and n_train <= DENSE_KEEP_SAMPLES * d)
+        return 2 if keeps else 1
+
     @classmethod
     def memory_parts(cls, cfg: Any, layers: Sequence[LayerInfo], input_size: Tuple[int, int],
                      positions: int, n_train: int) -> Tuple[Dict[str, int], int]:
         pad = cfg.padim
-        d = pad.n_features or default_n_features(cfg.backbone.name,
-                                                 sum(info.channels for info in layers))
+        d = cls._dim(cfg, layers)
         batch = batch_bytes(layers, input_size, cfg.data.batch_size, d)
         if choose_covariance(pad.covariance, n_train, d, pad.factor_dtype) == "lowrank":
             # the stored samples become the centred embeddings Y in place; plus C^-1 [n, n]
