@@ -15,6 +15,7 @@ from anomaly_hooks.errors import ExportError, FitError
 from anomaly_hooks.extractor import LayerInfo
 from anomaly_hooks.scorers.padim.gaussians import (
     GaussianAccumulator,
+    LowRankGaussians,
     SampleStore,
     cholesky_factor_,
     choose_covariance,
@@ -456,3 +457,34 @@ def test_position_chunks_on_threads_give_the_sequential_results_and_their_errors
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_lowrank_fit_chunks_are_sized_without_the_covariance_and_give_the_same_bits(
+        monkeypatch, grouped):
+    """The low-rank form has no ``D x D`` work, so its chunks hold more positions than the
+    dense form's; whatever the chunk, its Gaussians and leave-one(-group)-out distances are
+    the same to the bit."""
+    from anomaly_hooks.scorers.padim import gaussians, loo
+
+    cpu = torch.device("cpu")
+    for n, d in ((37, 176), (70, 176), (20, 550)):  # low-rank forms: n <= 0.4 D
+        per_position = 20 * n * n + 4 * n * d
+        assert loo.fit_chunk(n, d, cpu, covariance=False) == min(
+            loo.CHUNK_POSITIONS, loo.CHUNK_CACHE_BYTES // per_position)
+        assert loo.fit_chunk(n, d, cpu) == max(1, loo.CHUNK_CACHE_BYTES // (
+            per_position + 8 * d * d))
+    n, d = 12, 64
+    x = torch.randn(200, n, d, generator=torch.Generator().manual_seed(4))
+    groups = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 6, 6, 7]) if grouped else None
+
+    def fit(chunk: int) -> tuple:
+        monkeypatch.setattr(gaussians, "fit_chunk", lambda *a, **k: chunk)
+        store = SampleStore(capacity=n)
+        store.update(x)
+        g = LowRankGaussians.from_samples(store, 0.01, loo=True, groups=groups)
+        return g.mean, g.y, g.cinv, g.loo
+
+    first = fit(1)
+    for chunk in (7, 64, 200):
+        assert all(torch.equal(a, b) for a, b in zip(first, fit(chunk)))

@@ -519,7 +519,7 @@ class LowRankGaussians:
                 loo_sq[lo:hi] = (gram_loo_squared(gram, epsilon) if groups is None
                                  else gram_group_out_squared(gram, groups, epsilon))
 
-        map_position_chunks(chunk, p, fit_chunk(n, d, x.device), x.device)
+        map_position_chunks(chunk, p, fit_chunk(n, d, x.device, covariance=False), x.device)
         out = cls(mean, x, cinv, epsilon)
         if loo_sq is not None:
             out.loo = loo_sq.clamp_min_(0).sqrt_()

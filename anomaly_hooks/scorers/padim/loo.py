@@ -54,21 +54,25 @@ CHUNK_POSITIONS = 128  # positions per chunk of fitting work, here and in gaussi
 CHUNK_CACHE_BYTES = 5 << 20  # a CPU chunk's working set of per-position fit work
 
 
-def fit_chunk(n: int, d: int, device: torch.device) -> int:
+def fit_chunk(n: int, d: int, device: torch.device, covariance: bool = True) -> int:
     """Positions per chunk of the per-position fit work on ``n`` samples of dimension ``d``.
     On the CPU as many as keep a chunk's working set (the float64 ``n x n`` Gram and its
-    inverse factor, the float32 Gram, the samples, the ``D x D`` covariance: about
-    ``20 n^2 + 4 n D + 8 D^2`` bytes a position) within ``CHUNK_CACHE_BYTES``, at least one:
-    the chunks that the threads of :func:`map_position_chunks` work on at once stay in the
-    last-level cache together, each between its steps. Gaussians and leave-one-out of
-    visa_macaroni1's EfficientNet-Lite0 embeddings (176 dimensions, 3136 positions) on 2 cores,
-    5 against 16 MiB (``benchmarks/bench_loo.py --chunk-mib 16 5``): 200 images 1.00 against
-    1.16 s (4 positions a chunk against 14), 100 images 0.58 against 0.64 s, 37 images 0.31
-    against 0.44 s; the same results to the bit. On a GPU ``CHUNK_POSITIONS`` (few, large
-    launches)."""
+    inverse factor, the float32 Gram, the samples, and with ``covariance`` the ``D x D``
+    covariance: about ``20 n^2 + 4 n D + 8 D^2`` bytes a position; the low-rank form has no
+    ``D x D`` work) within ``CHUNK_CACHE_BYTES``, at least one: the chunks that the threads of
+    :func:`map_position_chunks` work on at once stay in the last-level cache together, each
+    between its steps. Gaussians and leave-one-out of visa_macaroni1's EfficientNet-Lite0
+    embeddings (176 dimensions, 3136 positions) on 2 cores, 5 against 16 MiB
+    (``benchmarks/bench_loo.py --chunk-mib 16 5``): 200 images 1.00 against 1.16 s (4 positions
+    a chunk against 14), 100 images 0.58 against 0.64 s, 37 images 0.31 against 0.44 s; the
+    same results to the bit. Where chunks are small the ops' fixed costs weigh: the low-rank
+    form of battery_weld's 37 images (leave-one-group-out, four group sizes) is finalised in
+    0.16-0.18 s with the 98 positions a chunk its own working set allows, 0.28-0.30 s with
+    the 17 the ``D x D`` term would leave (``benchmarks/bench_loop.py``'s finalize steps),
+    to the same bits. On a GPU ``CHUNK_POSITIONS`` (few, large launches)."""
     if device.type != "cpu":
         return CHUNK_POSITIONS
-    per_position = 20 * n * n + 4 * n * d + 8 * d * d
+    per_position = 20 * n * n + 4 * n * d + (8 * d * d if covariance else 0)
     return max(1, min(CHUNK_POSITIONS, CHUNK_CACHE_BYTES // per_position))
 
 
@@ -248,7 +252,8 @@ def loo_distances_from_samples(x: torch.Tensor, epsilon: float,
         xc = x[lo:hi] - x[lo:hi].mean(dim=1, dtype=torch.float64).float().unsqueeze(1)
         out[lo:hi] = centred_loo_squared(xc, epsilon, groups)
 
-    map_position_chunks(chunk, p, fit_chunk(n, x.shape[2], x.device), x.device)
+    d = x.shape[2]
+    map_position_chunks(chunk, p, fit_chunk(n, d, x.device, covariance=n > d), x.device)
     return out.clamp_min_(0).sqrt_()
 
 
