@@ -10,6 +10,7 @@ Example (in a service: load once, predict from many threads)::
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -28,7 +29,7 @@ from anomaly_hooks.devices import (
     resolve_device,
     resolve_saved_device,
 )
-from anomaly_hooks.errors import ConfigError, FitError, ModelFileError, NotFittedError
+from anomaly_hooks.errors import ConfigError, DataError, FitError, ModelFileError, NotFittedError
 from anomaly_hooks.extractor import HookFeatureExtractor, LayerInfo
 from anomaly_hooks.fitting import SEED_SCORER, FitPlan, FitRun
 from anomaly_hooks.heap import keep_freed_memory
@@ -570,7 +571,11 @@ class Detector:
         """The oldest model-file format that the model :meth:`fit` makes from ``source`` (the
         good images, as :meth:`fit` takes them) will need, known before the fit: 2 where this
         config makes a low-rank PaDiM or one keeping its training embeddings, else 1 (a tiled
-        PaDiM with ``positions: tile``, whose samples are the tiles, may need less)."""
+        PaDiM with ``positions: tile``, whose samples are the tiles, may need less). ``source``
+        is read, not consumed: a one-pass iterator is refused (give a folder or a list)."""
+        if not isinstance(source, (str, os.PathLike)) and iter(source) is source:
+            raise DataError("planned_format_version() reads the images without consuming "
+                            "them: give a folder or a list, not a one-pass iterator")
         n_train = len(FitPlan.of(self.cfg, source).train)
         return get_scorer(self.cfg.method).planned_format_version(self.cfg, self.layer_info,
                                                                   n_train)

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from anomaly_hooks import Detector, modelfile
 from anomaly_hooks.cli import main
 from anomaly_hooks.detector import DESCRIPTORS_TENSOR
-from anomaly_hooks.errors import ConfigError, ModelFileChangedError
+from anomaly_hooks.errors import ConfigError, DataError, ModelFileChangedError
 from anomaly_hooks.modelfile import (
     FORMAT_VERSION,
     ModelFileError,
@@ -178,6 +178,8 @@ def test_the_planned_format_is_the_fitted_models(small_cfg, section, threshold, 
     else:
         over.update({f"padim__{k}": v for k, v in section.items()})
     det = Detector.from_config(small_cfg, **over)
+    with pytest.raises(DataError, match="not a one-pass iterator"):
+        det.check_format_version(1, train=iter(images))
     planned = det.planned_format_version(images)
     det.fit(images, progress=False)
     assert planned == det.min_format_version()
