@@ -188,15 +188,17 @@ def resolve_tail(tail: str, n: int, alpha: float) -> str:
 def clopper_pearson(k: int, n: int, level: float = LEVEL) -> Tuple[float, float]:
     """Exact (Clopper-Pearson) two-sided ``level`` interval of a binomial rate from ``k``
     successes in ``n`` trials: the Beta quantiles ``B((1 - level)/2; k, n - k + 1)`` and
-    ``B((1 + level)/2; k + 1, n - k)`` (0 and 1 at the ends)."""
-    from scipy.stats import beta
+    ``B((1 + level)/2; k + 1, n - k)`` (0 and 1 at the ends). ``scipy.special.betaincinv`` is
+    ``scipy.stats.beta.ppf`` to the bit (every ``k``, ``n`` < 400, scipy 1.17), without the
+    0.24 s import of ``scipy.stats`` in every fit and update process."""
+    from scipy.special import betaincinv
 
     if n <= 0:
         return 0.0, 1.0
     if not 0 <= k <= n:
         raise ValueError(f"{k} successes in {n} trials")
-    lo = 0.0 if k == 0 else float(beta.ppf((1 - level) / 2, k, n - k + 1))
-    hi = 1.0 if k == n else float(beta.ppf((1 + level) / 2, k + 1, n - k))
+    lo = 0.0 if k == 0 else float(betaincinv(k, n - k + 1, (1 - level) / 2))
+    hi = 1.0 if k == n else float(betaincinv(k + 1, n - k, (1 + level) / 2))
     return lo, hi
 
 

@@ -21,6 +21,7 @@ from anomaly_hooks.errors import ConfigError, ThresholdError
 from anomaly_hooks.operating import (
     GRID,
     ScoreSets,
+    auc,
     bandwidth,
     choose_f1,
     choose_recall,
@@ -40,6 +41,20 @@ def test_clopper_pearson_equals_scipy(k, n):
     # scipy finds each end with brentq to its default xtol (2e-12); ours are Beta quantiles
     # accurate to a few float64 roundings
     assert clopper_pearson(k, n) == pytest.approx((ref.low, ref.high), abs=2e-12 + f64_tol(8))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auc_equals_scikit_learn_with_ties(seed):
+    """The Mann-Whitney AUROC of the defects against the good scores, ties counting half,
+    is scikit-learn's ``roc_auc_score`` (both exact counts)."""
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(seed)
+    good = rng.integers(0, 12, 40).astype(float)  # few values: many ties, within and across
+    defects = rng.integers(5, 16, 9).astype(float)
+    ref = roc_auc_score(np.r_[np.zeros(40), np.ones(9)], np.r_[good, defects])
+    assert auc(good, defects) == pytest.approx(ref, abs=f64_tol(4))
+    assert auc(good, good[:5] + 100) == 1.0 and auc(good + 100, defects) == 0.0
 
 
 def test_conformal_rate_and_interval_hold_by_simulation():
