@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is no installed package: import it 
 from anomaly_hooks.config import load_config
 from anomaly_hooks.timing import PeakMemory
 from benchmarks import (
+    bench_cli,
     bench_coreset,
     bench_coreset_banks,
     bench_export,
@@ -112,6 +113,28 @@ def test_heap_bench_runs_every_mode_in_fresh_processes(tmp_path, capsys):
         assert 100 < report[mode]["rss_after_mb"] <= report[mode]["peak_rss_mb"] < 20_000
     assert report["max_score_difference"] == 0  # only where memory comes from changes
     assert "keep / release" in capsys.readouterr().out
+
+
+def test_cli_bench_runs_each_code_version_in_fresh_processes(tmp_path, capsys):
+    """Two versions (a folder, a git revision) of a quick command, each in its own process:
+    wall and CPU seconds per run, the largest imports; a failing command and an unknown
+    version stop it with what went wrong."""
+    out = tmp_path / "c.json"
+    command = ["layers", "resnet18", "--input", "32"]
+    versions = [str(ROOT), *(["HEAD"] if (ROOT / ".git").exists() else [])]  # a git checkout
+    assert bench_cli.main(["--repeats", "1", *(a for v in versions for a in ("--code", v)),
+                           "--json", str(out), "--", *command]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"] == command
+    for version in versions:
+        got = report[version]
+        assert len(got["wall_s"]) == len(got["cpu_s"]) == 1 and got["wall_s"][0] > 0
+        assert got["imports_s"]["total"] > 0 and "anomaly_hooks.cli" in got["imports_s"]
+    assert f"| {versions[-1]} |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the command failed"):
+        bench_cli.main(["--repeats", "1", "--", "layers", "no_such_backbone"])
+    with pytest.raises(SystemExit, match="neither a folder with anomaly_hooks/ nor a git"):
+        bench_cli.main(["--repeats", "1", "--code", "no-such-revision", "--", *command])
 
 
 @pytest.mark.slow
