@@ -32,28 +32,11 @@ from typing import Any, Dict, List, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.measure import machine, write_json  # noqa: E402
+from benchmarks.measure import code_version, machine, write_json  # noqa: E402
 
 RUN = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
        "from anomaly_hooks.cli import main; sys.exit(main(sys.argv[1:]))")
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\s*)(\S+)")
-
-
-def code_folder(spec: str, scratch: Path) -> Path:
-    """The folder whose ``anomaly_hooks`` package a version runs: ``spec`` itself, or the
-    package of git revision ``spec`` exported under ``scratch``."""
-    path = Path(spec)
-    if (path / "anomaly_hooks" / "__init__.py").is_file():
-        return path.resolve()
-    out = scratch / re.sub(r"[^A-Za-z0-9._-]", "_", spec)
-    out.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", spec, "anomaly_hooks"],
-                             capture_output=True)
-    if archive.returncode:
-        raise SystemExit(f"--code {spec}: neither a folder with anomaly_hooks/ nor a git "
-                         f"revision ({archive.stderr.decode(errors='replace').strip()})")
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out
 
 
 def run_once(folder: Path, args: Sequence[str], *flags: str) -> Tuple[float, float, str]:
@@ -102,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = opts.code or [str(REPO)]
     out: Dict[str, Any] = {"machine": machine(), "command": args, "repeats": opts.repeats}
     with tempfile.TemporaryDirectory(prefix="bench_cli_") as scratch:
-        folders = [code_folder(s, Path(scratch)) for s in specs]
+        folders = [code_version(s, Path(scratch)) for s in specs]
         runs: Dict[str, List[Tuple[float, float]]] = {s: [] for s in specs}
         for _ in range(opts.repeats):  # in turns: drifting load shares out
             for spec, folder in zip(specs, folders):

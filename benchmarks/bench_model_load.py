@@ -4,7 +4,8 @@
 Usage::
 
     nice -n 5 python benchmarks/bench_model_load.py --model M.safetensors [M2 ...] \\
-        [--before /path/to/other/checkout] [--update DIR --update-skip 100 --update-count 10] \\
+        [--before /path/to/other/checkout | --before REVISION] \\
+        [--update DIR --update-skip 100 --update-count 10] \\
         [--save] [--for-update] [--repeats 2] [--json out.json]
 
 Each measurement runs in its own child process (``Detector.load(M, device="cpu")``; with
@@ -16,8 +17,8 @@ read them back (verified); with ``--save``, the seconds of saving the loaded mod
 file beside it (checksummed, written, synced; removed after); with ``--update``, the seconds
 of ``Detector.update`` with ``--update-count`` images of ``DIR`` (after the first
 ``--update-skip``) and the peak RSS after it. ``--before``: the same measurements with the
-toolkit imported from another checkout (e.g. the main branch), alternated with this one's, for
-a before/after comparison in one run.
+toolkit imported from another checkout (e.g. the main branch) or a git revision of this one,
+alternated with this one's, for a before/after comparison in one run.
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.measure import machine, write_json  # noqa: E402
+from benchmarks.measure import code_version, machine, write_json  # noqa: E402
 
 # run in the child with the measured checkout first on sys.path: public interfaces only
 CHILD = r"""
@@ -90,8 +92,10 @@ print("RESULT " + json.dumps(out))
 
 def measure(root: Path, model: Path, args: argparse.Namespace) -> Dict[str, Any]:
     """One child process with the toolkit of checkout ``root``, loading ``model``."""
-    spec = {"model": str(model), "threads": args.threads, "for_update": args.for_update,
-            "update": None if args.update is None else str(args.update),
+    # absolute paths: the child runs in the measured code's folder
+    spec = {"model": str(model.resolve()), "threads": args.threads,
+            "for_update": args.for_update,
+            "update": None if args.update is None else str(args.update.resolve()),
             "update_count": args.update_count, "update_skip": args.update_skip,
             "save": args.save, "save_dir": str(model.resolve().parent)}
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -124,7 +128,8 @@ def summary_line(r: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, nargs="+")
-    p.add_argument("--before", type=Path, help="another checkout to measure alternately")
+    p.add_argument("--before", help="another checkout, or a git revision of this one, to "
+                                    "measure alternately")
     p.add_argument("--update", type=Path, help="folder of good images for an update")
     p.add_argument("--update-count", type=int, default=10)
     p.add_argument("--update-skip", type=int, default=0,
@@ -137,13 +142,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    roots = [REPO] + ([args.before.resolve()] if args.before else [])
     results = []
-    for _ in range(args.repeats):
-        for model in args.model:
-            for root in roots:
-                results.append(measure(root, model, args))
-                print(summary_line(results[-1]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_model_load_") as scratch:
+        roots = [REPO] + ([code_version(args.before, Path(scratch))] if args.before else [])
+        for _ in range(args.repeats):
+            for model in args.model:
+                for root in roots:
+                    results.append(measure(root, model, args))
+                    print(summary_line(results[-1]), flush=True)
     if args.json:
         write_json(args.json, {"machine": machine(threads=args.threads),
                                "models": {str(m): m.stat().st_size / 2**20 for m in args.model},

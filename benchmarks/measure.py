@@ -9,6 +9,8 @@
 * :func:`child_result` / :func:`report_result`: a measurement in a fresh process (its own peak
   memory), handing back one JSON line;
 * :func:`write_json` and :func:`chunks`;
+* :func:`code_version`: another checkout or a git revision's ``anomaly_hooks``, for a
+  before/after comparison in one run;
 * :func:`wait_ready` and :func:`stop_process`: a service process the benchmark started;
 * :func:`update_arguments` and :func:`split_training`: what the model-update benchmarks
   (``bench_update``, ``bench_loop``) take and how they split the training images.
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -211,6 +214,24 @@ def child_result(args: Sequence[object]) -> Dict[str, Any]:
     if not lines:
         return {"error": f"exit status {proc.returncode}: {proc.stderr[-2000:]}"}
     return json.loads(lines[-1][len(RESULT):])
+
+
+def code_version(spec: str, scratch: Path) -> Path:
+    """The folder whose ``anomaly_hooks`` package a before/after comparison runs: ``spec``
+    itself where it holds one (another checkout), else the package of git revision ``spec`` of
+    this repository, exported under ``scratch`` (a temporary folder of the caller's)."""
+    path = Path(spec)
+    if (path / "anomaly_hooks" / "__init__.py").is_file():
+        return path.resolve()
+    out = Path(scratch) / re.sub(r"[^A-Za-z0-9._-]", "_", spec)
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", spec, "anomaly_hooks"],
+                             capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"{spec}: neither a folder with anomaly_hooks/ nor a git revision "
+                         f"({archive.stderr.decode(errors='replace').strip()})")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
 
 
 def write_json(path: Path | str, data: Any) -> Path:
