@@ -208,17 +208,10 @@ class StoredTensor:
         """The tensor read from the open format-3 file ``fh`` whose header has the checksum
         loaded, hashed as it is read; None when it does not match its digest."""
         try:
-            dtype, shape, _, _ = _entry(self.name, header[self.name], base, size)
-            hasher = _HashBehind(_label(self.name, dtype, shape))
-            try:
-                tensor = _read_one(fh, header, base, size, self.name, out, hasher)
-                digest = hasher.hexdigest()
-            finally:
-                hasher.close()
+            tensor, digest = _read_hashed(fh, header, base, size, self.name, out)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
             raise self._changed(f"was damaged or truncated ({exc})") from None
         return tensor if digest == self.digest else None
-
 
     def at(self, path: Union[str, os.PathLike], file_checksum: str) -> "StoredTensor":
         """The same tensor in another file holding it (e.g. the one the model was saved to),
@@ -508,27 +501,31 @@ def _read_verified(fh: Any, header: Dict[str, Any], base: int, size: int, meta_j
         hasher.close()
 
 
-def _read_digested_all(fh: Any, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]],
+def _read_hashed(fh: Any, header: Dict[str, Any], base: int, size: int, name: str,
+                 out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, str]:
+    """The tensor ``name`` read as :func:`_read_one` reads it (into ``out`` or a fresh, owned
+    CPU tensor), and its :func:`tensor_digest` of the bytes read, each piece hashed on a worker
+    thread while the next is read."""
+    dtype, shape, _, _ = _entry(name, header[name], base, size)
+    hasher = _HashBehind(_label(name, dtype, shape))
+    try:
+        tensor = _read_one(fh, header, base, size, name, out, hasher)
+        return tensor, hasher.hexdigest()
+    finally:
+        hasher.close()
+
+
+def _read_digested_all(fh: Any, header: Dict[str, Any], base: int, size: int,
                        keep: Collection[str], digests: Dict[str, str]
                        ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """The format-3 file's tensors named in ``keep`` (``entries``: each tensor's
-    :func:`_entry`) as owned, freshly allocated CPU tensors (read as :func:`_read_verified`
-    reads them, each hashed on a worker thread while the next piece is read), and the names of
+    """The format-3 file's tensors named in ``keep`` (:func:`_read_hashed`), and the names of
     those whose bytes do not match their digest. Nothing else is read."""
     tensors: Dict[str, torch.Tensor] = {}
     bad: List[str] = []
     for key in sorted(keep):
-        dtype, shape, start, nbytes = entries[key]
-        hasher = _HashBehind(_label(key, dtype, shape))
-        try:
-            out = torch.empty(shape, dtype=dtype)
-            if nbytes:
-                _read_into(fh, key, _bytes_of(out), start, nbytes, hasher.feed)
-            if hasher.hexdigest() != digests[key]:
-                bad.append(key)
-        finally:
-            hasher.close()
-        tensors[key] = out
+        tensors[key], digest = _read_hashed(fh, header, base, size, key)
+        if digest != digests[key]:
+            bad.append(key)
     return tensors, bad
 
 
@@ -631,7 +628,7 @@ def load_model(path: str | os.PathLike, defer: Collection[str] = ()
                 else:
                     digest = digests_checksum(meta_json, metadata["digests"])
                     tensors, bad = (({}, ["*"]) if digest != metadata.get("checksum") else
-                                    _read_digested_all(fh, entries, keep, digests))
+                                    _read_digested_all(fh, header, base, size, keep, digests))
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelFileError(f"{path}: damaged or truncated model file ({exc})") from None
             stamp = (settled_stamp(before, os.fstat(fh.fileno()), started)

@@ -50,6 +50,13 @@ Gaussians = Union[DenseGaussians, LowRankGaussians]
 DENSE_KEEP_SAMPLES = 2.0
 
 
+def kept_for_loo(out_of_sample: bool, n: int, d: int) -> bool:
+    """Whether a dense fit of ``n`` images of dimension ``d`` holds every training sample for
+    the exact leave-one-out scores (``DENSE_KEEP_SAMPLES``); the model keeps them too where
+    ``padim.keep_embeddings`` is on."""
+    return out_of_sample and n <= DENSE_KEEP_SAMPLES * d
+
+
 def default_n_features(backbone_name: str, total: int) -> int:
     """The paper's d (550 for WRN50, 100 for ResNet18); otherwise min(total, 550)."""
     return min(DEFAULT_FEATURES.get(backbone_name, 550), total)
@@ -109,8 +116,7 @@ class PadimScorer(Scorer):
         pad, d = cfg.padim, cls._dim(cfg, layers)
         if choose_covariance(pad.covariance, n_train, d, pad.factor_dtype) == "lowrank":
             return 2
-        keeps = (pad.keep_embeddings and out_of_sample(cfg.threshold)
-                 and n_train <= DENSE_KEEP_SAMPLES * d)
+        keeps = pad.keep_embeddings and kept_for_loo(out_of_sample(cfg.threshold), n_train, d)
         return 2 if keeps else 1
 
     @classmethod
@@ -126,7 +132,7 @@ class PadimScorer(Scorer):
                      "inverse Gram factors": small, "batch": batch},
                     samples + small + positions * d * 4)
         factor_bytes = 2 if pad.factor_dtype == "float16" else 4
-        loo = out_of_sample(cfg.threshold) and n_train <= DENSE_KEEP_SAMPLES * d
+        loo = kept_for_loo(out_of_sample(cfg.threshold), n_train, d)
         # the float32 sums become the covariances, then the factors, in place
         return ({"statistics (float32 sums, factorised in place)": positions * d * d * 4,
                  "float16 factors": positions * d * d * 2 if factor_bytes == 2 else 0,
@@ -164,7 +170,7 @@ class PadimScorer(Scorer):
             self._store = SampleStore(capacity=n)
         else:
             self._acc = GaussianAccumulator()
-            if self.want_out_of_sample and n <= DENSE_KEEP_SAMPLES * d:
+            if kept_for_loo(self.want_out_of_sample, n, d):
                 self._oos_store = SampleStore(capacity=n)
 
     def partial_fit(self, embeddings: torch.Tensor) -> None:
@@ -179,7 +185,7 @@ class PadimScorer(Scorer):
         if (self._store is not None and self.covariance == "auto"
                 and self._store.n + b > lowrank_capacity(d)):
             self._to_dense()  # more images than auto keeps in low-rank form
-        if self._oos_store is not None and self._oos_store.n + b > DENSE_KEEP_SAMPLES * d:
+        if self._oos_store is not None and not kept_for_loo(True, self._oos_store.n + b, d):
             self._drop_samples()  # too many to keep: sums, and a second pass for LOO
         if self._oos_store is not None:  # every sample kept: the Gaussians come from them
             self._oos_store.update(x)
@@ -340,8 +346,8 @@ class PadimScorer(Scorer):
         ``[P, n, D]`` (``padim.keep_embeddings``, an all-images threshold, ``n <= 2 D``: where
         the fit keeps them anyway for the exact leave-one-out scores, at most twice the
         factors' size): an update then scores every image out of sample exactly, as a refit."""
-        return (self.keep_embeddings and self.want_out_of_sample
-                and n <= DENSE_KEEP_SAMPLES * self.embedder.out_channels)
+        return self.keep_embeddings and kept_for_loo(self.want_out_of_sample, n,
+                                                     self.embedder.out_channels)
 
     # -- out-of-sample (exact leave-one-out) scores of the training images -----------------
     # With padim.neighbourhood > 0 these are the own position's leave-one-out distances: an
