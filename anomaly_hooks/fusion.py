@@ -25,8 +25,15 @@ Two more rewrites of the same kind (``backbone.fold_padding``, ``backbone.inplac
 * :func:`fold_padding`: a convolution that zero-pads its input with a ``nn.ZeroPad2d`` child
   (TensorFlow-style "same" padding, as in EfficientNet-Lite) takes a symmetric padding into its
   own ``padding``, the child becoming ``nn.Identity``: one copy of every padded activation
-  fewer. Each rewrite is checked on a seeded random input of the size the convolution saw in a
-  probe pass (its output within the float32 rounding of the sums) and undone otherwise.
+  fewer. An asymmetric one (``(0, 1)``, ``(1, 2)``: "same" padding at stride 2) is taken by a
+  depthwise convolution on the CPU with its kernel widened by zero taps on the less padded
+  side, the padding then symmetric (the larger side's): the same windows, the same sums. There
+  the copy costs more than the few extra taps (in channels-last the padded copy comes back
+  contiguous: 40 against 3.7 ms for EfficientNet-Lite0's ``_blocks.1`` at 25 x 96 x 112 x 112),
+  while a dense convolution's extra taps cost more than the copy (1.06-1.61 times the time),
+  so those keep their padding layer (``benchmarks/bench_padding.py --dense``). Each rewrite
+  is checked on a seeded random input of the size the convolution saw in a probe pass (its
+  output within the float32 rounding of the sums) and undone otherwise.
 * :func:`inplace_activations`: an activation module (ReLU6, SiLU, ... not already in place)
   whose every input is a tensor a torch call made in the forward pass, in memory of its own (not
   the model's input, a parameter or a view), read by no other torch call, and returned by no
@@ -222,9 +229,19 @@ def fold_batchnorm(model: nn.Module, probe: torch.Tensor,
 PADDING_CHECK_SEED = 0  # the random input each padding rewrite is checked on
 
 
-def _padding_candidates(model: nn.Module, keep: Collection[str]) -> Dict[str, str]:
+def _widenable(conv: nn.Conv2d) -> bool:
+    """Whether ``conv`` takes an asymmetric zero padding by a kernel widened with zero taps:
+    a depthwise convolution (one input channel a group: memory-bound, the padded copy costs
+    more than the extra taps) without dilation or a parametrised weight."""
+    return (conv.in_channels == conv.groups and tuple(conv.dilation) == (1, 1)
+            and not parametrize.is_parametrized(conv))
+
+
+def _padding_candidates(model: nn.Module, keep: Collection[str],
+                        widen: bool) -> Dict[str, str]:
     """``{convolution: its ZeroPad2d child}`` of the convolutions with no padding of their own
-    and one symmetric zero-padding child, neither hooked by someone nor kept."""
+    and one non-negative zero-padding child, neither hooked by someone nor kept: a symmetric
+    padding, or with ``widen`` an asymmetric one of a :func:`_widenable` convolution."""
     out = {}
     for name, conv in model.named_modules():
         if (not isinstance(conv, nn.Conv2d) or tuple(conv.padding) != (0, 0)
@@ -236,9 +253,23 @@ def _padding_candidates(model: nn.Module, keep: Collection[str]) -> Dict[str, st
         child, pad = pads[0]
         left, right, top, bottom = pad.padding
         full = f"{name}.{child}" if name else child
-        if left == right and top == bottom and not _has_hooks(pad) and full not in keep:
+        if min(pad.padding) < 0 or _has_hooks(pad) or full in keep:
+            continue
+        if (left == right and top == bottom) or (widen and _widenable(conv)):
             out[name] = child
     return out
+
+
+def widened_kernel(weight: torch.Tensor, padding: Tuple[int, int, int, int]) -> torch.Tensor:
+    """``weight`` ``[O, I, kh, kw]`` with zero taps added on the less padded side of each axis,
+    ``|right - left|`` columns and ``|bottom - top|`` rows, for ``padding`` ``(left, right,
+    top, bottom)``: convolved with the symmetric padding ``(max(top, bottom), max(left,
+    right))``, each output window starts ``max - min`` samples earlier and the zero taps skip
+    them, so the taps meet the same samples as ``weight`` on the asymmetrically padded input,
+    at any stride; the output size is the same."""
+    left, right, top, bottom = padding
+    return F.pad(weight, (max(right - left, 0), max(left - right, 0),
+                          max(bottom - top, 0), max(top - bottom, 0)))
 
 
 class _Shapes(TorchFunctionMode):
@@ -267,8 +298,13 @@ def _same_output(conv: nn.Module, x: torch.Tensor, before: torch.Tensor,
                  padding: Tuple[int, int]) -> bool:
     """Whether ``conv(x)`` now equals ``before`` (its output with the explicit padding) within
     the float32 rounding of the sums: ``2 k eps`` of the sum of the terms' magnitudes, ``k``
-    the terms per output."""
-    after = conv(x)
+    the terms per output. A forward that now fails (a kernel wider than the input it is given)
+    is not the same."""
+    try:
+        after = conv(x)
+    except RuntimeError as exc:
+        log.debug("padding rewrite undone: the forward fails (%s)", exc)
+        return False
     if after.shape != before.shape:
         return False
     w = conv.weight
@@ -280,12 +316,17 @@ def _same_output(conv: nn.Module, x: torch.Tensor, before: torch.Tensor,
 
 
 @torch.no_grad()
-def fold_padding(model: nn.Module, probe: torch.Tensor, keep: Collection[str] = ()) -> List[str]:
+def fold_padding(model: nn.Module, probe: torch.Tensor, keep: Collection[str] = (),
+                 widen: Optional[bool] = None) -> List[str]:
     """Fold each symmetric ``nn.ZeroPad2d`` child of a convolution into the convolution's own
-    ``padding`` (in place; see the module docstring) and return the convolutions' names.
+    ``padding``, and with ``widen`` a depthwise convolution's asymmetric one (in place; see the
+    module docstring); return the convolutions' names.
     ``probe``: an input ``[B, 3, H, W]`` on the model's device, for the sizes the checks use;
-    ``keep``: module names whose output must stay as it is."""
-    candidates = _padding_candidates(model, keep)
+    ``keep``: module names whose output must stay as it is; ``widen``: also fold asymmetric
+    paddings of depthwise convolutions into a kernel widened by zero taps
+    (:func:`widened_kernel`); None: on the CPU, where it is measured faster."""
+    widen = probe.device.type == "cpu" if widen is None else widen
+    candidates = _padding_candidates(model, keep, widen)
     flow = _Shapes(candidates)
     if not candidates or not probe_pass(model, probe, flow, "padding folding"):
         return []
@@ -296,19 +337,28 @@ def fold_padding(model: nn.Module, probe: torch.Tensor, keep: Collection[str] = 
         if name not in shapes:  # never ran: nothing to check the rewrite against
             continue
         conv = model.get_submodule(name)
-        pad = getattr(conv, child)
-        x = torch.rand(shapes[name], generator=gen, device=probe.device,
-                       dtype=conv.weight.dtype)
+        pad, weight = getattr(conv, child), conv.weight
+        x = torch.rand(shapes[name], generator=gen, device=probe.device, dtype=weight.dtype)
         before = conv(x)
-        left, _, top, _ = pad.padding
+        left, right, top, bottom = pad.padding
         setattr(conv, child, nn.Identity())
-        conv.padding = (top, left)
-        if _same_output(conv, x, before, (top, left)):
+        conv.padding = (max(top, bottom), max(left, right))
+        if (left, top) != (right, bottom):
+            _set_kernel(conv, nn.Parameter(widened_kernel(weight, pad.padding),
+                                           requires_grad=weight.requires_grad))
+        if _same_output(conv, x, before, conv.padding):
             folded.append(name)
         else:  # the module's forward does not pad as assumed: as it was
             setattr(conv, child, pad)
             conv.padding = (0, 0)
+            _set_kernel(conv, weight)
     return folded
+
+
+def _set_kernel(conv: nn.Conv2d, weight: nn.Parameter) -> None:
+    """``conv``'s weight and the ``kernel_size`` it records."""
+    conv.weight = weight
+    conv.kernel_size = tuple(weight.shape[2:])
 
 
 # -- activations in place --------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, f32_tol
+from conftest import ROOT, SAMPLE, backbone_rtol, f32_tol
 
 sys.path.insert(0, str(ROOT))  # benchmarks/ is no installed package: import it from the checkout
 
@@ -31,6 +31,7 @@ from benchmarks import (
     bench_heatmap,
     bench_loop,
     bench_model_load,
+    bench_padding,
     bench_pipeline,
     bench_threshold,
     measure,
@@ -135,6 +136,28 @@ def test_cli_bench_runs_each_code_version_in_fresh_processes(tmp_path, capsys):
         bench_cli.main(["--repeats", "1", "--", "layers", "no_such_backbone"])
     with pytest.raises(SystemExit, match="neither a folder with anomaly_hooks/ nor a git"):
         bench_cli.main(["--repeats", "1", "--code", "no-such-revision", "--", *command])
+
+
+def test_padding_bench_compares_each_asymmetric_padding_and_the_features(tmp_path, capsys):
+    """EfficientNet-Lite0 (random weights): its five asymmetric paddings (and the two dense
+    references) each timed padded and widened in both memory formats, the outputs equal
+    within float32 rounding; a backbone without any says so."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    out = tmp_path / "p.json"
+    assert bench_padding.main(["--weights", "none", "--batch", "2", "--size", "64",
+                               "--repeats", "1", "--dense", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    convs = report["convolutions"]
+    assert len(convs) == 2 * 5 and {c["format"] for c in convs} == {"contiguous",
+                                                                     "channels-last"}
+    assert sum(c["depthwise"] for c in convs) == 2 * 4  # the stem is a dense convolution
+    assert all(c["relative_difference"] <= f32_tol(3 * 3 * 3) for c in convs)  # <= 27 terms
+    assert [c["depthwise"] for c in report["dense"]] == [False] * 4
+    assert all(c["relative_difference"] <= f32_tol(3 * 3 * 256) for c in report["dense"])
+    assert len(report["extractor"]["folded"]) == 16
+    assert report["extractor"]["relative_difference"] <= backbone_rtol(30, 1152)
+    assert bench_padding.main(["--backbone", "resnet18", "--weights", "none"]) == 0
+    assert "no convolution pads asymmetrically" in capsys.readouterr().out
 
 
 @pytest.mark.slow
