@@ -3,6 +3,7 @@ refused, naming the mismatch; the loaded module the classic build's), and the ke
 backbones the suite shares."""
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -144,3 +145,28 @@ def test_packaged_efficientnet_lite0_is_its_classic_build():
     ref = _classic(lambda: EfficientNet.from_name("efficientnet-lite0"),
                    backbones.load_state_file(Path(path)))
     _same_module(build_backbone("efficientnet_lite0", "PACKAGED"), ref)
+
+
+def test_the_meta_device_stays_in_the_building_thread(tmp_path):
+    """A service builds a promoted model's backbone on one thread while others predict: the
+    meta device of the build must not reach their tensors."""
+    inside, release = threading.Event(), threading.Event()
+
+    def build():
+        conv = nn.Conv2d(3, 4, 3)
+        inside.set()
+        release.wait(10)
+        return conv
+
+    state = nn.Conv2d(3, 4, 3).state_dict()
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault(
+        "model", backbones._built_with(build, state, tmp_path / "c.pth", "conv")))
+    worker.start()
+    assert inside.wait(10)
+    try:
+        assert torch.zeros(2).device.type == "cpu" and nn.Linear(2, 2).weight.device.type == "cpu"
+    finally:
+        release.set()
+        worker.join(10)
+    assert torch.equal(got["model"].weight, state["weight"])
