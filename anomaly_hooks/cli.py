@@ -153,10 +153,11 @@ def cmd_layers(args: argparse.Namespace) -> int:
     defaults = {name: cls.layers_for(args.backbone) for name, cls in registered().items()}
     rows = [d for d in describe_layers(model, size, defaults) if args.all or d.tappable]
     width = max(len(d.name) for d in rows)
-    print(f"{'layer':<{width}}  {'type':<18} {'output shape':<20} {'channels':>8} {'stride':>6}"
-          "  default for")
+    kind = max(18, *(len(d.type) for d in rows))  # custom module classes have long names
+    print(f"{'layer':<{width}}  {'type':<{kind}} {'output shape':<20} {'channels':>8} "
+          f"{'stride':>6}  default for")
     for d in rows:
-        print(f"{d.name:<{width}}  {d.type:<18} {str(list(d.shape)):<20} "
+        print(f"{d.name:<{width}}  {d.type:<{kind}} {str(list(d.shape)):<20} "
               f"{'' if d.channels is None else d.channels:>8} "
               f"{'' if d.stride is None else d.stride:>6}  {', '.join(d.default_for)}")
     print(f"{len(rows)} modules at input {size[0]}x{size[1]}; tap them with "

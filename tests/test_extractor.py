@@ -163,6 +163,19 @@ def test_layers_cli_lists_layers_and_refuses_unknown_backbones(capsys):
     assert err.startswith("error:") and "resnet18" in err and "efficientnet_lite0" in err
 
 
+def test_layers_cli_keeps_its_columns_for_long_type_names(capsys):
+    """EfficientNet-Lite's ``Conv2dStaticSamePadding`` is longer than the type column's
+    minimum: every row's shape still starts under the header's."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    from anomaly_hooks.cli import main
+
+    assert main(["layers", "efficientnet_lite0", "--input", "64"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[:-1]
+    column = header.index("output shape")
+    assert any("Conv2dStaticSamePadding" in row for row in rows)
+    assert all(row[column] == "[" for row in rows)
+
+
 def test_efficientnet_lite_blocks():
     pytest.importorskip("efficientnet_lite_pytorch")
     from efficientnet_lite_pytorch import EfficientNet
