@@ -28,9 +28,9 @@ Two more rewrites of the same kind (``backbone.fold_padding``, ``backbone.inplac
   fewer. An asymmetric one (``(0, 1)``, ``(1, 2)``: "same" padding at stride 2) is taken by a
   depthwise convolution on the CPU with its kernel widened by zero taps on the less padded
   side, the padding then symmetric (the larger side's): the same windows, the same sums. There
-  the copy costs more than the few extra taps (in channels-last the padded copy comes back
-  contiguous: 40 against 3.7 ms for EfficientNet-Lite0's ``_blocks.1`` at 25 x 96 x 112 x 112),
-  while a dense convolution's extra taps cost more than the copy (1.06-1.61 times the time),
+  the copy costs more than the few extra taps (EfficientNet-Lite0's ``_blocks.1`` at 25 x 96 x
+  112 x 112, channels-last: the pad alone 35 ms, padded and convolved 40 ms, widened 4.4 ms),
+  while a dense convolution's extra taps cost more than the copy (1.01-1.46 times the time),
   so those keep their padding layer (``benchmarks/bench_padding.py --dense``). Each rewrite
   is checked on a seeded random input of the size the convolution saw in a probe pass (its
   output within the float32 rounding of the sums) and undone otherwise.

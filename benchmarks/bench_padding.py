@@ -7,9 +7,10 @@ Usage::
         [--batch 25] [--size 224] [--repeats 15] [--json out.json]
 
 For each convolution of the backbone that pads its input with an asymmetric ``nn.ZeroPad2d``
-child: the milliseconds of ``conv2d(pad(x))`` against ``conv2d(x, widened_kernel(w),
-padding=larger side)`` (:func:`anomaly_hooks.fusion.widened_kernel`) on a batch of the input
-it sees, in the contiguous and the channels-last memory format, and how much the two outputs
+child: the milliseconds of ``conv2d(pad(x))`` (and of ``pad(x)`` alone) against
+``conv2d(x, widened_kernel(w), padding=larger side)``
+(:func:`anomaly_hooks.fusion.widened_kernel`) on a batch of the input it sees, in the
+contiguous and the channels-last memory format, and how much the two outputs
 differ (the largest difference over the largest sum of the products' magnitudes). Then the
 whole feature extraction (the backbone's other rewrites at their defaults) with the
 asymmetric paddings kept and widened (``fusion.fold_padding(..., widen=)``), in turns:
@@ -105,12 +106,15 @@ def per_convolution(model: nn.Module, shapes: Dict[str, torch.Size], batch: int,
                                 conv.stride, 0, 1, conv.groups).max()
                 diff = ((widened() - ref).abs().max() / size).item()
                 a, b = median_ms(padded, repeats), median_ms(widened, repeats)
+                copy = median_ms(lambda: F.pad(x, pad), repeats)  # noqa: B023 (called here)
             rows.append({"conv": shown or name, "format": label, "input": [batch, *shape[1:]],
                          "padding": list(pad), "depthwise": conv.groups == conv.in_channels,
-                         "padded_ms": a, "widened_ms": b, "relative_difference": diff})
+                         "padded_ms": a, "pad_alone_ms": copy, "widened_ms": b,
+                         "relative_difference": diff})
             print(f"{shown or name:27s} {label:13s} {tuple(x.shape)} pad {pad} "
-                  f"{'depthwise' if rows[-1]['depthwise'] else 'dense':9s}: padded {a:7.2f} ms, "
-                  f"widened {b:7.2f} ms ({b / a:.2f}), differ by {diff:.1e}")
+                  f"{'depthwise' if rows[-1]['depthwise'] else 'dense':9s}: padded {a:7.2f} ms "
+                  f"(the pad alone {copy:6.2f}), widened {b:7.2f} ms ({b / a:.2f}), "
+                  f"differ by {diff:.1e}")
     return rows
 
 

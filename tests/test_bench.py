@@ -151,6 +151,7 @@ def test_padding_bench_compares_each_asymmetric_padding_and_the_features(tmp_pat
     assert len(convs) == 2 * 5 and {c["format"] for c in convs} == {"contiguous",
                                                                      "channels-last"}
     assert sum(c["depthwise"] for c in convs) == 2 * 4  # the stem is a dense convolution
+    assert all(c["pad_alone_ms"] > 0 and c["padded_ms"] > 0 for c in convs)
     assert all(c["relative_difference"] <= f32_tol(3 * 3 * 3) for c in convs)  # <= 27 terms
     assert [c["depthwise"] for c in report["dense"]] == [False] * 4
     assert all(c["relative_difference"] <= f32_tol(3 * 3 * 256) for c in report["dense"])
