@@ -108,7 +108,7 @@ def _check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tenso
                             f"{bad[:3]}: the weights file is damaged")
 
 
-def _tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+def _named_tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``model`` with its name."""
     yield from model.named_parameters()
     yield from model.named_buffers()
@@ -130,7 +130,7 @@ def _built_with(build: Callable[[], nn.Module], state: dict[str, torch.Tensor], 
     _check_state(expected, state, path, name)
     model.load_state_dict({k: v.to(expected[k].dtype).contiguous() for k, v in state.items()},
                           strict=True, assign=True)
-    if any(t.is_meta for _, t in _tensors(model)):
+    if any(t.is_meta for _, t in _named_tensors(model)):
         model = build()
         model.load_state_dict(state, strict=True)
     return model

@@ -39,18 +39,12 @@ from anomaly_hooks.backbones import build_backbone  # noqa: E402
 from anomaly_hooks.config import load_config  # noqa: E402
 from anomaly_hooks.detector import resolve_layer_names  # noqa: E402
 from anomaly_hooks.extractor import HookFeatureExtractor  # noqa: E402
-from benchmarks.measure import machine, write_json  # noqa: E402
+from benchmarks.measure import machine, timed_repeats, write_json  # noqa: E402
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:
     """Median milliseconds of ``fn()`` after two warm-up calls."""
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return timed_repeats(fn, repeats, warmup=2).median * 1000
 
 
 def asymmetric_inputs(model: nn.Module, size: int) -> Dict[str, torch.Size]:

@@ -100,7 +100,7 @@ def _same_module(got: nn.Module, ref: nn.Module) -> None:
     for k, v in ref_state.items():
         assert got_state[k].dtype == v.dtype and got_state[k].is_contiguous()
         assert torch.equal(got_state[k], v), k
-    assert not any(t.is_meta for _, t in backbones._tensors(got))
+    assert not any(t.is_meta for _, t in backbones._named_tensors(got))
     assert all(p.requires_grad for p in got.parameters())
     assert backbones.fingerprint(got) == backbones.fingerprint(ref)
 
