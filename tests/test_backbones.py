@@ -170,3 +170,99 @@ def test_the_meta_device_stays_in_the_building_thread(tmp_path):
         release.set()
         worker.join(10)
     assert torch.equal(got["model"].weight, state["weight"])
+
+
+def _cached_torchvision_weights(tmp_path, monkeypatch, weights, state) -> None:
+    """Fill torchvision's download cache (``$TORCH_HOME/hub/checkpoints``) with ``state`` under
+    the file name ``weights`` downloads to: torchvision reads it from there, offline."""
+    cache = tmp_path / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(state, cache / Path(weights.url).name)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+
+def test_torchvision_weights_give_the_classic_build_without_its_random_init(tmp_path,
+                                                                            monkeypatch):
+    """backbone.weights=DEFAULT (torchvision's weights, here from its cache): the module a
+    classic build gives, without running the random init the weights replace."""
+    from torch.nn import init
+
+    weights = torchvision.models.ResNet18_Weights.DEFAULT
+    torch.manual_seed(7)
+    state = torchvision.models.resnet18().state_dict()
+    _cached_torchvision_weights(tmp_path, monkeypatch, weights, state)
+    calls = []
+    original = init.kaiming_normal_
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(init, "kaiming_normal_", spy)
+    got = build_backbone("resnet18", "DEFAULT")
+    assert not calls and init.kaiming_normal_ is spy  # skipped, then restored
+    _same_module(got, _classic(lambda: torchvision.models.resnet18(weights=None), state))
+    assert not got.training
+    torchvision.models.resnet18(weights=None)  # outside a build the init runs again
+    assert calls
+
+
+def test_torchvision_weights_that_cannot_be_downloaded_are_a_clear_error(tmp_path,
+                                                                         monkeypatch):
+    from torch.nn import init
+
+    def offline(url, *args, **kwargs):
+        raise OSError(f"no route to {url}")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    before = {name: getattr(init, name) for name in dir(init)}
+    with pytest.raises(BackboneError, match="could not download the resnet18 weights.*no route"
+                       ".*local weights file"):
+        build_backbone("resnet18", "DEFAULT")
+    assert {name: getattr(init, name) for name in dir(init)} == before  # restored
+    with pytest.raises(BackboneError, match="IMAGENET1K_V9.*valid.*IMAGENET1K_V1"):
+        build_backbone("resnet18", "IMAGENET1K_V9")
+
+
+def test_a_tensor_the_weights_do_not_reach_gets_the_classic_build():
+    """A build that leaves a tensor to its init (NaN while the init is skipped) is run again
+    the ordinary way."""
+    weight = torch.arange(6.0).reshape(2, 3)
+    runs = []
+
+    def build():
+        runs.append(1)
+        linear = nn.Linear(3, 2)
+        with torch.no_grad():
+            linear.weight.copy_(weight)  # the bias is left to its init
+        return linear
+
+    got = backbones._built_without_init(build)
+    assert len(runs) == 2 and torch.equal(got.weight, weight)
+    assert bool(got.bias.isfinite().all()) and bool((got.bias != 0).any())
+
+
+def test_skipped_init_stays_in_its_thread():
+    """While one thread builds with its init skipped, another thread's seeded init gives the
+    seeded weights."""
+    torch.manual_seed(8)
+    expected = nn.Linear(4, 3).weight.detach().clone()
+    inside, release = threading.Event(), threading.Event()
+
+    def build():
+        inside.set()
+        release.wait(10)
+        return nn.Linear(4, 3)  # NaN (skipped), then rebuilt: not the point here
+
+    worker = threading.Thread(target=lambda: backbones._built_without_init(build))
+    worker.start()
+    assert inside.wait(10)
+    try:
+        torch.manual_seed(8)
+        assert torch.equal(nn.Linear(4, 3).weight, expected)
+        with backbones._init_skipped():
+            assert bool(nn.Linear(4, 3).weight.isnan().all())
+    finally:
+        release.set()
+        worker.join(10)
