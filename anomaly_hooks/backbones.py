@@ -176,11 +176,11 @@ def _init_skipped() -> Iterator[None]:
                     _INIT_ORIGINALS[name] = fn
                     setattr(init, name, _skippable(fn))
         _init_users += 1
-    _SKIP_INIT.on = True
+    outer, _SKIP_INIT.on = getattr(_SKIP_INIT, "on", False), True
     try:
         yield
     finally:
-        _SKIP_INIT.on = False
+        _SKIP_INIT.on = outer
         with _INIT_LOCK:
             _init_users -= 1
             if _init_users == 0:
@@ -200,9 +200,15 @@ def _built_without_init(build: Callable[[], nn.Module]) -> nn.Module:
     random init those weights replace is not computed (WRN50 with its torchvision weights
     cached: 0.45 s against 0.8 s on 2 cores; ``anomaly-hooks score`` of one image end to end
     6.70 against 7.07 s, ``benchmarks/bench_cli.py``). A tensor no weight reached is left NaN
-    by the skipped init: then ``build()`` is run again the ordinary way."""
-    with _init_skipped():
-        model = build()
+    by the skipped init, and a constructor may compute with its init and fail: either way
+    ``build()`` is run again the ordinary way (a failed download is not tried twice)."""
+    try:
+        with _init_skipped():
+            model = build()
+    except OSError:
+        raise
+    except Exception:  # noqa: BLE001 (the ordinary build below raises what is really wrong)
+        return build()
     return model if _all_finite(model) else build()
 
 

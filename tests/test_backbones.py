@@ -211,7 +211,10 @@ def test_torchvision_weights_that_cannot_be_downloaded_are_a_clear_error(tmp_pat
                                                                          monkeypatch):
     from torch.nn import init
 
+    tries = []
+
     def offline(url, *args, **kwargs):
+        tries.append(url)
         raise OSError(f"no route to {url}")
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
@@ -220,6 +223,7 @@ def test_torchvision_weights_that_cannot_be_downloaded_are_a_clear_error(tmp_pat
     with pytest.raises(BackboneError, match="could not download the resnet18 weights.*no route"
                        ".*local weights file"):
         build_backbone("resnet18", "DEFAULT")
+    assert len(tries) == 1  # not tried again the ordinary way
     assert {name: getattr(init, name) for name in dir(init)} == before  # restored
     with pytest.raises(BackboneError, match="IMAGENET1K_V9.*valid.*IMAGENET1K_V1"):
         build_backbone("resnet18", "IMAGENET1K_V9")
@@ -242,6 +246,17 @@ def test_a_tensor_the_weights_do_not_reach_gets_the_classic_build():
     assert len(runs) == 2 and torch.equal(got.weight, weight)
     assert bool(got.bias.isfinite().all()) and bool((got.bias != 0).any())
 
+    def computes_with_its_init():
+        runs.append(1)
+        linear = nn.Linear(3, 2)
+        if bool(linear.weight.isnan().any()):
+            raise RuntimeError("a constructor that checks its init")
+        return linear
+
+    runs.clear()
+    assert bool(backbones._built_without_init(computes_with_its_init).weight.isfinite().all())
+    assert len(runs) == 2
+
 
 def test_skipped_init_stays_in_its_thread():
     """While one thread builds with its init skipped, another thread's seeded init gives the
@@ -262,7 +277,11 @@ def test_skipped_init_stays_in_its_thread():
         torch.manual_seed(8)
         assert torch.equal(nn.Linear(4, 3).weight, expected)
         with backbones._init_skipped():
+            with backbones._init_skipped():  # nested in one thread
+                pass
             assert bool(nn.Linear(4, 3).weight.isnan().all())
+        torch.manual_seed(8)
+        assert torch.equal(nn.Linear(4, 3).weight, expected)
     finally:
         release.set()
         worker.join(10)
