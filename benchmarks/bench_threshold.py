@@ -40,7 +40,6 @@ recall.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -73,22 +72,6 @@ def recall_at_far(labels: np.ndarray, scores: np.ndarray, far: float) -> float:
     return float((scores[labels == 1] > t).mean())
 
 
-def training_copies(root: Path) -> set:
-    """The test images of ``root`` whose bytes equal a training image's (SHA-256): the model
-    has seen them, so their scores are in-sample, not those of unseen parts."""
-    def digest(path: Path) -> str:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    train = {digest(f) for f in (root / "train").rglob("*") if f.is_file()}
-    return {str(f) for f in (root / "test").rglob("*") if f.is_file() and digest(f) in train}
-
-
-def unseen_false_alarms(images: list, threshold: float, copies: set) -> tuple:
-    """(false alarms, good images) on test/good without the copies of training images."""
-    good = [r for r in images if r["label"] == 0 and r["path"] not in copies]
-    return sum(r["score"] > threshold for r in good), len(good)
-
-
 def run(root: Path, method: str, objective: str, args: argparse.Namespace,
         extra: tuple = ()) -> dict:
     """One evaluation; the figures of the module docstring."""
@@ -107,14 +90,13 @@ def run(root: Path, method: str, objective: str, args: argparse.Namespace,
     labels = np.array([r["label"] for r in images])
     scores = np.array([r["score"] for r in images])
     oos = (s.get("threshold_provenance") or {}).get("good", {}).get("out_of_sample", {})
-    copies = training_copies(root)
-    unseen_fa, unseen_n = unseen_false_alarms(images, s["threshold"], copies)
     return {
         "dataset": s["dataset"], "method": method, "objective": objective,
         "variant": " ".join(extra), "auroc": s["image_auroc"], "threshold": s["threshold"],
         "false_alarms": s["threshold_false_alarms"], "n_good": s["threshold_n_good"],
-        "copies_of_training_images": len(copies), "unseen_false_alarms": unseen_fa,
-        "unseen_n_good": unseen_n,
+        "copies_of_training_images": s["test_copies_of_training"],
+        "unseen_false_alarms": s["threshold_false_alarms_unseen"],
+        "unseen_n_good": s["threshold_n_good_unseen"],
         "far": s["threshold_far"], "far_interval": s["threshold_far_interval"],
         "pvalue": s["threshold_far_pvalue"], "expected_far": s["threshold_expected_far"],
         "recall": s["threshold_recall"], "expected_recall": s["threshold_expected_recall"],

@@ -12,7 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from anomaly_hooks.cli import main
 from anomaly_hooks.data import DataError
-from anomaly_hooks.evaluation.datasets import folders, mvtec, open_dataset
+from anomaly_hooks.evaluation.datasets import copies_of_training, folders, mvtec, open_dataset
 from anomaly_hooks.evaluation.runner import evaluate, format_table, write_results
 
 
@@ -64,6 +64,27 @@ def test_reader_errors(tmp_path):
         folders(tmp_path / "empty", [root / "test" / "stain"])
     with pytest.raises(DataError, match="no mask named"):
         folders(root / "train" / "good", [root / "test" / "scratch"], masks=root / "ground_truth")
+
+
+def test_copies_of_training_images_are_found_by_their_bytes(tmp_path):
+    """A test image whose file equals a training image's is a copy; a file of the same size
+    with other bytes, and the same picture written again (other bytes), are not."""
+    root = _sample_subset(tmp_path)
+    train = sorted((root / "train" / "good").glob("*.png"))
+    good = root / "test" / "good"
+    shutil.copy(train[0], good / "copy.png")
+    same_size = bytearray(train[1].read_bytes())
+    same_size[-20] ^= 0xFF
+    (good / "same_size.png").write_bytes(bytes(same_size))
+    from PIL import Image
+
+    with Image.open(train[2]) as img:
+        img.save(good / "rewritten.png", compress_level=1)
+    assert (good / "rewritten.png").read_bytes() != train[2].read_bytes()
+    ds = mvtec(root)
+    flags = copies_of_training(ds)
+    assert len(flags) == len(ds.test)
+    assert [s.path.name for s, c in zip(ds.test, flags) if c] == ["copy.png"]
 
 
 def test_generic_folders_split_and_masks(tmp_path):
@@ -196,12 +217,23 @@ def test_evaluation_reports_the_stored_thresholds_false_alarms(tmp_path, monkeyp
     real = report._mark_operating_point
     monkeypatch.setattr(report, "_mark_operating_point",
                         lambda ax, *point: (marked.append(point), real(ax, *point)))
-    ds = mvtec(_sample_subset(tmp_path))
-    res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "r", progress=False)
+    root = _sample_subset(tmp_path)
+    train = sorted((root / "train" / "good").glob("*.png"))
+    shutil.copy(train[0], root / "test" / "good" / "seen.png")  # a copy of a training image
+    ds = mvtec(root)
+    with pytest.warns(UserWarning, match=r"1 test image\(s\) are byte copies of training "
+                      r"images \(e.g. \['seen.png'\]\)"):
+        res = evaluate(None, ds, _small_overrides(), report_dir=tmp_path / "r", progress=False)
     s = res.summary
     labels = np.array([r["label"] for r in res.images])
     flagged = np.array([r["score"] > s["threshold"] for r in res.images])
+    copy = np.array([r["copy_of_training"] for r in res.images])
+    assert [Path(r["path"]).name for r in res.images if r["copy_of_training"]] == ["seen.png"]
     assert s["threshold_far"] == flagged[labels == 0].mean()
+    unseen = (labels == 0) & ~copy
+    assert s["test_copies_of_training"] == 1 and s["threshold_n_good_unseen"] == 4
+    assert s["threshold_false_alarms_unseen"] == flagged[unseen].sum()
+    assert s["threshold_far_unseen"] == flagged[unseen].mean()
     assert s["threshold_recall"] == flagged[labels == 1].mean()
     assert s["threshold_source"] == "all-images" and s["threshold_target_far"] == 0.01
     assert s["threshold_n_images"] == len(s["threshold_scores"]) == 12

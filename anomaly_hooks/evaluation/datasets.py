@@ -13,10 +13,12 @@ folders of defective images, and an optional folder of masks (``<name>_mask.<ext
 """
 from __future__ import annotations
 
+import hashlib
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as np
 from PIL import Image
@@ -66,6 +68,35 @@ class AnomalyDataset:
                 raise DataError(f"mask {sample.mask_path} is {img.size[0]}x{img.size[1]} but its "
                                 f"image {sample.path} is {w}x{h}: masks must match their images")
             return np.asarray(img.convert("L")) > 0
+
+
+def copies_of_training(dataset: AnomalyDataset) -> List[bool]:
+    """``[len(dataset.test)]``: whether each test image's file holds the same bytes as a
+    training image's (SHA-256; only files of a training file's size are read). The model has
+    seen such an image: its score is in-sample, not that of an unseen part, and a false-alarm
+    rate measured on it says nothing of new parts."""
+    by_size: Dict[int, List[Path]] = defaultdict(list)
+    for path in dataset.train:
+        by_size[path.stat().st_size].append(path)
+    digests: Dict[int, Set[str]] = {}
+
+    def seen(path: Path) -> bool:
+        size = path.stat().st_size
+        if size not in by_size:
+            return False
+        if size not in digests:
+            digests[size] = {_sha256(p) for p in by_size[size]}
+        return _sha256(path) in digests[size]
+
+    return [seen(sample.path) for sample in dataset.test]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _find_mask(folder: Path, stem: str) -> Optional[Path]:

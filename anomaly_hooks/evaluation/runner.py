@@ -10,6 +10,7 @@ import csv
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 from anomaly_hooks.config import load_config, to_container
 from anomaly_hooks.errors import ConfigError, DataError, ImageReadError
 from anomaly_hooks.evaluation import metrics
-from anomaly_hooks.evaluation.datasets import AnomalyDataset
+from anomaly_hooks.evaluation.datasets import AnomalyDataset, copies_of_training
 from anomaly_hooks.fitting import SEED_THRESHOLD_DEFECTS
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     ``threshold_defects``: a seeded draw of that many defective test images sets the operating
     point with the config's ``threshold.objective`` (:meth:`Detector.recalibrate`); they are
     left out of every metric and marked ``used_for_threshold`` in the per-image rows.
+    Test images that are byte copies of training images are marked ``copy_of_training`` (a
+    warning names them) and the stored threshold's false alarms are also given without them
+    (``threshold_far_unseen``).
     """
     from anomaly_hooks.detector import Detector
     from anomaly_hooks.evaluation.report import ReportWriter  # matplotlib: only when asked
@@ -77,7 +81,10 @@ def evaluate(config: Any, dataset: AnomalyDataset, overrides: Sequence[str] = ()
     fit_seconds = time.perf_counter() - start
 
     writer = ReportWriter(report_dir) if report_dir is not None else None
-    records, masks, maps, predict_seconds = _score_test_set(det, dataset, writer, drawn)
+    copies = copies_of_training(dataset)
+    _warn_copies(dataset, copies)
+    records, masks, maps, predict_seconds = _score_test_set(det, dataset, writer, drawn,
+                                                            copies)
     used = np.array([r["used_for_threshold"] for r in records], dtype=bool)
     if drawn:
         _set_operating_point(det, cfg, objective, records, used)
@@ -120,10 +127,22 @@ def draw_threshold_defects(cfg: Any, dataset: AnomalyDataset, n: int) -> List[in
     return sorted(int(i) for i in rng.choice(bad, size=n, replace=False))
 
 
-def _score_test_set(det: Any, dataset: AnomalyDataset, writer: Any, drawn: Sequence[int]
-                    ) -> tuple:
+def _warn_copies(dataset: AnomalyDataset, copies: Sequence[bool]) -> None:
+    """A warning naming the test images that are byte copies of training images."""
+    names = [s.path.name for s, c in zip(dataset.test, copies) if c]
+    if names:
+        warnings.warn(
+            f"{dataset.name}: {len(names)} test image(s) are byte copies of training images "
+            f"(e.g. {names[:3]}): the model has seen them, so their scores are in-sample; "
+            "threshold_far_unseen gives the false alarms without them", UserWarning,
+            stacklevel=3)
+
+
+def _score_test_set(det: Any, dataset: AnomalyDataset, writer: Any, drawn: Sequence[int],
+                    copies: Sequence[bool]) -> tuple:
     """(per-image records, masks, heatmaps, decode + predict seconds) of the test images;
-    the ``drawn`` ones are marked ``used_for_threshold`` and kept out of the pixel metrics."""
+    the ``drawn`` ones are marked ``used_for_threshold`` and kept out of the pixel metrics,
+    the ``copies`` (per test image) ``copy_of_training``."""
     paths = [s.path for s in dataset.test]
     chosen = set(drawn)
     records: List[Dict[str, Any]] = []
@@ -145,7 +164,7 @@ def _score_test_set(det: Any, dataset: AnomalyDataset, writer: Any, drawn: Seque
         rec = {"path": str(sample.path), "label": sample.label, "defect": sample.defect,
                **{k: v for k, v in pred.verdict.as_dict().items()
                   if k in ("score", "normalized_score", "is_anomalous")},
-               "used_for_threshold": i in chosen}
+               "used_for_threshold": i in chosen, "copy_of_training": bool(copies[i])}
         if writer is not None:
             t_report = time.perf_counter()
             rec.update(writer.add(sample, pred, gt, used_for_threshold=i in chosen))
@@ -195,6 +214,8 @@ def _summary(det: Any, cfg: Any, dataset: AnomalyDataset, records: List[Dict[str
     precision, recall = _precision_recall(labels, verdicts)
     good = labels == 0
     far = float(verdicts[good].mean()) if good.any() else None
+    copy = np.array([r["copy_of_training"] for r in records], dtype=bool)[keep]
+    unseen = good & ~copy
     thr = det.threshold_
     tp = int((verdicts & (labels == 1)).sum())
     f1 = 2 * tp / (verdicts.sum() + labels.sum()) if labels.any() else None
@@ -208,6 +229,11 @@ def _summary(det: Any, cfg: Any, dataset: AnomalyDataset, records: List[Dict[str
         "threshold_precision": precision, "threshold_recall": recall,
         "threshold_f1": f1, "threshold_far": far,
         "threshold_false_alarms": int(verdicts[good].sum()), "threshold_n_good": int(good.sum()),
+        # the good test images the model has not seen (byte copies of training images left out)
+        "test_copies_of_training": int(copy.sum()),
+        "threshold_far_unseen": float(verdicts[unseen].mean()) if unseen.any() else None,
+        "threshold_false_alarms_unseen": int(verdicts[unseen].sum()),
+        "threshold_n_good_unseen": int(unseen.sum()),
         "threshold_far_interval": thr.far_interval,
         "threshold_far_pvalue": far_pvalue(int(verdicts[good].sum()), int(good.sum()),
                                            thr.far_interval),
