@@ -1,13 +1,15 @@
 """What a path is, from ``os.stat`` alone (torch-free): the one check behind every reader that
 must refuse a non-regular file before opening it (opening a FIFO waits for a writer; reading
 ``/dev/zero`` never ends). The image reader, the model-file reader and the service's reload
-use it."""
+use it. And a file's SHA-256 (:func:`file_sha256`: the service's model checksum, the
+evaluation's copies of training images)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # what each kind of non-regular file is called in a refusal
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
@@ -48,3 +50,18 @@ def regular_file_problem(path: Any, what: str) -> Optional[str]:
         return "not a valid file name"
     kind = file_kind(mode)
     return None if kind is None else kind_refusal(kind, what)
+
+
+def file_sha256(path: Any, chunk: int = 4 << 20,
+                between: Optional[Callable[[], None]] = None) -> str:
+    """The SHA-256 (hex) of the file at ``path``, read ``chunk`` bytes at a time;
+    ``between()``, where given, runs before each read (a caller's cancellation check)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            if between is not None:
+                between()
+            block = fh.read(chunk)
+            if not block:
+                return digest.hexdigest()
+            digest.update(block)

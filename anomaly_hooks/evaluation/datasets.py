@@ -13,7 +13,6 @@ folders of defective images, and an optional folder of masks (``<name>_mask.<ext
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from PIL import Image
 
 from anomaly_hooks.data import list_images
 from anomaly_hooks.errors import DataError
+from anomaly_hooks.files import file_sha256
 from anomaly_hooks.images import is_image_file
 
 GOOD = "good"
@@ -85,18 +85,10 @@ def copies_of_training(dataset: AnomalyDataset) -> List[bool]:
         if size not in by_size:
             return False
         if size not in digests:
-            digests[size] = {_sha256(p) for p in by_size[size]}
-        return _sha256(path) in digests[size]
+            digests[size] = {file_sha256(p) for p in by_size[size]}
+        return file_sha256(path) in digests[size]
 
     return [seen(sample.path) for sample in dataset.test]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _find_mask(folder: Path, stem: str) -> Optional[Path]:

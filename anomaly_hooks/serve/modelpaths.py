@@ -16,12 +16,12 @@
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from anomaly_hooks import files
 from anomaly_hooks.errors import ModelFileError
 from anomaly_hooks.files import regular_file_problem
 from anomaly_hooks.images import display
@@ -106,17 +106,9 @@ def inside_folder(path: str, folder: str) -> str:
 
 def file_sha256(path: Path, chunk: int = 4 << 20, cancel: Optional[threading.Event] = None
                 ) -> str:
-    """The file's SHA-256; stops (:func:`load_cancelled`) within a chunk of ``cancel`` being
-    set."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            check_cancel(cancel)
-            block = fh.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
+    """The file's SHA-256 (:func:`anomaly_hooks.files.file_sha256`); stops
+    (:func:`load_cancelled`) within a chunk of ``cancel`` being set."""
+    return files.file_sha256(path, chunk, between=lambda: check_cancel(cancel))
 
 
 def load_cancelled() -> ServeError:
