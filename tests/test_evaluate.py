@@ -234,6 +234,7 @@ def test_evaluation_reports_the_stored_thresholds_false_alarms(tmp_path, monkeyp
     assert s["test_copies_of_training"] == 1 and s["threshold_n_good_unseen"] == 4
     assert s["threshold_false_alarms_unseen"] == flagged[unseen].sum()
     assert s["threshold_far_unseen"] == flagged[unseen].mean()
+    assert (tmp_path / "r" / "index.html").read_text().count("a copy of a training image") == 1
     assert s["threshold_recall"] == flagged[labels == 1].mean()
     assert s["threshold_source"] == "all-images" and s["threshold_target_far"] == 0.01
     assert s["threshold_n_images"] == len(s["threshold_scores"]) == 12

@@ -110,9 +110,11 @@ class ReportWriter:
         self.rows: List[Dict[str, Any]] = []
 
     def add(self, sample: "Sample", pred: "Prediction", gt: Optional[np.ndarray],
-            used_for_threshold: bool = False) -> Dict[str, str]:
+            used_for_threshold: bool = False, copy_of_training: bool = False
+            ) -> Dict[str, str]:
         """Write the four pictures of one test image; returns their paths (relative).
-        ``used_for_threshold``: one of the labelled defects that set the threshold."""
+        ``used_for_threshold``: one of the labelled defects that set the threshold;
+        ``copy_of_training``: a byte copy of a training image."""
         n = len(self.rows)
         image = to_uint8_rgb(read_image(sample.path).numpy())
         heat = colorize(pred.heatmap, vmin=0.0, vmax=2.0 * pred.threshold)
@@ -126,7 +128,7 @@ class ReportWriter:
             _thumb(array, self.out / rel)
             files[kind] = rel
         self.rows.append({"sample": sample, "score": pred.score, "files": files,
-                          "used": used_for_threshold})
+                          "used": used_for_threshold, "copy": copy_of_training})
         return {"report_" + k: str(self.out / v) for k, v in files.items()}
 
     def finish(self, summary: Dict[str, Any], curves: Dict[str, Any]) -> Path:
@@ -190,6 +192,7 @@ class ReportWriter:
             # the verdict at the stored threshold (it may have been set after the scoring)
             verdict = "anomalous" if row["score"] > summary["threshold"] else "normal"
             used = "<br><i>used for the threshold</i>" if row["used"] else ""
+            used += "<br><i>a copy of a training image</i>" if row["copy"] else ""
             body.append(f"<tr><td>{esc(s.path.name)}<br>{esc(s.defect)}<br>score "
                         f"{row['score']:.4g}<br><b>{verdict}</b>{used}</td>"
                         f"{''.join(cells)}</tr>")

@@ -167,7 +167,8 @@ def _score_test_set(det: Any, dataset: AnomalyDataset, writer: Any, drawn: Seque
                "used_for_threshold": i in chosen, "copy_of_training": bool(copies[i])}
         if writer is not None:
             t_report = time.perf_counter()
-            rec.update(writer.add(sample, pred, gt, used_for_threshold=i in chosen))
+            rec.update(writer.add(sample, pred, gt, used_for_threshold=i in chosen,
+                                  copy_of_training=bool(copies[i])))
             report_seconds += time.perf_counter() - t_report
         records.append(rec)
     predict_seconds = time.perf_counter() - start - report_seconds
